@@ -1,0 +1,320 @@
+"""Checkpoint I/O: HF-format safetensors in (``from_pretrained``), orbax native layout out and in (``save``/``load``),
+and random initialisation (``from_config``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+from glm53.config import CacheConfig, ConfigError, ModelConfig
+from glm53.engine import Model, _dummy_inputs, _init_all, param_shapes, resolve_dtype
+from glm53.model import GLM5
+
+NATIVE_META = "glm53.json"
+NATIVE_FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model it is loaded into (the message names tensors and shapes)."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# HF names -> parameter paths
+# ----------------------------------------------------------------------------------------------------------------
+_LINEAR = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"}
+_NORMS = {"input_layernorm", "post_attention_layernorm"}
+_EXPERT_RE = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _layer_path(rest: str) -> tuple[tuple[str, ...], bool] | None:
+    """Path inside a DecoderLayer for the HF name suffix ``rest``; (path, transpose)."""
+    parts = rest.split(".")
+    if len(parts) == 2 and parts[0] in _NORMS and parts[1] == "weight":
+        return (parts[0], "weight"), False
+    if parts[0] == "self_attn":
+        if len(parts) == 3 and parts[1] in _LINEAR and parts[2] == "weight":
+            return ("self_attn", parts[1], "kernel"), True
+        if parts[1:] == ["kv_b_proj", "weight"]:
+            return ("self_attn", "kv_b_proj"), True
+        if len(parts) == 3 and parts[1] in ("q_a_layernorm", "kv_a_layernorm") and parts[2] == "weight":
+            return ("self_attn", parts[1], "weight"), False
+        if len(parts) == 4 and parts[1] == "indexer":
+            if parts[2] in ("wq_b", "wk") and parts[3] == "weight":
+                return ("self_attn", "indexer", parts[2], "kernel"), True
+            if parts[2] == "k_norm" and parts[3] in ("weight", "bias"):
+                return ("self_attn", "indexer", f"k_norm_{parts[3]}"), False
+            if parts[2] == "weights_proj" and parts[3] == "weight":
+                return ("self_attn", "indexer", "weights_proj"), True
+    if parts[0] == "mlp":
+        if len(parts) == 3 and parts[1] in ("gate_proj", "up_proj", "down_proj") and parts[2] == "weight":
+            return ("mlp", parts[1], "kernel"), True
+        if parts[1:] == ["gate", "weight"]:
+            return ("mlp", "gate"), True
+        if parts[1:] == ["gate", "e_score_correction_bias"]:
+            return ("mlp", "e_score_correction_bias"), False
+        if len(parts) == 4 and parts[1] == "shared_experts" and parts[3] == "weight":
+            return ("mlp", "shared_experts", parts[2], "kernel"), True
+    return None
+
+
+def hf_to_path(name: str, cfg: ModelConfig) -> tuple[tuple[str, ...], bool] | str | None:
+    """Map an HF tensor name to (param path, transpose). Returns "skip" for tensors glm53 knowingly does not use
+    and None for unknown names. Expert tensors are handled by the caller."""
+    if name == "model.embed_tokens.weight":
+        return ("embed_tokens",), False
+    if name == "lm_head.weight":
+        return ("lm_head",), True
+    if name == "model.norm.weight":
+        return ("norm", "weight"), False
+    m = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
+    if not m:
+        return None
+    i, rest = int(m.group(1)), m.group(2)
+    if i < cfg.num_hidden_layers:
+        sub = _layer_path(rest)
+        return ((f"layers_{i}",) + sub[0], sub[1]) if sub else None
+    if i < cfg.num_cache_layers:  # the MTP module
+        if rest in ("enorm.weight", "hnorm.weight"):
+            return ("mtp_layer", rest.split(".")[0], "weight"), False
+        if rest == "eh_proj.weight":
+            return ("mtp_layer", "eh_proj", "kernel"), True
+        if rest == "shared_head.norm.weight":
+            return ("mtp_layer", "shared_head_norm", "weight"), False
+        if rest in ("embed_tokens.weight", "shared_head.head.weight"):
+            return "skip"  # copies of the main embedding / LM head, which the MTP module shares
+        sub = _layer_path(rest)
+        return (("mtp_layer", "block") + sub[0], sub[1]) if sub else None
+    if i >= cfg.num_hidden_layers and cfg.num_nextn_predict_layers == 0:
+        return "skip"  # an MTP layer the config does not ask for (transformers itself ignores these)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# from_pretrained
+# ----------------------------------------------------------------------------------------------------------------
+def _weight_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from e
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
+        if missing:
+            raise CheckpointError(f"{index} names shards that are not in {path}: {missing}")
+        return [os.path.join(path, f) for f in files]
+    if os.path.exists(single):
+        return [single]
+    raise CheckpointError(f"no weights in {path}: expected model.safetensors or model.safetensors.index.json")
+
+
+def _dequant_fp8_block(w: jax.Array, scale_inv: jax.Array, dtype) -> jax.Array:
+    """Block-wise FP8 weights (published FP8 checkpoints): w [out, in] e4m3 times a per-128x128-block scale."""
+    out_f, in_f = w.shape
+    s = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), 128, axis=0)[:out_f], 128, axis=1)[:, :in_f]
+    return (w.astype(jnp.float32) * s).astype(dtype)
+
+
+def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None,
+                    cache_config: CacheConfig | None = None) -> Model:
+    """Load an HF-format GLM-5 (``glm_moe_dsa``) directory: ``config.json`` plus ``model.safetensors`` or shards
+    with ``model.safetensors.index.json``; per-expert tensor names (``mlp.experts.E.gate_proj.weight``) as published
+    and as transformers' ``save_pretrained`` writes them, or fused ``mlp.experts.gate_up_proj``.
+
+    Tensors stream one at a time from the memory-mapped files to the device (an expert stack is assembled per
+    layer), so the model is never held twice. A ``tokenizer.json`` beside the weights is attached.
+    """
+    from safetensors import safe_open
+
+    from glm53.tokenizer import Tokenizer
+
+    dtype = resolve_dtype(dtype)
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise CheckpointError(f"{path} has no config.json")
+    with open(cfg_path) as f:
+        try:
+            hf_cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
+    try:
+        cfg = ModelConfig.from_hf(hf_cfg)
+    except KeyError as e:
+        raise CheckpointError(f"{cfg_path} lacks the field {e.args[0]!r}") from e
+    expected = {k: v for k, v in flatten_dict(param_shapes(cfg, dtype)).items()}
+    loaded: dict[tuple[str, ...], jax.Array] = {}
+    experts: dict[tuple[str, ...], dict[int, jax.Array]] = {}
+    unexpected: list[str] = []
+
+    def put(path_, arr, name):
+        want = expected.get(path_)
+        if want is None:
+            unexpected.append(name)
+            return
+        if tuple(arr.shape) != tuple(want.shape):
+            raise CheckpointError(f"tensor {name}: shape {tuple(arr.shape)} (after layout conversion) does not match "
+                                  f"the model's {tuple(want.shape)} for parameter {'/'.join(path_)}; does "
+                                  "config.json describe these weights?")
+        if path_ in loaded:
+            raise CheckpointError(f"tensor {name} appears twice in the checkpoint")
+        loaded[path_] = arr.astype(want.dtype)
+
+    for file in _weight_files(path):
+        try:
+            handle = safe_open(file, framework="flax")
+        except Exception as e:  # safetensors raises its own error types for truncated / corrupt headers
+            raise CheckpointError(f"cannot read {file}: {e}") from e
+        with handle as f:
+            names = list(f.keys())
+            scales = {n[: -len("_scale_inv")] for n in names if n.endswith("weight_scale_inv")}
+            for name in names:
+                if name.endswith("weight_scale_inv"):
+                    continue
+                try:
+                    t = f.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointError(f"cannot read tensor {name} from {file}: {e}") from e
+                if name in scales:
+                    t = _dequant_fp8_block(t, f.get_tensor(name + "_scale_inv"), dtype)
+                m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(.+)$", name)
+                if m:
+                    i = int(m.group(1))
+                    prefix = (f"layers_{i}",) if i < cfg.num_hidden_layers else ("mtp_layer", "block")
+                    if i >= cfg.num_cache_layers:
+                        if cfg.num_nextn_predict_layers == 0 and i == cfg.num_hidden_layers:
+                            continue
+                        unexpected.append(name)
+                        continue
+                    em = _EXPERT_RE.search(name)
+                    if em:
+                        e, kind = int(em.group(1)), em.group(2)
+                        if e >= cfg.n_routed_experts:
+                            raise CheckpointError(f"tensor {name}: expert {e} but config has n_routed_experts="
+                                                  f"{cfg.n_routed_experts}")
+                        experts.setdefault(prefix + ("mlp", f"experts_{kind}_proj"), {})[e] = t.T
+                        continue
+                    if m.group(2) == "gate_up_proj":  # fused [E, 2I, H] as transformers holds it in memory
+                        I = cfg.moe_intermediate_size
+                        put(prefix + ("mlp", "experts_gate_proj"), jnp.transpose(t[:, :I], (0, 2, 1)), name)
+                        put(prefix + ("mlp", "experts_up_proj"), jnp.transpose(t[:, I:], (0, 2, 1)), name)
+                        continue
+                    if m.group(2) == "down_proj":
+                        put(prefix + ("mlp", "experts_down_proj"), jnp.transpose(t, (0, 2, 1)), name)
+                        continue
+                    unexpected.append(name)
+                    continue
+                target = hf_to_path(name, cfg)
+                if target == "skip":
+                    continue
+                if target is None:
+                    unexpected.append(name)
+                    continue
+                p, transpose = target
+                put(p, t.T if transpose else t, name)
+        # Stack each layer's experts as soon as all of them have arrived: one layer's experts exist twice, briefly.
+        for p in [p for p, parts in experts.items() if len(parts) == cfg.n_routed_experts]:
+            parts = experts.pop(p)
+            put(p, jnp.stack([parts[e] for e in range(cfg.n_routed_experts)]), f"{'/'.join(p)} (stacked experts)")
+    for p, parts in experts.items():
+        missing_e = sorted(set(range(cfg.n_routed_experts)) - set(parts))
+        raise CheckpointError(f"parameter {'/'.join(p)}: experts {missing_e[:8]} missing from the checkpoint")
+    if unexpected:
+        raise CheckpointError(f"{len(unexpected)} unexpected tensors (not part of a {cfg.num_hidden_layers}-layer "
+                              f"model per config.json): {sorted(unexpected)[:10]}")
+    if cfg.tie_word_embeddings:
+        expected.pop(("lm_head",), None)
+    missing = sorted("/".join(p) for p in expected if p not in loaded)
+    if missing:
+        raise CheckpointError(f"{len(missing)} parameters missing from the checkpoint: {missing[:10]}")
+    if kv_format is not None:
+        cache_config = (cache_config or CacheConfig()).replace(kv_format=kv_format)
+    tok_path = os.path.join(path, "tokenizer.json")
+    tokenizer = Tokenizer.from_file(tok_path) if os.path.exists(tok_path) else None
+    model = Model(cfg, unflatten_dict(loaded), dtype, cache_config=cache_config, tokenizer=tokenizer)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# from_config
+# ----------------------------------------------------------------------------------------------------------------
+def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype="bfloat16",
+                cache_config: CacheConfig | None = None) -> Model:
+    """A randomly initialised model (normal(0, initializer_range) matrices, unit norms) for research/benchmarks.
+    ``config``: a ``ModelConfig``, or a mapping/ConfigDict of its fields."""
+    if not isinstance(config, ModelConfig):
+        if hasattr(config, "to_dict"):
+            config = config.to_dict()
+        config = ModelConfig.from_config_dict(config)
+    dtype = resolve_dtype(dtype)
+    module = GLM5(config, dtype)
+    init = jax.jit(lambda key: _init_all(module, key, *_dummy_inputs(config, dtype)))
+    params = init(jax.random.key(seed))
+    return Model(config, params, dtype, cache_config=cache_config)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# native (orbax) save / load
+# ----------------------------------------------------------------------------------------------------------------
+def save(model: Model, directory: str) -> None:
+    """Write ``directory/glm53.json`` (configs) and ``directory/params`` (orbax); tokenizer.json if attached."""
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    params_dir = os.path.join(directory, "params")
+    if os.path.exists(params_dir):
+        raise FileExistsError(f"{params_dir} exists; save into a new directory")
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(params_dir, model.params)
+    ckptr.wait_until_finished()
+    meta = {"format": "glm53", "version": NATIVE_FORMAT_VERSION, "model_config": model.config.to_hf(),
+            "dtype": jnp.dtype(model.dtype).name, "cache_config": dict(model.cache_config.__dict__)}
+    with open(os.path.join(directory, NATIVE_META), "w") as f:
+        json.dump(meta, f, indent=2)
+    if model.tokenizer is not None:
+        model.tokenizer.save(os.path.join(directory, "tokenizer.json"))
+
+
+def load(directory: str, *, dtype=None) -> Model:
+    """Read a directory written by ``Model.save``. The parameter tree is checked against the config's."""
+    import orbax.checkpoint as ocp
+
+    from glm53.tokenizer import Tokenizer
+
+    directory = os.path.abspath(directory)
+    meta_path = os.path.join(directory, NATIVE_META)
+    if not os.path.exists(meta_path):
+        raise CheckpointError(f"{directory} has no {NATIVE_META}: not a glm53 checkpoint (HF directories load "
+                              "with glm53.from_pretrained)")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if meta.get("format") != "glm53" or meta.get("version") != NATIVE_FORMAT_VERSION:
+        raise CheckpointError(f"{meta_path}: format {meta.get('format')!r} version {meta.get('version')!r}, "
+                              f"expected glm53 version {NATIVE_FORMAT_VERSION}")
+    cfg = ModelConfig.from_hf(meta["model_config"])
+    saved_dtype = resolve_dtype(meta["dtype"])
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev),
+                                    param_shapes(cfg, saved_dtype))
+    try:
+        params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), target)
+    except Exception as e:  # orbax raises several types for missing/mismatched arrays
+        raise CheckpointError(f"cannot restore parameters from {directory}/params: {e}") from e
+    dtype = resolve_dtype(dtype) if dtype is not None else saved_dtype
+    if dtype != saved_dtype:
+        shapes = param_shapes(cfg, dtype)
+        params = jax.tree_util.tree_map(lambda p, s: p.astype(s.dtype), params, shapes)
+    tok_path = os.path.join(directory, "tokenizer.json")
+    tokenizer = Tokenizer.from_file(tok_path) if os.path.exists(tok_path) else None
+    cache_config = CacheConfig(**meta["cache_config"]) if "cache_config" in meta else None
+    return Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer)

@@ -1,0 +1,323 @@
+"""Typed, frozen configuration of the model and of the KV cache.
+
+Experiments describe runs with ml_collections ConfigDicts (``configs/*.py``); library code never reads loose
+dicts: ``ModelConfig.from_config_dict`` / ``CacheConfig.from_config_dict`` map them onto these dataclasses at the
+boundary, and ``ModelConfig.from_hf`` / ``to_hf`` map HF ``config.json`` files (transformers' ``glm_moe_dsa``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+# The cache modes an engine can run in: everything on the accelerator, or history in host memory + hot cache.
+CACHE_MODES = ("resident", "offload")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work (the message names the field and why)."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """GLM-5 (transformers ``GlmMoeDsaConfig``) hyper-parameters. Defaults are the full-size model."""
+
+    vocab_size: int = 154880
+    hidden_size: int = 6144
+    intermediate_size: int = 12288  # dense SwiGLU MLP of the first `first_k_dense_replace` layers
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 78
+    first_k_dense_replace: int = 3
+    num_attention_heads: int = 64
+    q_lora_rank: int = 2048
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 192
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 256
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    # Per layer: "full" runs its own indexer, "shared" reuses the previous full layer's top-k.
+    indexer_types: tuple[str, ...] = ()
+    n_routed_experts: int = 256
+    num_experts_per_tok: int = 8
+    n_shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 2.5
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 202752
+    num_nextn_predict_layers: int = 1  # MTP modules, stored as layer index num_hidden_layers in checkpoints
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: int | tuple[int, ...] | None = 1
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        if not self.indexer_types:
+            object.__setattr__(self, "indexer_types", ("full",) * self.num_hidden_layers)
+        object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
+        self.validate()
+
+    # ---- derived sizes ----
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_row_dim(self) -> int:
+        """Values cached per token per layer: the latent plus the shared rope key (576 for GLM-5)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim ** -0.5
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Decoder layers that own KV rows: the main layers plus the MTP layers."""
+        return self.num_hidden_layers + self.num_nextn_predict_layers
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+    def layer_indexer_type(self, layer: int) -> str:
+        # MTP layers (index >= num_hidden_layers) run their own indexer: they have no earlier full layer in their
+        # own forward pass to share with.
+        return self.indexer_types[layer] if layer < self.num_hidden_layers else "full"
+
+    @property
+    def full_indexer_layers(self) -> tuple[int, ...]:
+        """Cache layers with an indexer of their own (these, and only these, cache indexer keys)."""
+        return tuple(l for l in range(self.num_cache_layers) if self.layer_indexer_type(l) == "full")
+
+    def validate(self) -> None:
+        _require(self.vocab_size > 0 and self.hidden_size > 0, "vocab_size and hidden_size must be positive")
+        _require(self.num_hidden_layers >= 1, f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
+        _require(len(self.indexer_types) == self.num_hidden_layers,
+                 f"indexer_types has {len(self.indexer_types)} entries for {self.num_hidden_layers} layers")
+        bad = sorted(set(self.indexer_types) - {"full", "shared"})
+        _require(not bad, f"indexer_types entries must be 'full' or 'shared', got {bad}")
+        _require(self.indexer_types[0] == "full",
+                 "indexer_types[0] must be 'full': a 'shared' layer reuses the previous full layer's top-k")
+        _require(0 <= self.first_k_dense_replace <= self.num_hidden_layers,
+                 f"first_k_dense_replace={self.first_k_dense_replace} outside [0, {self.num_hidden_layers}]")
+        # The KV row formats and kernels are built for GLM-5's 576-value rows (512-d latent + 64-d rope key).
+        _require(self.kv_lora_rank == 512, f"kv_lora_rank={self.kv_lora_rank}: glm53's KV row formats hold a "
+                 "512-d latent (GLM-5's); other widths are not supported")
+        _require(self.qk_rope_head_dim == 64, f"qk_rope_head_dim={self.qk_rope_head_dim}: glm53's KV row formats "
+                 "hold a 64-d rope key (GLM-5's); other widths are not supported")
+        _require(self.index_head_dim >= self.qk_rope_head_dim,
+                 f"index_head_dim={self.index_head_dim} < qk_rope_head_dim={self.qk_rope_head_dim}: the indexer "
+                 "applies RoPE to its first qk_rope_head_dim dims")
+        _require(self.index_topk >= 1, "index_topk must be >= 1")
+        _require(self.num_nextn_predict_layers in (0, 1),
+                 f"num_nextn_predict_layers={self.num_nextn_predict_layers}: glm53 supports 0 or 1 MTP module")
+        if self.num_hidden_layers > self.first_k_dense_replace or self.num_nextn_predict_layers:
+            _require(self.n_routed_experts >= 1, "n_routed_experts must be >= 1")
+            _require(1 <= self.num_experts_per_tok <= self.n_routed_experts,
+                     f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, n_routed_experts="
+                     f"{self.n_routed_experts}]")
+            _require(self.n_group >= 1 and self.n_routed_experts % self.n_group == 0,
+                     f"n_group={self.n_group} must divide n_routed_experts={self.n_routed_experts}")
+            _require(1 <= self.topk_group <= self.n_group,
+                     f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+            per_group = self.n_routed_experts // self.n_group
+            _require(per_group >= 2 or self.n_group == 1,
+                     "each expert group needs >= 2 experts (group score = sum of its top-2)")
+            _require(self.topk_group * per_group >= self.num_experts_per_tok,
+                     f"topk_group={self.topk_group} groups of {per_group} experts cannot supply "
+                     f"num_experts_per_tok={self.num_experts_per_tok} experts")
+
+    # ---- conversions ----
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> "ModelConfig":
+        """From a transformers ``config.json`` dict (``model_type`` glm_moe_dsa)."""
+        mt = hf.get("model_type")
+        if mt not in (None, "glm_moe_dsa"):
+            raise ConfigError(f"config.json has model_type={mt!r}; glm53 reads 'glm_moe_dsa' checkpoints")
+        if hf.get("num_key_value_heads", hf.get("num_attention_heads")) != hf.get("num_attention_heads"):
+            raise ConfigError("num_key_value_heads must equal num_attention_heads for MLA")
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"rope_type={rope_type!r} is not supported (glm53 implements the default RoPE)")
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        n_layers = hf["num_hidden_layers"]
+        indexer_types = hf.get("indexer_types")
+        if indexer_types is None:
+            pattern = hf.get("index_topk_pattern")
+            if pattern is not None:
+                indexer_types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) \
+                    else list(pattern)
+            else:  # transformers' freq/offset schedule
+                freq = max(hf.get("index_topk_freq", 1), 1)
+                offset = hf.get("index_skip_topk_offset", 2)
+                indexer_types = ["full" if (max(i - offset + 1, 0) % freq) == 0 else "shared"
+                                 for i in range(n_layers)]
+        mlp_types = hf.get("mlp_layer_types")
+        first_dense = hf.get("first_k_dense_replace", 3)
+        if mlp_types is not None:
+            n_dense = sum(1 for t in mlp_types if t == "dense")
+            if list(mlp_types) != ["dense"] * n_dense + ["sparse"] * (len(mlp_types) - n_dense):
+                raise ConfigError("mlp_layer_types must be dense layers followed by sparse layers")
+            first_dense = n_dense
+        eos = hf.get("eos_token_id", 1)
+        if isinstance(eos, list):
+            eos = tuple(eos)
+        kw = dict(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], moe_intermediate_size=hf["moe_intermediate_size"],
+            num_hidden_layers=n_layers, first_k_dense_replace=first_dense,
+            num_attention_heads=hf["num_attention_heads"], q_lora_rank=hf["q_lora_rank"],
+            kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
+            qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+            index_n_heads=hf["index_n_heads"], index_head_dim=hf["index_head_dim"], index_topk=hf["index_topk"],
+            indexer_types=tuple(indexer_types), n_routed_experts=hf["n_routed_experts"],
+            num_experts_per_tok=hf["num_experts_per_tok"], n_shared_experts=hf.get("n_shared_experts", 1),
+            n_group=hf.get("n_group", 1), topk_group=hf.get("topk_group", 1),
+            norm_topk_prob=hf.get("norm_topk_prob", True),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.5)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=float(theta),
+            max_position_embeddings=hf.get("max_position_embeddings", 202752),
+            num_nextn_predict_layers=hf.get("num_nextn_predict_layers", 0),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"), eos_token_id=eos,
+            initializer_range=hf.get("initializer_range", 0.02),
+        )
+        if hf.get("attention_bias", False) or hf.get("mlp_bias", False):
+            raise ConfigError("attention_bias / mlp_bias checkpoints are not supported (GLM-5 has none)")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act={hf.get('hidden_act')!r}: GLM-5 uses silu")
+        return cls(**kw)
+
+    def to_hf(self) -> dict[str, Any]:
+        """A transformers ``config.json`` dict for this model."""
+        n_dense = min(self.first_k_dense_replace, self.num_hidden_layers)
+        return {
+            "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "moe_intermediate_size": self.moe_intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers, "first_k_dense_replace": self.first_k_dense_replace,
+            "mlp_layer_types": ["dense"] * n_dense + ["sparse"] * (self.num_hidden_layers - n_dense),
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_attention_heads,
+            "q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim, "index_n_heads": self.index_n_heads,
+            "index_head_dim": self.index_head_dim, "index_topk": self.index_topk,
+            "indexer_types": list(self.indexer_types), "n_routed_experts": self.n_routed_experts,
+            "num_experts_per_tok": self.num_experts_per_tok, "n_shared_experts": self.n_shared_experts,
+            "n_group": self.n_group, "topk_group": self.topk_group, "norm_topk_prob": self.norm_topk_prob,
+            "routed_scaling_factor": self.routed_scaling_factor, "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings,
+            "num_nextn_predict_layers": self.num_nextn_predict_layers,
+            "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+            "initializer_range": self.initializer_range,
+        }
+
+    @classmethod
+    def from_config_dict(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(cfg.keys()) - fields)
+        if unknown:
+            raise ConfigError(f"unknown model config fields {unknown}")
+        kw = {k: (tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in cfg.items()}
+        return cls(**kw)
+
+    def param_count(self) -> int:
+        """Parameters of the model, MTP module included (embedding and head counted once each)."""
+        h, qk = self.hidden_size, self.qk_head_dim
+        attn = (h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * self.num_attention_heads * qk
+                + h * self.kv_row_dim + self.kv_lora_rank
+                + self.kv_lora_rank * self.num_attention_heads * (self.qk_nope_head_dim + self.v_head_dim)
+                + self.num_attention_heads * self.v_head_dim * h)
+        indexer = (self.q_lora_rank * self.index_n_heads * self.index_head_dim + h * self.index_head_dim
+                   + 2 * self.index_head_dim + h * self.index_n_heads)
+        dense = 3 * h * self.intermediate_size
+        moe = (3 * h * self.moe_intermediate_size * (self.n_routed_experts + self.n_shared_experts)
+               + self.n_routed_experts * (h + 1))
+        total = 2 * h * self.vocab_size + h
+        for l in range(self.num_cache_layers):
+            total += attn + 2 * h
+            total += indexer if self.layer_indexer_type(l) == "full" else 0
+            total += moe if self.is_moe_layer(l) else dense
+        total += self.num_nextn_predict_layers * (2 * h * h + 3 * h)
+        return total
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Where the MLA history lives and how it is stored.
+
+    ``mode="resident"`` keeps every row on the accelerator. ``mode="offload"`` keeps the history in host memory
+    (``pinned_host``) and a bounded hot cache of ``hot_rows`` slots per layer on the accelerator.
+    """
+
+    mode: str = "resident"
+    kv_format: str = "bf16"  # f32 | bf16 | q8g64 | fp8g128 (glm53.kv_formats)
+    max_len: int = 0  # rows of history per session the cache is built for; 0 = prompt + new tokens, rounded up
+    prefill_chunk: int = 256  # tokens per prefill step: bounds transient device memory of prefill
+    hot_rows: int = 32768  # offload: hot-cache slots per layer and session
+    copyback_every: int = 64  # offload: rows per batched copy of the recent ring into host memory
+    ring_rows: int = 0  # offload: recent-ring rows; 0 = 2 * copyback_every
+    page_rows: int = 0  # rows per capacity page (growth unit); 0 = copyback_every
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        from glm53 import kv_formats  # local import: kv_formats has no config dependency, avoids a cycle
+
+        _require(self.mode in CACHE_MODES, f"cache mode {self.mode!r} unknown; choose one of {CACHE_MODES}")
+        kv_formats.get_format(self.kv_format)
+        _require(self.max_len >= 0, f"max_len must be >= 0, got {self.max_len}")
+        _require(self.prefill_chunk >= 1 and (self.prefill_chunk & (self.prefill_chunk - 1)) == 0,
+                 f"prefill_chunk={self.prefill_chunk} must be a power of two")
+        _require(self.copyback_every >= 1 and (self.copyback_every & (self.copyback_every - 1)) == 0,
+                 f"copyback_every={self.copyback_every} must be a power of two")
+        _require(self.ring_rows == 0 or (self.ring_rows >= self.copyback_every
+                                         and self.ring_rows % self.copyback_every == 0),
+                 f"ring_rows={self.ring_rows} must be a multiple of copyback_every={self.copyback_every}")
+        _require(self.hot_rows >= 1, f"hot_rows must be >= 1, got {self.hot_rows}")
+
+    @property
+    def ring_size(self) -> int:
+        return self.ring_rows or 2 * self.copyback_every
+
+    @property
+    def page_size(self) -> int:
+        return self.page_rows or self.copyback_every
+
+    @classmethod
+    def from_config_dict(cls, cfg: Mapping[str, Any]) -> "CacheConfig":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(cfg.keys()) - fields)
+        if unknown:
+            raise ConfigError(f"unknown cache config fields {unknown}")
+        return cls(**dict(cfg))
+
+    def replace(self, **kw) -> "CacheConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def round_up(x: int, multiple: int) -> int:
+    return int(math.ceil(x / multiple) * multiple)
+
+
+def as_tuple(x: int | Sequence[int] | None) -> tuple[int, ...]:
+    if x is None:
+        return ()
+    if isinstance(x, int):
+        return (x,)
+    return tuple(x)

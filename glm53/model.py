@@ -1,0 +1,345 @@
+"""GLM-5 (transformers ``glm_moe_dsa``) in Flax Linen, with the KV cache passed in and out as data.
+
+Semantics follow transformers' ``modeling_glm_moe_dsa.py``; where glm53 computes the same function differently, the
+comment says so:
+- Attention is *absorbed* MLA: ``kv_b_proj`` is folded into the query and the output, so attention runs in the
+  512-d latent space over exactly the rows the KV cache stores (the reference expands K/V per head instead).
+- DSA selection gathers the top-k rows and attends over them (the reference masks a dense score matrix); the set
+  of attended positions is the same.
+- Top-k ties are broken by one fixed rule everywhere: the earlier position wins (``kernels_pallas.indexer_topk``).
+- MoE experts run as sorted ragged matmuls (``jax.lax.ragged_dot``) instead of a loop over experts.
+
+Every layer call takes a ``Step`` (positions of the tokens being processed) and the ``KVCache`` pytree and returns the
+new cache; ``glm53.cache`` decides where rows live (resident or offload), so this file is the same for both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm53 import cache as kvcache
+from glm53.config import ModelConfig
+from kernels_pallas import ops
+
+Array = jax.Array
+F32 = jnp.float32
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Step context: where the tokens of this call sit in each session's history.
+# ----------------------------------------------------------------------------------------------------------------
+@flax.struct.dataclass
+class Step:
+    positions: Array  # int32[B, T] absolute position of each token
+    write_positions: Array  # int32[B, T] = positions for real tokens, capacity (dropped) for padding
+    cos: Array  # [B, T, rope/2] in the compute dtype
+    sin: Array
+
+
+def make_step(start: Array, n_valid: Array, T: int, capacity: int, cfg: ModelConfig, dtype) -> Step:
+    """Positions ``start[b] + t`` for ``t < T``; tokens ``t >= n_valid[b]`` are padding and write nothing."""
+    t = jnp.arange(T, dtype=jnp.int32)[None, :]
+    positions = start[:, None].astype(jnp.int32) + t
+    write_positions = jnp.where(t < n_valid[:, None], positions, capacity)
+    cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta, dtype)
+    return Step(positions=positions, write_positions=write_positions, cos=cos, sin=sin)
+
+
+def rope_cos_sin(positions: Array, dim: int, theta: float, dtype) -> tuple[Array, Array]:
+    # Same float32 arithmetic as the reference's default RoPE (inv_freq in f32, angles in f32, then cast).
+    inv_freq = (1.0 / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))))
+    freqs = positions.astype(F32)[..., None] * jnp.asarray(inv_freq, F32)
+    return jnp.cos(freqs).astype(dtype), jnp.sin(freqs).astype(dtype)
+
+
+def apply_rope_interleaved(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate interleaved pairs (x0,x1),(x2,x3)...; output de-interleaved [evens', odds'] like the reference.
+
+    ``cos``/``sin`` broadcast against ``x[..., ::2]``. The output layout differs from the input's, but queries and
+    keys get the same permutation, so their dot products are unchanged.
+    """
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    # Reference: normalise in f32, cast back to the input dtype, then scale by the weight.
+    xf = x.astype(F32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def layer_norm(x: Array, weight: Array, bias: Array, eps: float) -> Array:
+    xf = x.astype(F32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps)
+    return (y * weight.astype(F32) + bias.astype(F32)).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Modules. Parameter names follow the HF checkpoint (minus ".weight"); matrices are stored [in, out].
+# ----------------------------------------------------------------------------------------------------------------
+def _normal(cfg: ModelConfig):
+    return nn.initializers.normal(stddev=cfg.initializer_range)
+
+
+class RMSNorm(nn.Module):
+    features: int
+    eps: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("weight", nn.initializers.ones, (self.features,), self.dtype)
+        return rms_norm(x, w, self.eps)
+
+
+class Linear(nn.Module):
+    features_in: int
+    features_out: int
+    cfg: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("kernel", _normal(self.cfg), (self.features_in, self.features_out), self.dtype)
+        return jnp.dot(x, w.astype(x.dtype) if x.dtype != w.dtype else w)
+
+
+class Indexer(nn.Module):
+    """DSA lightning indexer: scores every cached key for each query and selects the top-k positions."""
+
+    cfg: ModelConfig
+    layer: int
+    dtype: Any
+
+    def setup(self):
+        c = self.cfg
+        self.wq_b = Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, c, self.dtype)
+        self.wk = Linear(c.hidden_size, c.index_head_dim, c, self.dtype)
+        self.k_norm_weight = self.param("k_norm_weight", nn.initializers.ones, (c.index_head_dim,), self.dtype)
+        self.k_norm_bias = self.param("k_norm_bias", nn.initializers.zeros, (c.index_head_dim,), self.dtype)
+        # The reference keeps weights_proj in float32 (_keep_in_fp32_modules) and feeds it float32 activations.
+        self.weights_proj = self.param("weights_proj", _normal(c), (c.hidden_size, c.index_n_heads), F32)
+
+    def __call__(self, x: Array, q_resid: Array, step: Step, cache: kvcache.KVCache):
+        c = self.cfg
+        B, T, _ = x.shape
+        r = c.qk_rope_head_dim
+        q = self.wq_b(q_resid).reshape(B, T, c.index_n_heads, c.index_head_dim)
+        k = layer_norm(self.wk(x), self.k_norm_weight, self.k_norm_bias, 1e-6)
+        # The indexer puts its rope dims first (MLA puts them last).
+        q = jnp.concatenate([apply_rope_interleaved(q[..., :r], step.cos[:, :, None], step.sin[:, :, None]),
+                             q[..., r:]], axis=-1)
+        k = jnp.concatenate([apply_rope_interleaved(k[..., :r], step.cos, step.sin), k[..., r:]], axis=-1)
+        cache = kvcache.write_index_keys(cache, self.layer, k, step.write_positions)
+        keys = kvcache.layer_index_keys(cache, self.layer)
+        weights = jnp.dot(x.astype(F32), self.weights_proj) * (c.index_n_heads ** -0.5)
+        scores = ops.indexer_scores(q, weights, keys, step.positions, softmax_scale=c.index_head_dim ** -0.5)
+        k_sel = min(c.index_topk, keys.shape[1])
+        return ops.topk_positions(scores, k_sel), cache
+
+
+class MLAttention(nn.Module):
+    cfg: ModelConfig
+    layer: int
+    dtype: Any
+
+    def setup(self):
+        c = self.cfg
+        h = c.num_attention_heads
+        self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, c, self.dtype)
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank, 1e-6, self.dtype)  # reference default eps, not rms_norm_eps
+        self.q_b_proj = Linear(c.q_lora_rank, h * c.qk_head_dim, c, self.dtype)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_row_dim, c, self.dtype)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6, self.dtype)
+        # Used only as absorbed weights (never applied as a layer), so it is a bare [kv_lora, heads*(nope+v)] param.
+        self.kv_b_proj = self.param("kv_b_proj", _normal(c), (c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim)),
+                                    self.dtype)
+        self.o_proj = Linear(h * c.v_head_dim, c.hidden_size, c, self.dtype)
+        self.indexer = Indexer(c, self.layer, self.dtype) if c.layer_indexer_type(self.layer) == "full" else None
+
+    def __call__(self, x: Array, step: Step, cache: kvcache.KVCache, prev_topk: Array | None):
+        c = self.cfg
+        B, T, _ = x.shape
+        h, nope, r, v = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).reshape(B, T, h, c.qk_head_dim)
+        q_nope = q[..., :nope]
+        q_rope = apply_rope_interleaved(q[..., nope:], step.cos[:, :, None], step.sin[:, :, None])
+        ckv = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(ckv[..., :c.kv_lora_rank])
+        k_rope = apply_rope_interleaved(ckv[..., c.kv_lora_rank:], step.cos, step.sin)
+        # Write first, then read: the current tokens attend to themselves through the cache, so they see the same
+        # (possibly quantised) bytes as every later step will.
+        cache = kvcache.write_rows(cache, self.layer, latent, k_rope, step.write_positions)
+
+        if self.indexer is not None:
+            topk, cache = self.indexer(x, q_resid, step, cache)
+        else:
+            if prev_topk is None:
+                raise ValueError(f"layer {self.layer} has a shared indexer but no earlier full layer")
+            topk = prev_topk
+        lat_sel, rope_sel, cache = kvcache.gather_rows(cache, self.layer, topk, x.dtype)  # [B,T,K,512],[B,T,K,64]
+
+        w_kv_b = self.kv_b_proj.reshape(c.kv_lora_rank, h, nope + v)
+        w_uk, w_uv = w_kv_b[..., :nope].astype(x.dtype), w_kv_b[..., nope:].astype(x.dtype)
+        q_lat = jnp.einsum("bthd,chd->bthc", q_nope, w_uk)
+        scores = (jnp.einsum("bthc,btkc->bthk", q_lat, lat_sel, preferred_element_type=F32)
+                  + jnp.einsum("bthr,btkr->bthk", q_rope, rope_sel, preferred_element_type=F32))
+        scores = scores * c.softmax_scale
+        attend = (topk <= step.positions[..., None])[:, :, None, :]  # causal; masks "-inf" picks of short rows
+        scores = jnp.where(attend, scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        o_lat = jnp.einsum("bthk,btkc->bthc", probs, lat_sel)
+        o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv).reshape(B, T, h * v)
+        return self.o_proj(o), cache, topk
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+    intermediate: int
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.cfg
+        g = Linear(c.hidden_size, self.intermediate, c, self.dtype, name="gate_proj")(x)
+        u = Linear(c.hidden_size, self.intermediate, c, self.dtype, name="up_proj")(x)
+        return Linear(self.intermediate, c.hidden_size, c, self.dtype, name="down_proj")(jax.nn.silu(g) * u)
+
+
+def route(x: Array, router: Array, bias: Array, cfg: ModelConfig) -> tuple[Array, Array]:
+    """Sigmoid router with bias-corrected, group-limited choice; weights from the uncorrected scores."""
+    n = x.shape[0]
+    scores = jax.nn.sigmoid(jnp.dot(x.astype(F32), router))  # [N, E]
+    choice = scores + bias
+    if cfg.n_group > 1:
+        per = cfg.n_routed_experts // cfg.n_group
+        grouped = choice.reshape(n, cfg.n_group, per)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, G]
+        _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
+        keep = jnp.zeros((n, cfg.n_group), bool).at[jnp.arange(n)[:, None], top_groups].set(True)
+        choice = jnp.where(jnp.repeat(keep, per, axis=1), choice, -jnp.inf)
+    _, idx = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    w = jnp.take_along_axis(scores, idx, axis=1)
+    if cfg.norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return idx, w * cfg.routed_scaling_factor
+
+
+class MoE(nn.Module):
+    cfg: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.cfg
+        E, H, I = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
+        router = self.param("gate", nn.initializers.normal(c.initializer_range), (H, E), F32)
+        bias = self.param("e_score_correction_bias", nn.initializers.zeros, (E,), F32)
+        w_gate = self.param("experts_gate_proj", _normal(c), (E, H, I), self.dtype)
+        w_up = self.param("experts_up_proj", _normal(c), (E, H, I), self.dtype)
+        w_down = self.param("experts_down_proj", _normal(c), (E, I, H), self.dtype)
+        shape = x.shape
+        xf = x.reshape(-1, H)
+        n, k = xf.shape[0], c.num_experts_per_tok
+        idx, w = route(xf, router, bias, c)
+        # Sort (token, expert) pairs by expert so each expert's tokens are one contiguous group of a ragged matmul.
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        xs = xf[order // k]
+        sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+        hidden = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
+        ys = jax.lax.ragged_dot(hidden.astype(x.dtype), w_down, sizes)
+        y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, H)
+        routed = jnp.einsum("nkh,nk->nh", y.astype(F32), w).astype(x.dtype)
+        shared = MLP(c, I * c.n_shared_experts, self.dtype, name="shared_experts")(x)
+        return routed.reshape(shape) + shared
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+    layer: int
+    dtype: Any
+
+    def setup(self):
+        c = self.cfg
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
+        self.self_attn = MLAttention(c, self.layer, self.dtype)
+        self.mlp = MoE(c, self.dtype) if c.is_moe_layer(self.layer) else MLP(c, c.intermediate_size, self.dtype)
+
+    def __call__(self, x, step: Step, cache, prev_topk):
+        a, cache, topk = self.self_attn(self.input_layernorm(x), step, cache, prev_topk)
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, cache, topk
+
+
+class GLM5(nn.Module):
+    """The whole model. Methods: ``__call__`` (main layers -> final-normed hidden), ``logits``, ``mtp``."""
+
+    cfg: ModelConfig
+    dtype: Any = jnp.bfloat16
+
+    def setup(self):
+        c = self.cfg
+        self.embed_tokens = self.param("embed_tokens", _normal(c), (c.vocab_size, c.hidden_size), self.dtype)
+        self.layers = [DecoderLayer(c, i, self.dtype) for i in range(c.num_hidden_layers)]
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = self.param("lm_head", _normal(c), (c.hidden_size, c.vocab_size), self.dtype)
+        if c.num_nextn_predict_layers:
+            self.mtp_layer = MTPModule(c, c.num_hidden_layers, self.dtype)
+
+    def __call__(self, tokens: Array, step: Step, cache: kvcache.KVCache):
+        """Run the main layers on ``tokens [B, T]``; returns (final-normed hidden [B, T, H], cache)."""
+        x = jnp.take(self.embed_tokens, tokens, axis=0)
+        topk = None
+        for layer in self.layers:
+            x, cache, topk = layer(x, step, cache, topk)
+        return self.norm(x), cache
+
+    def logits(self, hidden: Array) -> Array:
+        head = self.embed_tokens.T if self.cfg.tie_word_embeddings else self.lm_head
+        return jnp.dot(hidden, head.astype(hidden.dtype), preferred_element_type=F32)
+
+    def mtp(self, hidden: Array, next_tokens: Array, step: Step, cache: kvcache.KVCache):
+        """MTP module: from the main model's final-normed hidden at position i and the token at i+1, the hidden
+        state (normed by the shared head's norm) whose logits predict the token at i+2."""
+        emb = jnp.take(self.embed_tokens, next_tokens, axis=0)
+        return self.mtp_layer(emb, hidden, step, cache)
+
+    def mtp_logits(self, mtp_hidden: Array) -> Array:
+        return self.logits(mtp_hidden)
+
+
+class MTPModule(nn.Module):
+    """DeepSeek-V3-style next-n prediction: eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]) -> decoder layer ->
+    shared_head.norm; the embedding and the LM head are the main model's (the checkpoint's copies are identical)."""
+
+    cfg: ModelConfig
+    layer: int
+    dtype: Any
+
+    def setup(self):
+        c = self.cfg
+        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
+        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
+        self.eh_proj = Linear(2 * c.hidden_size, c.hidden_size, c, self.dtype)
+        self.block = DecoderLayer(c, self.layer, self.dtype)
+        self.shared_head_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
+
+    def __call__(self, emb, hidden, step, cache):
+        x = self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(hidden.astype(emb.dtype))], axis=-1))
+        x, cache, _ = self.block(x, step, cache, None)
+        return self.shared_head_norm(x), cache

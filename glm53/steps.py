@@ -1,0 +1,79 @@
+"""Jitted steps: pure functions ``(params, cache, inputs) -> (outputs, cache)`` with the cache donated.
+
+One step function serves prefill chunks (T = chunk), decode (T = 1) and, later, MTP verify (T = depth + 1): the
+tokens of a step are written to the cache first and then every token selects and attends over the rows at or before
+its own position. ``n_valid[b]`` tokens of row ``b`` are real; the rest is padding that writes nothing, so sessions
+of different lengths share one batch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from glm53 import cache as kvcache
+from glm53.model import GLM5, make_step
+
+F32 = jnp.float32
+
+
+def _last_valid(x: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """x[b, n_valid[b] - 1] (index 0 for rows with no valid token: their output is ignored)."""
+    idx = jnp.maximum(n_valid - 1, 0)
+    return jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
+
+
+def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Greedy (argmax, first index on ties) when temperature == 0, else nucleus sampling. ``logits [B, V]``."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    order = jnp.argsort(-scaled, axis=-1, stable=True)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    cum = jnp.cumsum(probs, axis=-1)
+    keep_sorted = (cum - probs) < top_p  # always keeps the most likely token
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+    sampled = jax.random.categorical(key, jnp.where(keep, scaled, -jnp.inf), axis=-1).astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
+class Steps:
+    """The jitted steps of one module (one compiled executable per distinct input shape)."""
+
+    def __init__(self, module: GLM5):
+        self.module = module
+        self.forward = jax.jit(functools.partial(_forward, module), static_argnames=("all_logits",),
+                               donate_argnames=("cache",))
+        self.decode = jax.jit(functools.partial(_decode, module), donate_argnames=("cache",))
+        self.mtp = jax.jit(functools.partial(_mtp, module), donate_argnames=("cache",))
+
+
+def _forward(module: GLM5, params, cache: kvcache.KVCache, tokens, n_valid, *, all_logits: bool):
+    """Process ``tokens [B, T]`` at positions ``cache.lengths + t``. Returns (logits, hidden, cache): logits
+    ``[B, T, V]`` if ``all_logits`` else the logits of each row's last valid token ``[B, V]``; hidden ``[B, T, H]``
+    final-normed (the MTP module's input)."""
+    B, T = tokens.shape
+    step = make_step(cache.lengths, n_valid, T, cache.capacity, module.cfg, module.dtype)
+    hidden, cache = module.apply({"params": params}, tokens, step, cache)
+    h = hidden if all_logits else _last_valid(hidden, n_valid)
+    logits = module.apply({"params": params}, h, method=GLM5.logits)
+    return logits, hidden, kvcache.advance(cache, n_valid)
+
+
+def _decode(module: GLM5, params, cache: kvcache.KVCache, tokens, key, temperature, top_p):
+    """One token per session: ``tokens [B]`` -> (next tokens [B], their logits [B, V], cache)."""
+    n_valid = jnp.ones(tokens.shape[:1], jnp.int32)
+    logits, _, cache = _forward(module, params, cache, tokens[:, None], n_valid, all_logits=False)
+    return sample(logits, key, temperature, top_p), logits, cache
+
+
+def _mtp(module: GLM5, params, cache: kvcache.KVCache, hidden, next_tokens, n_valid):
+    """MTP draft: main-model hidden at positions ``cache.mtp_lengths + t`` and the tokens one position later ->
+    (draft logits [B, T, V] predicting the tokens two positions later, MTP hidden [B, T, H], cache)."""
+    B, T = next_tokens.shape
+    step = make_step(cache.mtp_lengths, n_valid, T, cache.capacity, module.cfg, module.dtype)
+    mtp_hidden, cache = module.apply({"params": params}, hidden, next_tokens, step, cache, method=GLM5.mtp)
+    logits = module.apply({"params": params}, mtp_hidden, method=GLM5.logits)
+    return logits, mtp_hidden, kvcache.advance_mtp(cache, n_valid)

@@ -1,0 +1,81 @@
+"""The ops the model calls, each choosing the Pallas kernel or its jnp reference by backend.
+
+On GPU backends (CUDA, ROCm) the Pallas kernels run (Triton lowering); on CPU the jnp references run, because
+Pallas on CPU only exists as the interpreter, which is orders of magnitude slower. The choice is made once per
+trace from ``jax.default_backend()`` — never from environment variables — and the tests pin kernel == reference
+so either choice computes the same function. ``force_impl`` exists for tests that run the kernels (interpreted)
+inside the whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+
+import importlib
+
+# The package re-exports functions named like these modules, so fetch the modules themselves.
+_gather = importlib.import_module("kernels_pallas.gather_rows")
+_indexer = importlib.import_module("kernels_pallas.indexer_topk")
+
+_FORCED: str | None = None
+GATHER_BLOCK_ROWS = 16
+
+
+@contextlib.contextmanager
+def force_impl(impl: str | None):
+    """Within the block, trace ops with ``"pallas"`` (interpreted on CPU) or ``"reference"``."""
+    global _FORCED
+    if impl not in (None, "pallas", "reference"):
+        raise ValueError(f"impl must be 'pallas', 'reference' or None, got {impl!r}")
+    old, _FORCED = _FORCED, impl
+    try:
+        yield
+    finally:
+        _FORCED = old
+
+
+def _impl() -> tuple[bool, bool]:
+    """(use the Pallas kernel, interpret it)."""
+    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    if _FORCED == "reference":
+        return False, False
+    if _FORCED == "pallas":
+        return True, not on_gpu
+    return on_gpu, False
+
+
+def gather_rows(planes: dict, positions: jax.Array, *, kv_format: str, out_dtype):
+    """Rows at ``positions [S, M]`` of ``planes`` (each ``[S, N, W]``), dequantised to ``out_dtype``."""
+    use_pallas, interpret = _impl()
+    if not use_pallas:
+        return _gather.gather_rows_reference(planes, positions, kv_format=kv_format, out_dtype=out_dtype)
+    S, M = positions.shape
+    pad = (-M) % GATHER_BLOCK_ROWS
+    if pad:  # row 0 always exists; padded rows are sliced off below
+        positions = jnp.pad(positions, ((0, 0), (0, pad)))
+    latent, rope = _gather.gather_rows(planes, positions, kv_format=kv_format, out_dtype=out_dtype,
+                                       block_rows=GATHER_BLOCK_ROWS, interpret=interpret)
+    return latent[:, :M], rope[:, :M]
+
+
+# The indexer kernels are built for decode and MTP verify (a few query rows against every key); prefill chunks of
+# hundreds of queries are a dense matmul that XLA tiles better, so they take the reference path.
+MAX_KERNEL_QUERIES = 8
+
+
+def indexer_scores(q, weights, keys, query_positions, *, softmax_scale: float):
+    use_pallas, interpret = _impl()
+    if not use_pallas or q.shape[1] > MAX_KERNEL_QUERIES:
+        return _indexer.indexer_scores_reference(q, weights, keys, query_positions, softmax_scale=softmax_scale)
+    return _indexer.indexer_scores(q, weights, keys, query_positions, softmax_scale=softmax_scale,
+                                   interpret=interpret)
+
+
+def topk_positions(scores, k: int):
+    use_pallas, interpret = _impl()
+    if not use_pallas or scores.shape[1] > MAX_KERNEL_QUERIES:
+        return _indexer.topk_positions_reference(scores, k)
+    return _indexer.topk_positions(scores, k, interpret=interpret)

@@ -1,0 +1,58 @@
+"""Tiny random GLM-5 checkpoints written by transformers' own ``save_pretrained`` (the parity reference)."""
+
+import numpy as np
+
+
+def tiny_hf_config(**overrides):
+    from transformers import GlmMoeDsaConfig
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=32, qk_rope_head_dim=64,
+              v_head_dim=16, qk_nope_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+              index_topk=8, index_head_dim=128, index_n_heads=16, first_k_dense_replace=1,
+              indexer_types=["full", "shared", "full", "shared"], eos_token_id=None, bos_token_id=None,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=2048)
+    kw.update(overrides)
+    return GlmMoeDsaConfig(**kw)
+
+
+def write_tiny_checkpoint(path, seed=0, **overrides):
+    """Random float32 weights (std 0.02 is too flat to exercise routing, so matrices get larger scales and the
+    router's correction bias is random), saved with transformers' save_pretrained. Returns the torch model."""
+    import torch
+    from transformers import GlmMoeDsaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_hf_config(**overrides)
+    model = GlmMoeDsaForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("k_norm.bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                fan_in = p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=gen) / np.sqrt(fan_in))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=gen))
+    model.save_pretrained(path)
+    return model
+
+
+def hf_logits(model, ids):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)])).logits[0].float().numpy()
+
+
+def hf_greedy(model, ids, n):
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([list(ids)]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=0, use_cache=True)
+    return out[0, len(ids):].tolist()
