@@ -51,7 +51,7 @@ class KVCache:
 
     @property
     def num_layers(self) -> int:
-        return int(next(iter(self.history.values())).shape[0])
+        return len(self.key_slot_of_layer)
 
     def nbytes(self) -> dict[str, int]:
         """Actual bytes of the arrays the cache holds, by part (allocation, not logical length)."""
@@ -116,12 +116,15 @@ def layer_index_keys(cache: KVCache, layer: int) -> jax.Array:
     return cache.index_keys[cache.key_slot_of_layer[layer]]
 
 
-def gather_rows(cache: KVCache, layer: int, selected: jax.Array, dtype) -> tuple[jax.Array, jax.Array, KVCache]:
+def gather_rows(cache: KVCache, layer: int, selected: jax.Array, valid: jax.Array,
+                dtype) -> tuple[jax.Array, jax.Array, KVCache]:
     """Dequantised rows at ``selected [B, T, K]`` positions of one layer: ``(latent [B,T,K,kv_lora],
-    rope [B,T,K,rope], cache)``. Offload mode reads hits, misses and the recent ring and updates the hot cache."""
+    rope [B,T,K,rope], cache)``. ``valid [B, T, K]`` marks the entries attention will use (real tokens, causal):
+    offload mode counts and caches only those; it reads hits, misses and the recent ring and updates the hot
+    cache."""
     if cache.mode == "offload":
         from glm53 import offload
-        return offload.gather_rows(cache, layer, selected, dtype)
+        return offload.gather_rows(cache, layer, selected, valid, dtype)
     from kernels_pallas import ops
     B, T, K = selected.shape
     planes = {name: cache.history[name][layer] for name in cache.history}

@@ -119,8 +119,12 @@ class Model:
         ids = self.check_tokens(token_ids, "token_ids")
         self.check_length(len(ids), "forward")
         cache = self.new_cache(1, len(ids), cache_config)
+        driver = None
+        if cache.mode == "offload":
+            from glm53 import offload
+            driver = offload.Driver(cache)
         logits, _, _ = prefill(self, cache, [ids], all_logits=True, progress=progress,
-                               chunk=(cache_config or self.cache_config).prefill_chunk)
+                               chunk=(cache_config or self.cache_config).prefill_chunk, driver=driver)
         return np.asarray(logits[0][: len(ids)], np.float32)
 
     def draft(self, token_ids) -> np.ndarray:
@@ -134,7 +138,9 @@ class Model:
         if len(ids) < 2:
             raise ValueError("draft needs at least 2 tokens (a position and its next token)")
         self.check_length(len(ids), "draft")
-        cache = self.new_cache(1, len(ids))
+        # Resident: in offload mode the MTP layer runs one position behind the copyback of its pages, which is
+        # the speculative-decoding engine's job to schedule.
+        cache = self.new_cache(1, len(ids), self.cache_config.replace(mode="resident"))
         _, hidden, cache = prefill(self, cache, [ids], all_logits=False, return_hidden=True,
                                    chunk=self.cache_config.prefill_chunk)
         T = len(ids) - 1

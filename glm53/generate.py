@@ -41,10 +41,10 @@ def _chunk_len(longest: int, chunk: int) -> int:
 
 
 def prefill(model, cache: kvcache.KVCache, prompts: Sequence[np.ndarray], *, all_logits: bool,
-            return_hidden: bool = False, progress: bool = False, chunk: int = 256):
+            return_hidden: bool = False, progress: bool = False, chunk: int = 256, driver=None):
     """Write every prompt into ``cache`` chunk by chunk. Returns (logits, hidden, cache): with ``all_logits`` the
     logits ``[B, T_max, V]`` of every position, else the logits ``[B, V]`` after each prompt's last token;
-    ``hidden [B, T_max, H]`` when ``return_hidden``."""
+    ``hidden [B, T_max, H]`` when ``return_hidden``. ``driver``: the offload cache's ``glm53.offload.Driver``."""
     B = len(prompts)
     lens = np.array([len(p) for p in prompts], np.int32)
     longest = int(lens.max())
@@ -56,8 +56,12 @@ def prefill(model, cache: kvcache.KVCache, prompts: Sequence[np.ndarray], *, all
     last_logits, all_out, hid_out = None, [], []
     for i in tqdm(range(n_chunks), desc="prefill", unit="chunk", disable=not progress, leave=False):
         n_valid = np.clip(lens - i * C, 0, C).astype(np.int32)
+        if driver is not None:
+            driver.before_step(n_valid)
         logits, hidden, cache = model.steps.forward(model.params, cache, jnp.asarray(padded[:, i * C:(i + 1) * C]),
                                                     jnp.asarray(n_valid), all_logits=all_logits)
+        if driver is not None:  # offload: copy every completed page of this chunk to host memory
+            cache = driver.after_step(cache, n_valid)
         if all_logits:
             all_out.append(logits)
         else:
@@ -124,12 +128,16 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
 
     B = len(toks)
     kv = model.new_cache(B, total, cache_config)
+    driver = None
+    if kv.mode == "offload":
+        from glm53 import offload
+        driver = offload.Driver(kv)
     key = jax.random.key(seed)
     temp, tp = jnp.float32(temperature), jnp.float32(top_p)
 
     t0 = time.perf_counter()
     logits, _, kv = prefill(model, kv, toks, all_logits=False, progress=progress,
-                            chunk=cache_config.prefill_chunk)
+                            chunk=cache_config.prefill_chunk, driver=driver)
     from glm53.steps import sample
 
     first = jax.jit(sample)(logits, jax.random.fold_in(key, 0), temp, tp)
@@ -153,10 +161,15 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     # Tokens stay on the device; the host looks at them only when asked to (on_token) or every few steps to stop
     # early at eos, so steps are dispatched ahead of the device instead of syncing per token.
     check_every = 1 if on_token is not None else 16
+    ones = np.ones(B, np.int32)
     for i in range(1, max_new_tokens):
         if finished.all():
             break
+        if driver is not None:
+            driver.before_step(ones)
         tok, lg, kv = model.steps.decode(model.params, kv, tok, jax.random.fold_in(key, i), temp, tp)
+        if driver is not None:
+            kv = driver.after_step(kv, ones)
         out_tokens.append(tok)
         if return_logits:
             out_logits.append(lg)

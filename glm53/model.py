@@ -188,7 +188,9 @@ class MLAttention(nn.Module):
             if prev_topk is None:
                 raise ValueError(f"layer {self.layer} has a shared indexer but no earlier full layer")
             topk = prev_topk
-        lat_sel, rope_sel, cache = kvcache.gather_rows(cache, self.layer, topk, x.dtype)  # [B,T,K,512],[B,T,K,64]
+        attend = topk <= step.positions[..., None]  # causal; masks the "-inf" picks of rows with < K history
+        valid = attend & (step.write_positions < cache.capacity)[..., None]  # ... and padding tokens
+        lat_sel, rope_sel, cache = kvcache.gather_rows(cache, self.layer, topk, valid, x.dtype)  # [B,T,K,512|64]
 
         w_kv_b = self.kv_b_proj.reshape(c.kv_lora_rank, h, nope + v)
         w_uk, w_uv = w_kv_b[..., :nope].astype(x.dtype), w_kv_b[..., nope:].astype(x.dtype)
@@ -196,8 +198,7 @@ class MLAttention(nn.Module):
         scores = (jnp.einsum("bthc,btkc->bthk", q_lat, lat_sel, preferred_element_type=F32)
                   + jnp.einsum("bthr,btkr->bthk", q_rope, rope_sel, preferred_element_type=F32))
         scores = scores * c.softmax_scale
-        attend = (topk <= step.positions[..., None])[:, :, None, :]  # causal; masks "-inf" picks of short rows
-        scores = jnp.where(attend, scores, -jnp.inf)
+        scores = jnp.where(attend[:, :, None, :], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         o_lat = jnp.einsum("bthk,btkc->bthc", probs, lat_sel)
         o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv).reshape(B, T, h * v)

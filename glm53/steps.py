@@ -44,10 +44,33 @@ class Steps:
 
     def __init__(self, module: GLM5):
         self.module = module
-        self.forward = jax.jit(functools.partial(_forward, module), static_argnames=("all_logits",),
-                               donate_argnames=("cache",))
-        self.decode = jax.jit(functools.partial(_decode, module), donate_argnames=("cache",))
-        self.mtp = jax.jit(functools.partial(_mtp, module), donate_argnames=("cache",))
+        self.forward = _Jitted(functools.partial(_forward, module), static_argnames=("all_logits",))
+        self.decode = _Jitted(functools.partial(_decode, module))
+        self.mtp = _Jitted(functools.partial(_mtp, module))
+
+
+def _with_history(fn):
+    def run(params, rest, history, *args, **kw):
+        *out, cache = fn(params, rest.replace(history=history), *args, **kw)
+        return (*out, cache.replace(history=None))
+    return run
+
+
+class _Jitted:
+    """A step jitted with the cache donated. In offload mode the host history is passed beside the cache as a
+    read-only input: the step only reads it (hot gather) and copyback alone writes it, so XLA never has to decide
+    where to place a returned pinned_host array, and nothing can copy the history."""
+
+    def __init__(self, fn, static_argnames=()):
+        self._resident = jax.jit(fn, static_argnames=static_argnames, donate_argnums=(1,))
+        self._offload = jax.jit(_with_history(fn), static_argnames=static_argnames, donate_argnums=(1,))
+
+    def __call__(self, params, cache: kvcache.KVCache, *args, **kw):
+        if cache.mode != "offload":
+            return self._resident(params, cache, *args, **kw)
+        history = cache.history
+        *out, rest = self._offload(params, cache.replace(history=None), history, *args, **kw)
+        return (*out, rest.replace(history=history))
 
 
 def _forward(module: GLM5, params, cache: kvcache.KVCache, tokens, n_valid, *, all_logits: bool):

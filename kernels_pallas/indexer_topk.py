@@ -74,18 +74,23 @@ def _indexer_scores_kernel(
     block_keys: int,
 ):
   j = pl.program_id(1)
-  keys = k_ref[...].astype(jnp.float32)
+  # bf16 x bf16 products are exact in f32, so with f32 accumulation a bf16 dot
+  # equals the upcast f32 dot up to summation order, and runs on tensor cores
+  # (the f32 IEEE dot was ~10x slower on an H200). Other dtypes are upcast, with
+  # HIGHEST precision: the Triton lowering otherwise uses tf32 for f32 dots.
+  both_bf16 = q_ref.dtype == jnp.bfloat16 and k_ref.dtype == jnp.bfloat16
+  dot_dtype = jnp.bfloat16 if both_bf16 else jnp.float32
+  precision = lax.Precision.DEFAULT if both_bf16 else lax.Precision.HIGHEST
+  keys = k_ref[...].astype(dot_dtype)
   n = j * block_keys + lax.broadcasted_iota(jnp.int32, (block_keys,), 0)
   num_queries = q_ref.shape[0]
   # One [Hi, D] x [D, block_keys] dot per query token: T is small in decode (1,
   # or a few MTP drafts) and a per-token dot needs no in-kernel reshape.
   for t in range(num_queries):
-    q = q_ref[t].astype(jnp.float32)  # [Hi, D]
-    # HIGHEST: the Triton lowering otherwise uses tf32 for f32 dots.
+    q = q_ref[t].astype(dot_dtype)  # [Hi, D]
     logits = lax.dot_general(
         q, keys, (((1,), (1,)), ((), ())),
-        precision=lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32)  # [Hi, block_keys]
+        precision=precision, preferred_element_type=jnp.float32)  # [Hi, block_keys]
     act = jnp.maximum(logits * softmax_scale, 0.0)
     score = jnp.sum(act * w_ref[t].astype(jnp.float32)[:, None], axis=0)
     o_ref[t] = jnp.where(n > qpos_ref[t], -jnp.inf, score)
@@ -106,7 +111,9 @@ def indexer_scores(
   """DSA indexer scores f32[S, T, N].
 
   ``score[s,t,n] = sum_h weights[s,t,h] * relu(q[s,t,h] . keys[s,n] * softmax_scale)``
-  computed in f32 (inputs upcast), and -inf where ``n > query_positions[s,t]``.
+  computed in f32, and -inf where ``n > query_positions[s,t]``. Products are exact
+  f32 (bf16 pairs go through a bf16 dot with f32 accumulation, anything else is
+  upcast to f32); only the summation order differs from the reference.
 
   Args:
     q: [S, T, Hi, D] (bf16 or f32); Hi and D powers of two.

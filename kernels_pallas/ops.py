@@ -18,6 +18,7 @@ import importlib
 
 # The package re-exports functions named like these modules, so fetch the modules themselves.
 _gather = importlib.import_module("kernels_pallas.gather_rows")
+_hot = importlib.import_module("kernels_pallas.hot_gather")
 _indexer = importlib.import_module("kernels_pallas.indexer_topk")
 
 _FORCED: str | None = None
@@ -79,3 +80,23 @@ def topk_positions(scores, k: int):
     if not use_pallas or scores.shape[1] > MAX_KERNEL_QUERIES:
         return _indexer.topk_positions_reference(scores, k)
     return _indexer.topk_positions(scores, k, interpret=interpret)
+
+
+def hot_gather(source, row, ring: dict, hot: dict, host: dict) -> dict:
+    """Packed rows of entries ``[E]`` from the ring / hot cache / host history (offload mode's gather)."""
+    use_pallas, interpret = _impl()
+    E = source.shape[0]
+    pad = (-E) % GATHER_BLOCK_ROWS
+    if pad:  # padded entries read ring row 0, which always exists, and are sliced off below
+        source = jnp.pad(source, (0, pad))
+        row = jnp.pad(row, (0, pad))
+    if use_pallas and not interpret:
+        out = _hot.hot_gather(source, row, ring, hot, host, block_rows=GATHER_BLOCK_ROWS)
+    else:
+        # XLA (and the Pallas interpreter, which lowers to XLA gathers) cannot read pinned_host operands: bring the
+        # host planes to the device first. On a CPU both memories are host RAM; GPUs take the kernel path above.
+        host = {n: jax.device_put(v, jax.memory.Space.Device) for n, v in host.items()}
+        fn = _hot.hot_gather if use_pallas else _hot.hot_gather_reference
+        kw = {"interpret": True} if use_pallas else {}
+        out = fn(source, row, ring, hot, host, block_rows=GATHER_BLOCK_ROWS, **kw)
+    return {n: v[:E] for n, v in out.items()}

@@ -1,5 +1,7 @@
 """Pallas indexer scores and top-k selection (interpreted on CPU) vs references."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from kernels_pallas import (indexer_scores, indexer_scores_reference, topk_posit
 INTERPRET = True
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
 def _indexer_inputs(S, T, Hi, D, N, dtype, seed=0):
   ks = jax.random.split(jax.random.key(seed), 4)
   q = jax.random.normal(ks[0], (S, T, Hi, D)).astype(dtype)
@@ -21,16 +24,18 @@ def _indexer_inputs(S, T, Hi, D, N, dtype, seed=0):
   return q, w, keys, qpos
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("T", [1, 3])
+_SCORE_KW = dict(softmax_scale=0.125, block_keys=64)
+
+
+@pytest.mark.parametrize("dtype,T", [(jnp.bfloat16, 3), (jnp.float32, 1)])
 def test_scores_match_reference(dtype, T):
-  S, Hi, D, N = 2, 8, 32, 256
+  S, Hi, D, N = 2, 8, 32, 128
   q, w, keys, qpos = _indexer_inputs(S, T, Hi, D, N, dtype)
   # Causal edges: the first position, the last one, and beyond the written length.
   qpos = qpos.at[0, 0].set(0).at[1, -1].set(N - 1)
   if T > 1:
     qpos = qpos.at[0, 1].set(N + 5)
-  kw = dict(softmax_scale=D ** -0.5, block_keys=64)
+  kw = _SCORE_KW
   got = indexer_scores(q, w, keys, qpos, interpret=INTERPRET, **kw)
   want = indexer_scores_reference(q, w, keys, qpos, **kw)
   assert got.shape == (S, T, N) and got.dtype == jnp.float32
@@ -107,10 +112,10 @@ def test_topk_small_n_and_k1():
 
 def test_topk_on_indexer_scores():
   """End to end: causal -inf tails, relu zeros of both signs, S,T > 1."""
-  q, w, keys, qpos = _indexer_inputs(2, 2, 8, 32, 256, jnp.bfloat16, seed=5)
+  # Same shapes as test_scores_match_reference: the compiled kernel is reused.
+  q, w, keys, qpos = _indexer_inputs(2, 3, 8, 32, 128, jnp.bfloat16, seed=5)
   qpos = qpos.at[0, 0].set(20)
-  scores = indexer_scores(q, w, keys, qpos, softmax_scale=0.2, block_keys=128,
-                          interpret=INTERPRET)
+  scores = indexer_scores(q, w, keys, qpos, interpret=INTERPRET, **_SCORE_KW)
   _check_topk(scores, 48)
 
 
@@ -125,8 +130,8 @@ def test_topk_validation():
 _VALUES = [-np.inf, -2.0, -1.0, -0.0, 0.0, 0.5, 1.0, 3.0, 1e30]
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(values=st.lists(st.sampled_from(_VALUES), min_size=2 * 160, max_size=2 * 160),
-       k=st.sampled_from([1, 33, 160]))
+       k=st.sampled_from([33, 160]))
 def test_topk_property_exact_ties(values, k):
   _check_topk(np.asarray(values, np.float32).reshape(2, 1, 160), k)

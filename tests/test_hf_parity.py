@@ -1,0 +1,132 @@
+"""glm53 against transformers' own ``glm_moe_dsa`` (the reference implementation), on tiny random checkpoints
+written by transformers' ``save_pretrained``.
+
+The configs have 16 indexer heads, so exact top-k score ties (which the reference breaks arbitrarily) do not occur,
+and prompts well longer than ``index_topk`` so the DSA selection is really sparse.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch  # noqa: F401  (the reference; CI must have it: no importorskip)
+import transformers  # noqa: F401
+
+import glm53
+from hf_reference import hf_logits, write_tiny_checkpoint
+
+INDEX_TOPK = 8
+
+
+def rel_l2(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """Default tiny config: full/shared/full/shared indexers, group-limited routing (n_group 2, topk_group 1)."""
+    path = str(tmp_path_factory.mktemp("hf_single"))
+    hf = write_tiny_checkpoint(path, seed=0, index_topk=INDEX_TOPK)
+    assert os.path.exists(os.path.join(path, "model.safetensors"))
+    model = glm53.from_pretrained(path, dtype="float32", kv_format="f32")
+    return path, hf, model
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """A second variant: other seed, 4 groups of 2 experts choosing 2 groups, a full/full/shared/full pattern, 3
+    experts per token, and the weights split into shards with an index json."""
+    path = str(tmp_path_factory.mktemp("hf_sharded"))
+    hf = write_tiny_checkpoint(path, seed=3, index_topk=INDEX_TOPK, n_group=4, topk_group=2, num_experts_per_tok=3,
+                               indexer_types=["full", "full", "shared", "full"])
+    os.remove(os.path.join(path, "model.safetensors"))
+    hf.save_pretrained(path, max_shard_size="300KB")
+    return path, hf
+
+
+def prompt(n, seed):
+    """Random ids with token 0 planted in the middle: a real token for glm53 (it has no pad id), so the reference
+    must be told it is not padding (see hf_greedy)."""
+    ids = np.random.RandomState(seed).randint(0, 256, size=n)
+    ids[n // 2] = 0
+    return ids
+
+
+def hf_greedy(hf, ids, n):
+    """Greedy cached decode of the reference. The all-ones attention_mask matters: without it transformers infers
+    the mask from pad_token_id and drops every token 0 of the prompt (tests/hf_reference.py's helper does that)."""
+    x = torch.tensor([list(ids)])
+    with torch.no_grad():
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, pad_token_id=0, use_cache=True)
+    return out[0, len(ids):].tolist()
+
+
+def test_config_from_hf_matches_hf_fields(single):
+    path, hf, model = single
+    hc, c = hf.config, model.config
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                  "v_head_dim", "index_n_heads", "index_head_dim", "index_topk", "n_routed_experts",
+                  "num_experts_per_tok", "n_shared_experts", "n_group", "topk_group", "norm_topk_prob",
+                  "routed_scaling_factor", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+                  "first_k_dense_replace"):
+        assert getattr(c, field) == getattr(hc, field), field
+    assert c.indexer_types == tuple(hc.indexer_types) == ("full", "shared", "full", "shared")
+    assert c.rope_theta == hc.rope_parameters["rope_theta"]
+    assert c.num_nextn_predict_layers == 0  # the tiny HF config has no MTP module
+    assert [("sparse" if c.is_moe_layer(i) else "dense") for i in range(c.num_hidden_layers)] == hc.mlp_layer_types
+    # to_hf -> from_hf is the identity, and the written config.json parses to the same thing.
+    assert glm53.ModelConfig.from_hf(c.to_hf()) == c
+    with open(os.path.join(path, "config.json")) as f:
+        assert glm53.ModelConfig.from_hf(json.load(f)) == c
+
+
+def test_forward_logits_match_hf(single):
+    _, hf, model = single
+    ids = prompt(56, seed=1)  # 7x index_topk: every later query attends to a strict subset of its history
+    ours = model.forward(ids)
+    ref = hf_logits(hf, ids)
+    assert ours.shape == ref.shape == (56, 256)
+    assert rel_l2(ours, ref) < 1e-4
+    # Per position too: the tail (sparse selection) must match as well as the head (dense, T <= index_topk).
+    per_pos = np.linalg.norm(ours - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert per_pos.max() < 1e-3, per_pos
+
+
+def test_greedy_generate_matches_hf_batched(single):
+    _, hf, model = single
+    prompts = [prompt(40, seed=2), prompt(27, seed=5)]  # different lengths, one generate call
+    n = 14
+    res = glm53.generate(model, [p.tolist() for p in prompts], max_new_tokens=n, cache="resident")
+    assert res.prompt_lengths == [40, 27]
+    for p, toks in zip(prompts, res.tokens):
+        assert toks == hf_greedy(hf, p, n)
+
+
+def test_sharded_checkpoint_loads_and_matches(sharded):
+    path, hf = sharded
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        shards = set(json.load(f)["weight_map"].values())
+    assert len(shards) >= 2 and not os.path.exists(os.path.join(path, "model.safetensors"))
+    model = glm53.from_pretrained(path, dtype="float32", kv_format="f32")
+    assert model.config.n_group == 4 and model.config.topk_group == 2
+    assert model.config.indexer_types == ("full", "full", "shared", "full")
+    ids = prompt(56, seed=4)
+    assert rel_l2(model.forward(ids), hf_logits(hf, ids)) < 1e-4
+    res = glm53.generate(model, [ids.tolist()], max_new_tokens=12)
+    assert res.tokens[0] == hf_greedy(hf, ids, 12)
+
+
+def test_bfloat16_forward_close_to_hf_float32(single):
+    path, hf, _ = single
+    model = glm53.from_pretrained(path, dtype="bfloat16", kv_format="bf16")
+    assert all(p.dtype == np.dtype("bfloat16") for p in
+               [model.params["embed_tokens"], model.params["layers_1"]["mlp"]["experts_gate_proj"]])
+    ids = prompt(56, seed=1)
+    ours = model.forward(ids)
+    assert ours.dtype == np.float32 and np.isfinite(ours).all()
+    err = rel_l2(ours, hf_logits(hf, ids))
+    assert err < 3e-2, err
+    assert err > 1e-6  # really ran in bf16 (not silently float32)
