@@ -36,7 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
         kv_format="f32",  # f32 | bf16 | q8g64 | fp8g128
         max_len=0,  # rows per session; 0 = prompt + new tokens
         prefill_chunk=64,  # tokens per prefill step (power of two)
-        hot_rows=128,  # offload: hot-cache slots per layer
+        hot_rows=256,  # offload: hot-cache slots per layer (>= index_topk + ring rows, a power of two)
         copyback_every=16,  # offload: rows per batched ring -> host copy
         ring_rows=0,  # offload: recent-ring rows; 0 = 2 * copyback_every
         page_rows=0,  # capacity growth unit; 0 = copyback_every

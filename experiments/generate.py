@@ -49,19 +49,25 @@ def figures(result: glm53.GenerateResult) -> dict:
             "decode_tokens_per_s_per_session": result.decode_tokens_per_s_per_session}
 
 
-def print_cache_stats(stats) -> None:
-    """A table with one row per layer when ``stats`` maps names to per-layer sequences, else the dict as is."""
-    per_layer = {k: np.asarray(v) for k, v in stats.items() if np.ndim(v) >= 1}
-    scalars = {k: v for k, v in stats.items() if k not in per_layer}
-    for k, v in scalars.items():
-        print(f"  {k}: {v}")
+def print_cache_stats(stats: dict, indent: str = "  ") -> None:
+    """Scalars as ``name: value``; per-layer sequences (also inside nested dicts) as one table row per layer."""
+    per_layer = {k: v for k, v in stats.items() if not isinstance(v, (dict, str)) and np.ndim(v) >= 1}
+    for k, v in stats.items():
+        if isinstance(v, dict):
+            print(f"{indent}{k}:")
+            print_cache_stats(v, indent + "  ")
+        elif k not in per_layer:
+            print(f"{indent}{k}: {v}")
     if per_layer:
         names = list(per_layer)
-        n = max(len(a) for a in per_layer.values())
-        print("  layer " + " ".join(f"{k:>14}" for k in names))
-        for l in range(n):
-            cells = [str(per_layer[k][l].tolist()) if l < len(per_layer[k]) else "" for k in names]
-            print(f"  {l:>5} " + " ".join(f"{c:>14}" for c in cells))
+        width = max(10, *(len(k) for k in names))
+        print(f"{indent}layer " + " ".join(f"{k:>{width}}" for k in names))
+        for l in range(max(len(v) for v in per_layer.values())):
+            cells = []
+            for k in names:
+                x = per_layer[k][l] if l < len(per_layer[k]) else ""
+                cells.append(f"{x:.4f}" if isinstance(x, float) else str(x))
+            print(f"{indent}{l:>5} " + " ".join(f"{c:>{width}}" for c in cells))
 
 
 def main(argv):

@@ -80,9 +80,17 @@ def init_cache(cfg: ModelConfig, cache_config: CacheConfig, batch: int, capacity
     full = cfg.full_indexer_layers
     slots = tuple(full.index(l) if l in full else -1 for l in range(L))
     index_keys = jnp.zeros((len(full), batch, capacity, cfg.index_head_dim), dtype)
-    return KVCache(lengths=jnp.zeros((batch,), jnp.int32), mtp_lengths=jnp.zeros((batch,), jnp.int32),
-                   history=history, index_keys=index_keys, kv_format=fmt.name, mode="resident",
-                   key_slot_of_layer=slots)
+    cache = KVCache(lengths=jnp.zeros((batch,), jnp.int32), mtp_lengths=jnp.zeros((batch,), jnp.int32),
+                    history=history, index_keys=index_keys, kv_format=fmt.name, mode="resident",
+                    key_slot_of_layer=slots)
+    return commit(cache)
+
+
+def commit(tree):
+    """Place every array explicitly on the default device (committed), as jitted steps return them: a fresh cache
+    and one returned by a step then share one jit signature, so nothing recompiles after the first step."""
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree_util.tree_map(lambda x: jax.device_put(x, dev), tree)
 
 
 def _scatter_rows(plane: jax.Array, layer: int, values: jax.Array, positions: jax.Array) -> jax.Array:

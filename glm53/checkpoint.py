@@ -14,8 +14,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from glm53.config import CacheConfig, ConfigError, ModelConfig
-from glm53.engine import Model, _dummy_inputs, _init_all, param_shapes, resolve_dtype
-from glm53.model import GLM5
+from glm53.engine import Model, init_params, param_shapes, resolve_dtype
 
 NATIVE_META = "glm53.json"
 NATIVE_FORMAT_VERSION = 1
@@ -256,10 +255,7 @@ def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype
             config = config.to_dict()
         config = ModelConfig.from_config_dict(config)
     dtype = resolve_dtype(dtype)
-    module = GLM5(config, dtype)
-    init = jax.jit(lambda key: _init_all(module, key, *_dummy_inputs(config, dtype)))
-    params = init(jax.random.key(seed))
-    return Model(config, params, dtype, cache_config=cache_config)
+    return Model(config, init_params(config, dtype, seed), dtype, cache_config=cache_config)
 
 
 # ----------------------------------------------------------------------------------------------------------------

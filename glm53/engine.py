@@ -56,6 +56,35 @@ def param_shapes(cfg: ModelConfig, dtype) -> Any:
     return jax.eval_shape(lambda: _init_all(module, jax.random.key(0), *_dummy_inputs(cfg, dtype)))
 
 
+_ONES = ("weight", "k_norm_weight")  # RMSNorm / LayerNorm scales
+_ZEROS = ("k_norm_bias", "e_score_correction_bias")
+
+
+def init_params(cfg: ModelConfig, dtype, seed: int = 0) -> Any:
+    """Random parameters: normal(0, initializer_range) matrices, unit norm scales, zero biases (as transformers
+    initialises GLM-5). Filled leaf by leaf from the shapes, so the model itself is never compiled for this."""
+    from flax.traverse_util import flatten_dict, unflatten_dict
+
+    flat = flatten_dict(param_shapes(cfg, dtype))
+    paths = sorted(flat)
+
+    @jax.jit
+    def make(key):
+        out = {}
+        for i, path in enumerate(paths):
+            s = flat[path]
+            if path[-1] in _ONES:
+                out[path] = jnp.ones(s.shape, s.dtype)
+            elif path[-1] in _ZEROS:
+                out[path] = jnp.zeros(s.shape, s.dtype)
+            else:
+                k = jax.random.fold_in(key, i)
+                out[path] = (cfg.initializer_range * jax.random.normal(k, s.shape, jnp.float32)).astype(s.dtype)
+        return out
+
+    return unflatten_dict(make(jax.random.key(seed)))
+
+
 class Model:
     """GLM-5 weights plus the jitted steps that run them.
 

@@ -12,7 +12,11 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from glm53 import cache as kvcache
-from glm53.config import CacheConfig, round_up
+from glm53 import offload
+from glm53.config import CacheConfig
+from glm53.steps import sample
+
+_sample = jax.jit(sample)
 
 
 @dataclasses.dataclass
@@ -96,7 +100,8 @@ def _as_token_lists(model, prompts) -> list[np.ndarray]:
 def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = "resident",
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, return_logits: bool = False,
              on_token: Callable[[int, int, int], None] | None = None, stop_tokens: Sequence[int] | None = None,
-             progress: bool = False, keep_cache: bool = False) -> GenerateResult:
+             progress: bool = False, keep_cache: bool = False,
+             selection_override: Callable[[int, np.ndarray], np.ndarray] | None = None) -> GenerateResult:
     """Decode ``max_new_tokens`` tokens after each prompt.
 
     ``prompts``: a list of prompts, each a list of token ids (or a string when the model has a tokenizer); lengths
@@ -104,6 +109,11 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     ``on_token(prompt_index, step, token_id)`` is called for every generated token as it is produced (this makes
     the loop wait for each token on the host). ``stop_tokens`` defaults to the model's eos ids; a session stops at
     the first one (it is included in its tokens).
+
+    ``selection_override(step, positions)`` (benchmarks only): called before each decode step after the first
+    token with the position ``[B]`` each session's new token takes; returns int ``[B, K]`` (K = the model's
+    selection size) positions that every layer attends to instead of the indexer's choice (the indexer still
+    runs; positions after the session's current one are masked, as causal attention requires). The default is always the indexer.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -128,21 +138,20 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
 
     B = len(toks)
     kv = model.new_cache(B, total, cache_config)
-    driver = None
-    if kv.mode == "offload":
-        from glm53 import offload
-        driver = offload.Driver(kv)
+    driver = offload.Driver(kv) if kv.mode == "offload" else None
     key = jax.random.key(seed)
     temp, tp = jnp.float32(temperature), jnp.float32(top_p)
 
     t0 = time.perf_counter()
     logits, _, kv = prefill(model, kv, toks, all_logits=False, progress=progress,
                             chunk=cache_config.prefill_chunk, driver=driver)
-    from glm53.steps import sample
-
-    first = jax.jit(sample)(logits, jax.random.fold_in(key, 0), temp, tp)
+    first = _sample(logits, jax.random.fold_in(key, 0), temp, tp)
     first.block_until_ready()
     t1 = time.perf_counter()
+    prefill_stats = None
+    if kv.mode == "offload":  # counters after prefill, so decode-only figures can be told apart
+        prefill_stats = offload.cache_stats(kv)
+    t_decode0 = time.perf_counter()
 
     out_tokens, out_logits = [first], [logits] if return_logits else None
     finished = np.zeros(B, bool)
@@ -167,7 +176,10 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
             break
         if driver is not None:
             driver.before_step(ones)
-        tok, lg, kv = model.steps.decode(model.params, kv, tok, jax.random.fold_in(key, i), temp, tp)
+        sel = None
+        if selection_override is not None:
+            sel = _checked_selection(selection_override(i, np.asarray(lens) + i), B, kv, model.config)
+        tok, lg, kv = model.steps.decode(model.params, kv, tok, jax.random.fold_in(key, i), temp, tp, sel)
         if driver is not None:
             kv = driver.after_step(kv, ones)
         out_tokens.append(tok)
@@ -188,12 +200,11 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
         row = all_tokens[b].tolist()
         hits = [j for j, t in enumerate(row) if t in set(stop.tolist())]
         result_tokens.append(row[: hits[0] + 1] if hits else row)
-    decode_time = max(t2 - t1, 1e-9)
+    decode_time = max(t2 - t_decode0, 1e-9)
     decoded = B * (n_steps - 1)
     stats = None
     if kv.mode == "offload":
-        from glm53 import offload
-        stats = offload.cache_stats(kv)
+        stats = offload.cache_stats(kv, since=prefill_stats)
     text = None
     if model.tokenizer is not None:
         text = [model.tokenizer.decode(t) for t in result_tokens]
@@ -203,3 +214,15 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
         time_to_first_token_s=t1 - t0, prefill_tokens_per_s=sum(lens) / max(t1 - t0, 1e-9),
         decode_tokens_per_s=decoded / decode_time, decode_tokens_per_s_per_session=(n_steps - 1) / decode_time,
         prompt_lengths=lens, cache_stats=stats, text=text, cache=kv if keep_cache else None)
+
+
+def _checked_selection(sel, B: int, kv: kvcache.KVCache, cfg) -> jax.Array:
+    """Validate a benchmark's selection override: int [B, K] inside the cache. Positions after a session's
+    current one are masked like any causal pick of the indexer."""
+    K = min(cfg.index_topk, kv.capacity)
+    arr = np.asarray(sel)
+    if arr.shape != (B, K) or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"selection_override must return int [{B}, {K}] positions, got {arr.dtype} {arr.shape}")
+    if (arr < 0).any() or (arr >= kv.capacity).any():
+        raise ValueError(f"selection_override returned positions outside [0, {kv.capacity})")
+    return jnp.asarray(arr, jnp.int32)

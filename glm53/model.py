@@ -41,15 +41,19 @@ class Step:
     write_positions: Array  # int32[B, T] = positions for real tokens, capacity (dropped) for padding
     cos: Array  # [B, T, rope/2] in the compute dtype
     sin: Array
+    # Benchmarks may dictate the DSA selection (int32[B, T, K]) to control locality. The indexer still runs and its
+    # result is merged with a traced select, so XLA cannot drop it: the cost of a step is unchanged.
+    selection: Array | None = None
 
 
-def make_step(start: Array, n_valid: Array, T: int, capacity: int, cfg: ModelConfig, dtype) -> Step:
+def make_step(start: Array, n_valid: Array, T: int, capacity: int, cfg: ModelConfig, dtype,
+              selection: Array | None = None) -> Step:
     """Positions ``start[b] + t`` for ``t < T``; tokens ``t >= n_valid[b]`` are padding and write nothing."""
     t = jnp.arange(T, dtype=jnp.int32)[None, :]
     positions = start[:, None].astype(jnp.int32) + t
     write_positions = jnp.where(t < n_valid[:, None], positions, capacity)
     cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta, dtype)
-    return Step(positions=positions, write_positions=write_positions, cos=cos, sin=sin)
+    return Step(positions=positions, write_positions=write_positions, cos=cos, sin=sin, selection=selection)
 
 
 def rope_cos_sin(positions: Array, dim: int, theta: float, dtype) -> tuple[Array, Array]:
@@ -145,7 +149,13 @@ class Indexer(nn.Module):
         weights = jnp.dot(x.astype(F32), self.weights_proj) * (c.index_n_heads ** -0.5)
         scores = ops.indexer_scores(q, weights, keys, step.positions, softmax_scale=c.index_head_dim ** -0.5)
         k_sel = min(c.index_topk, keys.shape[1])
-        return ops.topk_positions(scores, k_sel), cache
+        topk = ops.topk_positions(scores, k_sel)
+        if step.selection is not None:
+            if step.selection.shape != topk.shape:
+                raise ValueError(f"selection override has shape {step.selection.shape}, the indexer selects "
+                                 f"{topk.shape}")
+            topk = jnp.where(step.selection >= 0, step.selection.astype(topk.dtype), topk)
+        return topk, cache
 
 
 class MLAttention(nn.Module):

@@ -129,7 +129,8 @@ def to_offload(cache, cfg: ModelConfig, cc: CacheConfig, host_pages: int | None 
         copybacks=jnp.zeros((B,), jnp.int32),
         page_rows=P,
     )
-    return cache.replace(history=pool, offload=state, mode="offload")
+    from glm53.cache import commit
+    return cache.replace(history=pool, offload=commit(state), mode="offload")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -259,9 +260,10 @@ def _copyback(history: dict, st: OffloadState, sessions: Array, logical_pages: A
             rows = jax.lax.dynamic_slice(ring, (0, s, start, 0), (L, 1, P, ring.shape[-1])).reshape(L * P, -1)
             history[name] = jax.lax.dynamic_update_slice(
                 history[name], jax.device_put(rows, jax.memory.Space.Host), (pp * L * P, 0))
+        repeat = (page_table[s, lp] == pp) & (host_len[s] >= (lp + 1) * P)  # a padding entry: already written
         page_table = page_table.at[s, lp].set(pp)
         host_len = host_len.at[s].set(jnp.maximum(host_len[s], (lp + 1) * P))
-        copybacks = copybacks.at[s].add(1)
+        copybacks = copybacks.at[s].add(jnp.where(repeat, 0, 1))
     return history, st.replace(page_table=page_table, host_len=host_len, copybacks=copybacks)
 
 
@@ -313,6 +315,10 @@ class Driver:
                 self.host_len[b] += self.page_rows
         if not sessions:
             return cache
+        # Pad to a power of two by repeating the last page (rewriting it is idempotent), so the copyback compiles
+        # for a handful of sizes instead of every count a step can produce.
+        pad = (1 << (len(sessions) - 1).bit_length()) - len(sessions)
+        sessions, lpages, ppages = (x + x[-1:] * pad for x in (sessions, lpages, ppages))
         history, st = _copyback(cache.history, cache.offload, jnp.asarray(sessions, jnp.int32),
                                 jnp.asarray(lpages, jnp.int32), jnp.asarray(ppages, jnp.int32))
         return cache.replace(history=history, offload=st)
@@ -321,8 +327,9 @@ class Driver:
 # ----------------------------------------------------------------------------------------------------------------
 # Stats
 # ----------------------------------------------------------------------------------------------------------------
-def cache_stats(cache) -> dict[str, Any]:
-    """Per-layer counters (summed over sessions) and the bytes moved, as plain Python numbers."""
+def cache_stats(cache, since: dict | None = None) -> dict[str, Any]:
+    """Per-layer counters (summed over sessions) and the bytes moved, as plain Python numbers. With ``since`` (an
+    earlier result, e.g. right after prefill) a ``"decode"`` entry gives the figures accumulated after it."""
     st: OffloadState = cache.offload
     c = np.asarray(jax.device_get(st.counters)).astype(np.int64).sum(axis=1)  # [L, counters]
     row_bytes = kv_formats.get_format(cache.kv_format).bytes_per_row
@@ -332,7 +339,7 @@ def cache_stats(cache) -> dict[str, Any]:
     per["bytes_from_host"] = (c[:, 1] * row_bytes).tolist()
     pages = int(np.asarray(jax.device_get(st.copybacks)).sum())
     L = cache.num_layers
-    return {
+    out = {
         "per_layer": per,
         "hit_rate": float(c[:, 0].sum() / max(lookups.sum(), 1)),
         "hits": int(c[:, 0].sum()), "misses": int(c[:, 1].sum()), "ring_reads": int(c[:, 2].sum()),
@@ -341,3 +348,9 @@ def cache_stats(cache) -> dict[str, Any]:
         "copybacks": pages, "bytes_to_host": int(pages * st.page_rows * L * row_bytes),
         "hot_rows": st.hot_rows, "ring_rows": st.ring_rows, "page_rows": st.page_rows,
     }
+    if since is not None:
+        d = {k: out[k] - since[k] for k in ("hits", "misses", "ring_reads", "fills", "evictions",
+                                           "bytes_from_host", "copybacks", "bytes_to_host")}
+        d["hit_rate"] = d["hits"] / max(d["hits"] + d["misses"], 1)
+        out["decode"] = d
+    return out

@@ -73,22 +73,25 @@ class _Jitted:
         return (*out, rest.replace(history=history))
 
 
-def _forward(module: GLM5, params, cache: kvcache.KVCache, tokens, n_valid, *, all_logits: bool):
+def _forward(module: GLM5, params, cache: kvcache.KVCache, tokens, n_valid, selection=None, *, all_logits: bool):
     """Process ``tokens [B, T]`` at positions ``cache.lengths + t``. Returns (logits, hidden, cache): logits
     ``[B, T, V]`` if ``all_logits`` else the logits of each row's last valid token ``[B, V]``; hidden ``[B, T, H]``
-    final-normed (the MTP module's input)."""
+    final-normed (the MTP module's input). ``selection``: optional int32[B, T, K] DSA selection override (entries
+    < 0 keep the indexer's choice)."""
     B, T = tokens.shape
-    step = make_step(cache.lengths, n_valid, T, cache.capacity, module.cfg, module.dtype)
+    step = make_step(cache.lengths, n_valid, T, cache.capacity, module.cfg, module.dtype, selection)
     hidden, cache = module.apply({"params": params}, tokens, step, cache)
     h = hidden if all_logits else _last_valid(hidden, n_valid)
     logits = module.apply({"params": params}, h, method=GLM5.logits)
     return logits, hidden, kvcache.advance(cache, n_valid)
 
 
-def _decode(module: GLM5, params, cache: kvcache.KVCache, tokens, key, temperature, top_p):
-    """One token per session: ``tokens [B]`` -> (next tokens [B], their logits [B, V], cache)."""
+def _decode(module: GLM5, params, cache: kvcache.KVCache, tokens, key, temperature, top_p, selection=None):
+    """One token per session: ``tokens [B]`` -> (next tokens [B], their logits [B, V], cache). ``selection``:
+    optional int32[B, K] DSA selection override for benchmarks."""
     n_valid = jnp.ones(tokens.shape[:1], jnp.int32)
-    logits, _, cache = _forward(module, params, cache, tokens[:, None], n_valid, all_logits=False)
+    sel = None if selection is None else selection[:, None, :]
+    logits, _, cache = _forward(module, params, cache, tokens[:, None], n_valid, sel, all_logits=False)
     return sample(logits, key, temperature, top_p), logits, cache
 
 

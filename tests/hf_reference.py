@@ -52,7 +52,8 @@ def hf_logits(model, ids):
 def hf_greedy(model, ids, n):
     import torch
 
-    with torch.no_grad():
-        out = model.generate(torch.tensor([list(ids)]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=0, use_cache=True)
+    x = torch.tensor([list(ids)])
+    with torch.no_grad():  # an explicit mask: without one, transformers takes every pad_token_id in x for padding
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0, use_cache=True)
     return out[0, len(ids):].tolist()

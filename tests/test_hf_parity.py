@@ -5,6 +5,7 @@ The configs have 16 indexer heads, so exact top-k score ties (which the referenc
 and prompts well longer than ``index_topk`` so the DSA selection is really sparse.
 """
 
+import copy
 import json
 import os
 
@@ -14,7 +15,7 @@ import torch  # noqa: F401  (the reference; CI must have it: no importorskip)
 import transformers  # noqa: F401
 
 import glm53
-from hf_reference import hf_logits, write_tiny_checkpoint
+from hf_reference import hf_greedy, hf_logits, write_tiny_checkpoint
 
 INDEX_TOPK = 8
 
@@ -47,20 +48,10 @@ def sharded(tmp_path_factory):
 
 def prompt(n, seed):
     """Random ids with token 0 planted in the middle: a real token for glm53 (it has no pad id), so the reference
-    must be told it is not padding (see hf_greedy)."""
+    must be told it is not padding (see hf_reference.hf_greedy)."""
     ids = np.random.RandomState(seed).randint(0, 256, size=n)
     ids[n // 2] = 0
     return ids
-
-
-def hf_greedy(hf, ids, n):
-    """Greedy cached decode of the reference. The all-ones attention_mask matters: without it transformers infers
-    the mask from pad_token_id and drops every token 0 of the prompt (tests/hf_reference.py's helper does that)."""
-    x = torch.tensor([list(ids)])
-    with torch.no_grad():
-        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, pad_token_id=0, use_cache=True)
-    return out[0, len(ids):].tolist()
 
 
 def test_config_from_hf_matches_hf_fields(single):
@@ -120,13 +111,24 @@ def test_sharded_checkpoint_loads_and_matches(sharded):
 
 
 def test_bfloat16_forward_close_to_hf_float32(single):
+    """The bf16 path works. This random checkpoint is chaotic (unit-gain matrices, sigmoid routing and top-k picks
+    that flip under bf16 rounding): transformers' *own* bf16 forward is ~0.4 rel L2 from its float32 one over the
+    whole prompt. So: the dense-attention head of the prompt (positions < index_topk + 1, before any selection
+    can flip) is within 3e-2 of HF float32, and over the whole prompt glm53's bf16 error is no worse than the
+    reference's own bf16 error."""
     path, hf, _ = single
     model = glm53.from_pretrained(path, dtype="bfloat16", kv_format="bf16")
-    assert all(p.dtype == np.dtype("bfloat16") for p in
-               [model.params["embed_tokens"], model.params["layers_1"]["mlp"]["experts_gate_proj"]])
+    assert model.params["embed_tokens"].dtype == np.dtype("bfloat16")
+    assert model.params["layers_1"]["mlp"]["experts_gate_proj"].dtype == np.dtype("bfloat16")
     ids = prompt(56, seed=1)
     ours = model.forward(ids)
     assert ours.dtype == np.float32 and np.isfinite(ours).all()
-    err = rel_l2(ours, hf_logits(hf, ids))
-    assert err < 3e-2, err
-    assert err > 1e-6  # really ran in bf16 (not silently float32)
+    ref = hf_logits(hf, ids)
+    head = INDEX_TOPK + 1
+    err_head = rel_l2(ours[:head], ref[:head])
+    assert 1e-5 < err_head < 3e-2, err_head  # really bf16 (not silently float32), and close
+    hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    with torch.no_grad():
+        ref_bf16 = hf_bf16(torch.tensor([ids.tolist()])).logits[0].float().numpy()
+    err, err_hf = rel_l2(ours, ref), rel_l2(ref_bf16, ref)
+    assert err <= 1.25 * err_hf, (err, err_hf)

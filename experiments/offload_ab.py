@@ -1,0 +1,107 @@
+"""Resident vs offload A/B: decode speed of the same build on the same inputs, with outputs compared bit-for-bit.
+
+    python -m experiments.offload_ab --config=configs/h200_bench.py --config.run.prompt_len=50000 \
+        --out=experiments/results/offload_ab_50k.json
+
+Workloads: ``indexer`` (the model's own DSA selection) and ``local99`` (a selection override: a fixed set of
+index_topk history positions of which 1% is replaced by fresh random positions every step, so about 99% of lookups
+hit once the set is hot — the article's high-reuse regime). Each workload runs ``--pairs`` interleaved pairs
+(resident then offload, then offload then resident, ...). Compilation is excluded: every shape is warmed up first
+with a short prompt and the same cache capacity.
+"""
+
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+import glm53
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment config")
+flags.DEFINE_string("out", "", "write the results JSON here")
+flags.DEFINE_integer("pairs", 1, "interleaved resident/offload pairs per workload")
+flags.DEFINE_list("workloads", ["indexer", "local99"], "indexer | local99")
+
+
+def local99(K: int, history: int, seed: int, churn: float = 0.01):
+    """A selection override factory: the same positions every step but for ``churn`` of them."""
+    rng = np.random.default_rng(seed)
+    chosen = rng.choice(history, K, replace=False)
+
+    def override(step: int, positions: np.ndarray) -> np.ndarray:
+        n_new = max(1, int(round(churn * K)))
+        idx = rng.choice(K, n_new, replace=False)
+        chosen[idx] = rng.integers(0, history, n_new)
+        return np.broadcast_to(np.sort(chosen), (len(positions), K)).astype(np.int32)
+
+    return override
+
+
+def run_once(model, prompts, cc, new_tokens, workload, K, history, seed):
+    override = local99(K, history, seed) if workload == "local99" else None
+    return glm53.generate(model, prompts, max_new_tokens=new_tokens, cache=cc, return_logits=True,
+                          selection_override=override)
+
+
+def main(_):
+    c = FLAGS.config
+    cc = glm53.CacheConfig.from_config_dict(c.cache)
+    model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
+    rng = np.random.default_rng(c.run.seed)
+    prompts = [rng.integers(0, model.config.vocab_size, c.run.prompt_len).tolist() for _ in range(c.run.batch)]
+    new = c.run.max_new_tokens
+    cc = cc.replace(max_len=c.run.prompt_len + new)  # fixed capacity: warm-up and timed runs share every shape
+    K = min(model.config.index_topk, glm53.cache.capacity_for(cc, c.run.prompt_len + new))
+    modes = {"resident": cc.replace(mode="resident"), "offload": cc.replace(mode="offload")}
+    warm = [p[: min(len(p), cc.prefill_chunk)] for p in prompts]
+    for wl in FLAGS.workloads:
+        for m in modes.values():
+            # copyback_every + 2 tokens: decode crosses a page boundary, so the one-page copyback compiles too
+            run_once(model, warm, m, cc.copyback_every + 2, wl, K, len(warm[0]), c.run.seed)
+    print(f"{model}; prompt {c.run.prompt_len} x {c.run.batch}, {new} new tokens; warm-up done", flush=True)
+
+    results = {"config": c.to_dict(), "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+               "jax": jax.__version__, "command": " ".join(sys.argv), "workloads": {}}
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip())
+        results["git_revision"], results["git_dirty"] = rev, dirty
+    except OSError:
+        results["git_revision"] = "unknown"
+    for wl in FLAGS.workloads:
+        pairs = []
+        for p in range(FLAGS.pairs):
+            order = ("resident", "offload") if p % 2 == 0 else ("offload", "resident")
+            runs = {m: run_once(model, prompts, modes[m], new, wl, K, c.run.prompt_len, c.run.seed + p)
+                    for m in order}
+            r, o = runs["resident"], runs["offload"]
+            pair = {
+                "order": order,
+                "tokens_identical": r.tokens == o.tokens,
+                "logits_identical": bool(np.array_equal(r.logits, o.logits)),
+                "resident_decode_tok_s": r.decode_tokens_per_s, "offload_decode_tok_s": o.decode_tokens_per_s,
+                "offload_loss_pct": 100 * (1 - o.decode_tokens_per_s / r.decode_tokens_per_s),
+                "resident_ttft_s": r.time_to_first_token_s, "offload_ttft_s": o.time_to_first_token_s,
+                "resident_prefill_tok_s": r.prefill_tokens_per_s, "offload_prefill_tok_s": o.prefill_tokens_per_s,
+                "decode_hit_rate": o.cache_stats["decode"]["hit_rate"],
+                "cache_stats": o.cache_stats,
+            }
+            pairs.append(pair)
+            print(f"[{wl} pair {p}] resident {pair['resident_decode_tok_s']:.2f} tok/s, offload "
+                  f"{pair['offload_decode_tok_s']:.2f} tok/s, loss {pair['offload_loss_pct']:.2f}%, decode hit "
+                  f"rate {100 * pair['decode_hit_rate']:.2f}%, tokens identical {pair['tokens_identical']}, logits "
+                  f"identical {pair['logits_identical']}; TTFT {pair['resident_ttft_s']:.2f} s vs "
+                  f"{pair['offload_ttft_s']:.2f} s", flush=True)
+        results["workloads"][wl] = pairs
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,410 @@
+"""The public API (glm53.from_config / generate / Model.forward / draft / save / load / from_pretrained / Tokenizer)
+on one small float32 model, and the errors every entry point must raise with a clear message.
+
+One module-scoped model and few distinct shapes keep jit compilation (which dominates on CPU) bounded. Prompts are
+longer than index_topk so the DSA selection is sparse.
+"""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import glm53
+from glm53 import CacheConfig, CheckpointError, ConfigError, ModelConfig
+
+VOCAB = 128
+TOPK = 8
+
+CFG = ModelConfig(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+    first_k_dense_replace=1, num_attention_heads=2, q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=16,
+    qk_rope_head_dim=64, v_head_dim=16, index_n_heads=16, index_head_dim=128, index_topk=TOPK,
+    indexer_types=("full", "shared"), n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
+    topk_group=1, rope_theta=10000.0, max_position_embeddings=64, num_nextn_predict_layers=1,
+    bos_token_id=0, eos_token_id=None, initializer_range=0.2)  # larger init: sharper logits, real routing
+
+# 24 and 19 tokens: both prefill in one 32-token chunk, and prompt + NEW = 32 = the forward length below, so the
+# tests share a handful of compiled shapes.
+P1 = [int(x) for x in np.random.RandomState(1).randint(0, VOCAB, 24)]
+P2 = [int(x) for x in np.random.RandomState(2).randint(0, VOCAB, 19)]
+NEW = 8
+# rel L2 of the first logits vs the f32 cache: roughly the format's precision (bf16 8-bit mantissa, q8g64 int8 per
+# 64 values, fp8 e4m3 3-bit mantissa).
+KV_TOLERANCE = {"bf16": 0.01, "q8g64": 0.04, "fp8g128": 0.1}
+
+
+def rel_l2(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return glm53.from_config(CFG, seed=0, dtype="float32", cache_config=CacheConfig(kv_format="f32"))
+
+
+@pytest.fixture(scope="module")
+def batched(model):
+    return glm53.generate(model, [P1, P2], max_new_tokens=NEW, return_logits=True)
+
+
+@pytest.fixture(scope="module")
+def alone(model):
+    return [glm53.generate(model, [p], max_new_tokens=NEW, return_logits=True) for p in (P1, P2)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# model, forward, generate
+# ---------------------------------------------------------------------------------------------------------------
+def test_param_count_matches_config(model):
+    assert model.num_params() == CFG.param_count()
+    leaves = jax.tree_util.tree_leaves(model.params)
+    assert all(np.isfinite(np.asarray(x)).all() for x in leaves)
+    assert "mtp_layer" in model.params and "layers_1" in model.params
+
+
+def test_forward_shape_and_dtype(model):
+    logits = model.forward(P1)
+    assert logits.shape == (len(P1), VOCAB) and logits.dtype == np.float32
+    assert np.isfinite(logits).all()
+    # The first rows see only themselves: a prefix's logits do not depend on what follows.
+    np.testing.assert_allclose(model.forward(P1[:18]), logits[:18], rtol=1e-5, atol=1e-5)
+
+
+def test_cached_decode_equals_no_cache_recompute(model, alone):
+    """Greedy tokens of generate (prefill + one cached step per token) are the argmax of a no-cache forward over
+    prompt + generated, and the decode logits equal the recomputed ones."""
+    res = alone[0]
+    toks = res.tokens[0]
+    assert len(toks) == NEW
+    full = model.forward(P1 + toks)
+    rows = full[len(P1) - 1: len(P1) - 1 + NEW]
+    assert np.argmax(rows, axis=-1).tolist() == toks
+    np.testing.assert_allclose(res.logits[0], rows, rtol=1e-4, atol=1e-4)
+    assert len(set(toks)) > 1  # not a degenerate constant output
+
+
+def test_batched_prompts_of_different_lengths_equal_alone(batched, alone):
+    assert batched.prompt_lengths == [len(P1), len(P2)]
+    assert batched.logits.shape == (2, NEW, VOCAB) and batched.logits.dtype == np.float32
+    for b in range(2):
+        assert batched.tokens[b] == alone[b].tokens[0]
+        np.testing.assert_allclose(batched.logits[b], alone[b].logits[0], rtol=1e-5, atol=1e-5)
+    assert batched.tokens[0] != batched.tokens[1]
+
+
+def test_sampling_is_seeded_and_top_p_tiny_is_greedy(model, alone):
+    def run(seed, top_p=1.0):
+        return glm53.generate(model, [P1], max_new_tokens=NEW, temperature=1.5, top_p=top_p, seed=seed).tokens[0]
+
+    a, b, c = run(0), run(0), run(1)
+    assert a == b
+    assert a != c
+    assert run(0, top_p=1e-6) == alone[0].tokens[0]
+
+
+def test_on_token_called_for_every_token_in_order(model, batched):
+    calls = []
+    res = glm53.generate(model, [P1, P2], max_new_tokens=NEW, on_token=lambda b, i, t: calls.append((b, i, t)))
+    assert res.tokens == batched.tokens
+    for b in range(2):
+        mine = [(i, t) for bb, i, t in calls if bb == b]
+        assert mine == list(enumerate(res.tokens[b]))
+    assert [i for _, i, _ in calls] == sorted(i for _, i, _ in calls)  # step by step, sessions interleaved
+    assert len(calls) == 2 * NEW
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "q8g64", "fp8g128"])
+def test_kv_formats_run_end_to_end(model, alone, kv_format):
+    cc = CacheConfig(kv_format=kv_format)
+    res = glm53.generate(model, [P1], max_new_tokens=NEW, cache=cc, return_logits=True, keep_cache=True)
+    assert res.cache.kv_format == kv_format
+    assert len(res.tokens[0]) == NEW and all(0 <= t < VOCAB for t in res.tokens[0])
+    assert np.isfinite(res.logits).all()
+    # The first logits come from the prefill through the quantised cache on the same prompt as the f32 run.
+    err = rel_l2(res.logits[0, 0], alone[0].logits[0, 0])
+    assert 0 < err < KV_TOLERANCE[kv_format], err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MTP draft
+# ---------------------------------------------------------------------------------------------------------------
+def test_draft_shape_determinism_and_causality(model):
+    ids = P1
+    d = model.draft(ids)
+    assert d.shape == (len(ids) - 1, VOCAB) and d.dtype == np.float32 and np.isfinite(d).all()
+    np.testing.assert_array_equal(model.draft(ids), d)
+    k = 18
+    np.testing.assert_allclose(model.draft(ids[:k]), d[: k - 1], rtol=1e-5, atol=1e-5)
+    # The draft depends on its inputs: changing token k changes rows >= k-1 only.
+    other = list(ids)
+    other[k] = (other[k] + 1) % VOCAB
+    d2 = model.draft(other)
+    np.testing.assert_allclose(d2[: k - 1], d[: k - 1], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(d2[k - 1], d[k - 1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# save / load, tokenizer
+# ---------------------------------------------------------------------------------------------------------------
+def test_save_load_round_trip(model, alone, tmp_path):
+    model.save(str(tmp_path / "ckpt"))
+    assert os.path.exists(tmp_path / "ckpt" / "glm53.json")
+    loaded = glm53.load(str(tmp_path / "ckpt"))
+    assert loaded.config == model.config
+    flat_a = jax.tree_util.tree_leaves_with_path(model.params)
+    flat_b = dict(jax.tree_util.tree_leaves_with_path(loaded.params))
+    assert len(flat_a) == len(flat_b)
+    for path, a in flat_a:
+        b = flat_b[path]
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
+    assert glm53.generate(loaded, [P1], max_new_tokens=NEW).tokens == alone[0].tokens
+    with pytest.raises(FileExistsError):
+        model.save(str(tmp_path / "ckpt"))
+
+
+def _word_tokenizer(path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(VOCAB)}, unk_token="w1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path))
+    return str(path)
+
+
+def test_tokenizer_strings_in_text_out(model, alone, tmp_path):
+    tok = glm53.Tokenizer.from_file(_word_tokenizer(tmp_path / "tokenizer.json"))
+    text = " ".join(f"w{i}" for i in P1)
+    assert tok.encode(text) == P1
+    model.tokenizer = tok
+    try:
+        res = glm53.generate(model, [text], max_new_tokens=NEW)
+    finally:
+        model.tokenizer = None
+    assert res.tokens == alone[0].tokens
+    assert res.text == [" ".join(f"w{t}" for t in res.tokens[0])]
+    assert alone[0].text is None
+
+
+def test_string_prompt_without_tokenizer_raises(model):
+    assert model.tokenizer is None
+    with pytest.raises(ValueError, match="no tokenizer"):
+        glm53.generate(model, ["w1 w2"], max_new_tokens=2)
+
+
+def test_tokenizer_bad_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no tokenizer file"):
+        glm53.Tokenizer.from_file(str(tmp_path / "nope.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not a valid tokenizer.json"):
+        glm53.Tokenizer.from_file(str(bad))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# input errors
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad_id", [-1, VOCAB, VOCAB + 1000])
+def test_token_ids_outside_vocab(model, bad_id):
+    with pytest.raises(ValueError, match=rf"token id {bad_id} at index 2, outside the vocabulary \[0, {VOCAB}\)"):
+        glm53.generate(model, [[1, 2, bad_id, 3]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model.forward([bad_id])
+
+
+def test_prompt_errors(model):
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        glm53.generate(model, [[1, 2], []], max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompts is empty"):
+        glm53.generate(model, [], max_new_tokens=2)
+    with pytest.raises(TypeError, match="list of prompts"):
+        glm53.generate(model, [1, 2, 3], max_new_tokens=2)
+    with pytest.raises(TypeError, match="integer token ids"):
+        glm53.generate(model, [[1.5, 2.0]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_position_embeddings=64"):
+        glm53.generate(model, [P1], max_new_tokens=64 - len(P1) + 1)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model.forward(list(range(65)))
+    for n in (0, -3):
+        with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+            glm53.generate(model, [P1], max_new_tokens=n)
+    with pytest.raises(ValueError, match="top_p"):
+        glm53.generate(model, [P1], max_new_tokens=2, top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        glm53.generate(model, [P1], max_new_tokens=2, temperature=-1.0)
+
+
+def test_cache_config_errors(model):
+    with pytest.raises(ValueError, match="Unknown KV format 'int4'"):
+        CacheConfig(kv_format="int4")
+    with pytest.raises(ConfigError, match="cache mode 'disk' unknown"):
+        CacheConfig(mode="disk")
+    with pytest.raises(ConfigError, match="cache mode 'disk' unknown"):
+        glm53.generate(model, [P1], max_new_tokens=2, cache="disk")
+    with pytest.raises(TypeError, match="cache must be"):
+        glm53.generate(model, [P1], max_new_tokens=2, cache=3)
+    with pytest.raises(ConfigError, match="prefill_chunk=100 must be a power of two"):
+        CacheConfig(prefill_chunk=100)
+    with pytest.raises(ConfigError, match="unknown cache config fields"):
+        CacheConfig.from_config_dict({"mode": "resident", "hot_row": 4})
+    # max_len too small for prompt + new tokens (24 + 8 = 32 positions).
+    with pytest.raises(ValueError, match=r"cache.max_len=16 rows cannot hold the 32 positions"):
+        glm53.generate(model, [P1], max_new_tokens=NEW, cache=CacheConfig(kv_format="f32", max_len=16))
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(indexer_types=("full",) * 3), "indexer_types has 3 entries for 2 layers"),
+    (dict(indexer_types=("shared", "full")), r"indexer_types\[0\] must be 'full'"),
+    (dict(indexer_types=("full", "dense")), "must be 'full' or 'shared'"),
+    (dict(num_experts_per_tok=5), r"num_experts_per_tok=5 must be in \[1, n_routed_experts=4\]"),
+    (dict(n_group=3), "n_group=3 must divide n_routed_experts=4"),
+    (dict(topk_group=3), r"topk_group=3 must be in \[1, n_group=2\]"),
+    (dict(kv_lora_rank=256), "kv_lora_rank=256"),
+    (dict(qk_rope_head_dim=32), "qk_rope_head_dim=32"),
+    (dict(num_nextn_predict_layers=2), "num_nextn_predict_layers=2"),
+    (dict(first_k_dense_replace=3), "first_k_dense_replace=3"),
+])
+def test_impossible_model_configs(change, match):
+    import dataclasses
+
+    kw = {f.name: getattr(CFG, f.name) for f in dataclasses.fields(CFG)}
+    kw.update(change)
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(**kw)
+
+
+def test_model_config_dict_errors():
+    with pytest.raises(ConfigError, match=r"unknown model config fields \['hiden_size'\]"):
+        ModelConfig.from_config_dict({"hiden_size": 3})
+    with pytest.raises(ConfigError, match="model_type='llama'"):
+        ModelConfig.from_hf({**CFG.to_hf(), "model_type": "llama"})
+    with pytest.raises(ConfigError, match="rope_type='yarn'"):
+        ModelConfig.from_hf({**CFG.to_hf(), "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checkpoint errors: a tiny HF checkpoint written by transformers, then corrupted one way per test
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from hf_reference import write_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("hf_ok")
+    write_tiny_checkpoint(str(path), seed=0, num_hidden_layers=2, indexer_types=["full", "shared"])
+    return path
+
+
+@pytest.fixture
+def ckpt(hf_dir, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(hf_dir, dst)
+    return dst
+
+
+def _rewrite(path, edit):
+    from safetensors.torch import load_file, save_file
+
+    f = str(path / "model.safetensors")
+    tensors = load_file(f)
+    edit(tensors)
+    save_file(tensors, f, metadata={"format": "pt"})
+
+
+def test_valid_checkpoint_loads_with_tokenizer(ckpt):
+    _word_tokenizer(ckpt / "tokenizer.json")
+    m = glm53.from_pretrained(str(ckpt), dtype="float32", kv_format="f32")
+    assert m.config.num_hidden_layers == 2 and m.cache_config.kv_format == "f32"
+    assert m.tokenizer is not None and m.tokenizer.encode("w3 w5") == [3, 5]
+
+
+def test_missing_tensor(ckpt):
+    _rewrite(ckpt, lambda t: t.pop("model.layers.1.self_attn.kv_b_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"1 parameters missing.*layers_1/self_attn/kv_b_proj"):
+        glm53.from_pretrained(str(ckpt))
+
+
+def test_missing_expert(ckpt):
+    _rewrite(ckpt, lambda t: t.pop("model.layers.1.mlp.experts.5.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"experts \[5\] missing"):
+        glm53.from_pretrained(str(ckpt))
+
+
+def test_unexpected_tensor(ckpt):
+    import torch
+
+    _rewrite(ckpt, lambda t: t.update({"model.layers.0.self_attn.extra_proj.weight": torch.zeros(4, 4)}))
+    with pytest.raises(CheckpointError, match=r"1 unexpected tensors.*model.layers.0.self_attn.extra_proj.weight"):
+        glm53.from_pretrained(str(ckpt))
+
+
+def test_misshaped_tensor(ckpt):
+    import torch
+
+    _rewrite(ckpt, lambda t: t.update({"model.layers.0.self_attn.o_proj.weight": torch.zeros(64, 8)}))
+    with pytest.raises(CheckpointError, match=r"tensor model.layers.0.self_attn.o_proj.weight: shape \(8, 64\)"):
+        glm53.from_pretrained(str(ckpt))
+
+
+def test_config_json_mismatch(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["hidden_size"] = 48
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="does not match the model's"):
+        glm53.from_pretrained(str(ckpt))
+
+
+def test_config_json_missing_or_broken(ckpt):
+    cfg_text = (ckpt / "config.json").read_text()
+    (ckpt / "config.json").write_text("{oops")
+    with pytest.raises(CheckpointError, match="is not valid JSON"):
+        glm53.from_pretrained(str(ckpt))
+    cfg = json.loads(cfg_text)
+    del cfg["kv_lora_rank"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="lacks the field 'kv_lora_rank'"):
+        glm53.from_pretrained(str(ckpt))
+    os.remove(ckpt / "config.json")
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        glm53.from_pretrained(str(ckpt))
+
+
+def test_no_weights_file(ckpt):
+    os.remove(ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match="no weights in"):
+        glm53.from_pretrained(str(ckpt))
+
+
+def test_truncated_safetensors(ckpt):
+    f = ckpt / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="cannot read"):
+        glm53.from_pretrained(str(ckpt))
+    f.write_bytes(b"\x00" * 64)  # garbage header
+    with pytest.raises(CheckpointError, match="cannot read"):
+        glm53.from_pretrained(str(ckpt))
+
+
+def test_shard_missing_from_index(ckpt):
+    from transformers import GlmMoeDsaForCausalLM
+
+    hf = GlmMoeDsaForCausalLM.from_pretrained(str(ckpt))
+    shard_dir = ckpt.parent / "sharded"
+    hf.save_pretrained(str(shard_dir), max_shard_size="300KB")
+    index = json.loads((shard_dir / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 2
+    glm53.from_pretrained(str(shard_dir))  # complete: loads
+    os.remove(shard_dir / shards[1])
+    with pytest.raises(CheckpointError, match=f"names shards that are not in .*{shards[1]}"):
+        glm53.from_pretrained(str(shard_dir))
+
+
+def test_load_on_non_glm53_dir(ckpt, tmp_path):
+    with pytest.raises(CheckpointError, match="not a glm53 checkpoint"):
+        glm53.load(str(ckpt))
+    with pytest.raises(CheckpointError, match="not a glm53 checkpoint"):
+        glm53.load(str(tmp_path / "empty"))

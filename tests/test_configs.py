@@ -1,0 +1,93 @@
+"""Every configs/*.py maps onto the typed configs; the full-size and H200 configs have the sizes they claim; the
+absl entry point runs with command-line overrides."""
+
+import glob
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import glm53
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+                 if not p.endswith("__init__.py"))
+
+
+def get(name):
+    return importlib.import_module(f"configs.{name}").get_config()
+
+
+def test_expected_configs_exist():
+    assert {"tiny", "glm5", "h200_bench"} <= set(CONFIGS)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_maps_onto_typed_configs(name):
+    c = get(name)
+    model = glm53.ModelConfig.from_config_dict(c.model)
+    cache = glm53.CacheConfig.from_config_dict(c.cache)
+    assert model.param_count() > 0 and cache.mode in ("resident", "offload")
+    assert c.dtype in ("float32", "bfloat16")
+    assert {"prompt_len", "batch", "max_new_tokens", "temperature", "top_p", "seed", "output_json",
+            "compare_resident"} <= set(c.run.keys())
+    assert c.run.prompt_len + c.run.max_new_tokens <= model.max_position_embeddings
+    assert model == glm53.ModelConfig.from_hf(model.to_hf())
+
+
+def test_glm5_full_size():
+    c = get("glm5")
+    m = glm53.ModelConfig.from_config_dict(c.model)
+    assert m == glm53.ModelConfig()  # exactly the library's full-size defaults (transformers GlmMoeDsaConfig)
+    n = m.param_count()
+    print(f"GLM-5 parameters: {n:,} ({n / 1e9:.2f}B)")
+    assert 744e9 <= n <= 754e9  # published ~744B total (MTP included)
+    assert (c.cache.mode, c.cache.kv_format, c.cache.hot_rows, c.cache.copyback_every, c.cache.prefill_chunk) == \
+        ("offload", "q8g64", 32768, 64, 2048)
+    assert c.dtype == "bfloat16" and m.num_cache_layers == 79 and set(m.indexer_types) == {"full"}
+
+
+def test_h200_bench_fits_one_h200():
+    c = get("h200_bench")
+    m = glm53.ModelConfig.from_config_dict(c.model)
+    full = glm53.ModelConfig()
+    for f in ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+              "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk", "vocab_size",
+              "intermediate_size", "moe_intermediate_size", "num_experts_per_tok"):
+        assert getattr(m, f) == getattr(full, f), f
+    assert (m.num_hidden_layers, m.first_k_dense_replace, m.n_routed_experts) == (8, 1, 16)
+    assert m.indexer_types == ("full", "shared") * 4
+    gb = 2 * m.param_count() / 1e9  # bf16
+    print(f"h200_bench: {m.param_count():,} params, {gb:.1f} GB in bf16")
+    assert gb < 60
+    assert c.run.prompt_len == 8192 and c.cache.mode == "resident" and c.cache.kv_format == "q8g64"
+
+
+def _run_generate(*extra):
+    cmd = [sys.executable, "-m", "experiments.generate", "--config=configs/tiny.py", "--config.run.max_new_tokens=3",
+           "--config.run.prompt_len=20", "--config.run.batch=1", *extra]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_generate_entry_point_with_overrides(tmp_path):
+    out = tmp_path / "res" / "run.json"
+    p = _run_generate(f"--config.run.output_json={out}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "1 x 20-token prompts, 3 new tokens" in p.stdout
+    lines = [l for l in p.stdout.splitlines() if l.startswith("session 0: [")]
+    assert len(lines) == 1 and len(json.loads(lines[0].split(": ", 1)[1])) == 3
+    assert "decode" in p.stdout and "tok/s" in p.stdout and "Model(" in p.stdout
+    report = json.loads(out.read_text())
+    assert report["config"]["run"]["prompt_len"] == 20 and report["config"]["run"]["max_new_tokens"] == 3
+    assert len(report["git"]["commit"]) == 40 and isinstance(report["git"]["dirty"], bool)
+    assert "--config.run.prompt_len=20" in report["command"] and "experiments" in report["command"]
+    assert report["figures"]["run"]["decode_tokens_per_s"] > 0 and report["jax_version"]
+    assert len(report["tokens"]) == 1 and len(report["tokens"][0]) == 3
+
+
+def test_generate_entry_point_rejects_unknown_override():
+    p = _run_generate("--config.run.no_such_field=1")
+    assert p.returncode != 0

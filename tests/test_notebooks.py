@@ -1,0 +1,25 @@
+"""Every notebook in notebooks/ executes top to bottom without an error (kernel python3 from this environment)."""
+
+import glob
+import os
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
+
+
+def test_notebooks_exist():
+    assert NOTEBOOKS, "no notebooks in notebooks/"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+def test_notebook_executes(path):
+    nb = nbformat.read(path, as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit notebooks with outputs cleared"
+    # Raises CellExecutionError (with the cell and traceback) on the first failing cell.
+    NotebookClient(nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": ROOT}}).execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors
