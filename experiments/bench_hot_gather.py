@@ -8,8 +8,6 @@ Every timed configuration is first checked bit-for-bit against the jnp reference
 """
 
 import json
-import subprocess
-import sys
 import time
 
 import jax
@@ -18,6 +16,7 @@ import numpy as np
 from absl import app, flags
 
 from glm53 import kv_formats
+from experiments.provenance import provenance
 from kernels_pallas import hot_gather as hg
 
 FLAGS = flags.FLAGS
@@ -106,12 +105,7 @@ def main(_):
     results["bulk_copy_GBps"] = n_hist * fmt.bytes_per_row / t_bulk / 1e9
     miss = results["cases"]["all_misses"]
     results["all_misses_fraction_of_zero_copy"] = miss["host_GBps"] / zero_copy
-    results["command"] = " ".join(sys.argv)
-    try:
-        results["git_revision"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                                 text=True).stdout.strip()
-    except OSError:
-        results["git_revision"] = "unknown"
+    results.update(provenance())
     print(f"{'case':<32}{'ms':>10}{'host GB/s':>12}  bit-identical")
     for name, c in results["cases"].items():
         print(f"{name:<32}{c['ms']:>10.4f}{c.get('host_GBps', float('nan')):>12.2f}  "

@@ -8,8 +8,6 @@ A warm-up generate with the same shapes (max_new_tokens=2) runs first, so jit co
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -17,6 +15,7 @@ from absl import app
 from ml_collections import config_flags
 
 import glm53
+from experiments.provenance import provenance
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config (configs/*.py)", lock_config=True)
 
@@ -31,16 +30,6 @@ def build_model(config) -> glm53.Model:
         model.cache_config = cache_config
         return model
     return glm53.from_pretrained(path, dtype=config.dtype, cache_config=cache_config)
-
-
-def git_revision() -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, check=True)
-        return {"commit": rev.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
-    except (OSError, subprocess.CalledProcessError) as e:
-        return {"commit": None, "dirty": None, "error": str(e)}
 
 
 def figures(result: glm53.GenerateResult) -> dict:
@@ -115,7 +104,7 @@ def main(argv):
         report = {"config": config.to_dict(), "figures": out, "tokens": result.tokens,
                   "cache_stats": jax.tree_util.tree_map(lambda x: np.asarray(x).tolist(), result.cache_stats),
                   "jax_version": jax.__version__, "backend": jax.default_backend(),
-                  "device_kind": jax.devices()[0].device_kind, "command": " ".join(sys.argv), "git": git_revision()}
+                  **provenance()}
         os.makedirs(os.path.dirname(os.path.abspath(run.output_json)), exist_ok=True)
         with open(run.output_json, "w") as f:
             json.dump(report, f, indent=2, default=str)

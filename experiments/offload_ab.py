@@ -11,15 +11,12 @@ with a short prompt and the same cache capacity.
 """
 
 import json
-import subprocess
-import sys
-
-import jax
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
 import glm53
+from experiments.provenance import provenance
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment config")
@@ -31,7 +28,7 @@ flags.DEFINE_list("workloads", ["indexer", "local99"], "indexer | local99")
 def local99(K: int, history: int, seed: int, churn: float = 0.01):
     """A selection override factory: the same positions every step but for ``churn`` of them."""
     rng = np.random.default_rng(seed)
-    chosen = rng.choice(history, K, replace=False)
+    chosen = rng.choice(history, K, replace=history < K)
 
     def override(step: int, positions: np.ndarray) -> np.ndarray:
         n_new = max(1, int(round(churn * K)))
@@ -65,14 +62,7 @@ def main(_):
             run_once(model, warm, m, cc.copyback_every + 2, wl, K, len(warm[0]), c.run.seed)
     print(f"{model}; prompt {c.run.prompt_len} x {c.run.batch}, {new} new tokens; warm-up done", flush=True)
 
-    results = {"config": c.to_dict(), "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
-               "jax": jax.__version__, "command": " ".join(sys.argv), "workloads": {}}
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip())
-        results["git_revision"], results["git_dirty"] = rev, dirty
-    except OSError:
-        results["git_revision"] = "unknown"
+    results = {"config": c.to_dict(), **provenance(), "workloads": {}}
     for wl in FLAGS.workloads:
         pairs = []
         for p in range(FLAGS.pairs):

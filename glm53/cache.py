@@ -17,7 +17,6 @@ modes differ.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import flax.struct

@@ -10,10 +10,9 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from glm53.config import CacheConfig, ConfigError, ModelConfig
+from glm53.config import CacheConfig, ModelConfig
 from glm53.engine import Model, init_params, param_shapes, resolve_dtype
 
 NATIVE_META = "glm53.json"

@@ -15,7 +15,6 @@ new cache; ``glm53.cache`` decides where rows live (resident or offload), so thi
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -180,7 +179,7 @@ class MLAttention(nn.Module):
     def __call__(self, x: Array, step: Step, cache: kvcache.KVCache, prev_topk: Array | None):
         c = self.cfg
         B, T, _ = x.shape
-        h, nope, r, v = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        h, nope, v = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).reshape(B, T, h, c.qk_head_dim)
         q_nope = q[..., :nope]

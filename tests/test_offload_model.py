@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 import glm53
-from glm53 import offload
 from glm53.config import CacheConfig, ConfigError, ModelConfig
 
 CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,

@@ -124,7 +124,6 @@ def test_random_rounds_keep_invariants(seed, steps):
             for b in range(B):
                 for t in range(n_valid[b]):
                     shadow[layer][b][lengths[b] + t] = {n: v[b, t] for n, v in pk.items()}
-        before_pos = np.asarray(cache.offload.position_of_slot)
         cache, outs, before, valid = round_fn(cache, jnp.asarray(latent), jnp.asarray(rope), jnp.asarray(n_valid),
                                               jnp.asarray(sel, jnp.int32))
         valid = np.asarray(valid)

@@ -1,0 +1,32 @@
+"""Where a measurement came from: the git revision (and whether the tree was dirty), the command, the machine."""
+
+import os
+import subprocess
+import sys
+
+import jax
+
+
+def git_revision() -> dict:
+    """``{"commit", "dirty"}`` of this checkout. A copy of the tree without ``.git`` (e.g. on a lent GPU machine)
+    takes them from ``GLM53_GIT_REVISION`` / ``GLM53_GIT_DIRTY``, set by whoever copied it."""
+    if os.environ.get("GLM53_GIT_REVISION"):
+        return {"commit": os.environ["GLM53_GIT_REVISION"], "dirty": os.environ.get("GLM53_GIT_DIRTY", "0") == "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, check=True)
+        return {"commit": rev.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.CalledProcessError) as e:
+        return {"commit": None, "dirty": None, "error": str(e)}
+
+
+def provenance() -> dict:
+    return {"git": git_revision(), "command": "python -m " + " ".join([_module_name()] + sys.argv[1:]),
+            "jax": jax.__version__, "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind}
+
+
+def _module_name() -> str:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return spec.name if spec is not None else sys.argv[0]
