@@ -88,9 +88,9 @@ def main(_):
                   f"identical {pair['logits_identical']}; TTFT {pair['resident_ttft_s']:.2f} s vs "
                   f"{pair['offload_ttft_s']:.2f} s", flush=True)
         results["workloads"][wl] = pairs
-    if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            json.dump(results, f, indent=2, default=str)
+        if FLAGS.out:  # after every workload, so a run cut short still leaves what it measured
+            with open(FLAGS.out, "w") as f:
+                json.dump(results, f, indent=2, default=str)
 
 
 if __name__ == "__main__":
