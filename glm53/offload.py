@@ -15,8 +15,9 @@ This is the article's final design ("let the GPU manage the hot cache directly")
   ``ring`` of rows not yet in host memory, and counters.
 * **One round per layer** (``gather_rows``, inside the jitted step, no host round trip): classify each selected
   position — ``p >= host_len``: ring; ``slot_of_position[p] >= 0``: hit; else miss — then one Pallas kernel
-  (``kernels_pallas.hot_gather``) reads ring and hot rows from device memory and misses straight from host memory,
-  then the round's unique misses are installed into victim slots for *later* rounds. Visibility comes from data
+  (``kernels_pallas.hot_gather``) reads ring and hot rows from device memory and misses straight from host memory;
+  the round's unique misses are installed into victim slots for *later* rounds (``finish_round``, batched over
+  the layers at the end of the step). Visibility comes from data
   dependence: fills happen after the gather, so slots filled this round are hit sources only next round, and
   duplicate misses of one round each read host memory. Victims are the first unpinned slots from ``clock`` onward
   in circular order, found with one cumsum over the slots (O(H), no pathological scan like the article's clock
@@ -61,6 +62,8 @@ class OffloadState:
     clock: Array  # int32[L, B]: where the next victim search starts
     counters: Array  # int32[L, B, len(COUNTERS)]
     copybacks: Array  # int32[B]: pages written to host memory
+    # Inside a step only: each layer's round awaiting its fill (``finish_round``); always None between steps.
+    pending: Any = None
     page_rows: int = flax.struct.field(pytree_node=False, default=64)
 
     @property
@@ -179,7 +182,8 @@ def _gather_packed(cache, source: Array, row: Array) -> dict:
 
 
 def gather_rows(cache, layer: int, selected: Array, valid: Array, dtype):
-    """One round of one layer: read the selected rows (ring / hit / miss), then install the round's misses."""
+    """One round of one layer: read the selected rows (ring / hit / miss). The round's misses are installed later,
+    by ``finish_round`` at the end of the step, for all layers at once (see there)."""
     st: OffloadState = cache.offload
     B, T, K = selected.shape
     pos = selected.reshape(B, T * K).astype(jnp.int32)
@@ -187,33 +191,62 @@ def gather_rows(cache, layer: int, selected: Array, valid: Array, dtype):
     packed = _gather_packed(cache, source, row)  # {plane: [B*M, W]}
     packed = {n: v.reshape(B, T * K, v.shape[-1]) for n, v in packed.items()}
     latent, rope = kv_formats.unpack(kv_formats.get_format(cache.kv_format), packed, dtype)
-    st = fill(st, layer, pos, source, slot, valid.reshape(B, T * K), packed)
-    return latent.reshape(B, T, K, -1), rope.reshape(B, T, K, -1), cache.replace(offload=st)
+    pending = (st.pending or ()) + (dict(layer=layer, tokens=T, pos=pos, source=source, slot=slot,
+                                         valid=valid.reshape(B, T * K), packed=packed),)
+    return latent.reshape(B, T, K, -1), rope.reshape(B, T, K, -1), cache.replace(offload=st.replace(pending=pending))
 
 
-def fill(st: OffloadState, layer: int, pos: Array, source: Array, slot: Array, valid: Array, packed: dict):
-    """Install this round's unique valid misses into victim slots; pins = slots read as hits this round."""
+def finish_round(cache):
+    """Install every layer's misses of this step into victim slots, in one batched pass over the layers.
+
+    Why at the end of the step and not right after each layer's gather: a layer's fill only has to happen before
+    that layer's next gather (next step), and the layers' hot caches are independent, so the result is the same;
+    but one pass over [layers, sessions] launches the ~20 small sort/scan/scatter kernels of a fill once per step
+    instead of once per layer, which is most of what offload adds to a decode step (measured on the H200).
+    """
+    st: OffloadState = cache.offload
+    if not st.pending:
+        return cache
+    groups: dict[int, list] = {}
+    for p in st.pending:  # one group per round size (all layers of a step share it)
+        groups.setdefault(p["tokens"], []).append(p)
+    for tokens, items in groups.items():
+        st = _fill_layers(st, items, distinct=(tokens == 1))
+    return cache.replace(offload=st.replace(pending=None))
+
+
+def _fill_layers(st: OffloadState, items: list, distinct: bool) -> OffloadState:
+    """Fill for the layers in ``items`` (stacked); ``distinct``: a single query's top-k positions are distinct,
+    so no deduplication (no sort) is needed."""
     from kernels_pallas.hot_gather import HOST, HOT
 
-    B, M = pos.shape
+    layers = jnp.asarray([p["layer"] for p in items], jnp.int32)
+    pos, source, slot, valid = (jnp.stack([p[k] for p in items]) for k in ("pos", "source", "slot", "valid"))
+    packed = {n: jnp.stack([p["packed"][n] for p in items]) for n in items[0]["packed"]}  # [Lp, B, M, W]
+    Lp, B, M = pos.shape
     N = st.slot_of_position.shape[2]
     H = st.hot_rows
     F = min(M, H)  # most fills one round can make
+    # A round pins at most M slots (its hits), so the first M + F slots from the clock hold F unpinned ones.
+    W = min(H, M + F)
     is_hit, is_miss = source == HOT, source == HOST
 
     def per_session(pos, is_hit, is_miss, slot, valid, clock, pos_of_slot):
         pinned = jnp.zeros((H,), bool).at[jnp.where(is_hit, slot, H)].set(True, mode="drop")
-        key = jnp.where(is_miss & valid, pos, N)
-        order = jnp.argsort(key, stable=True)
-        skey = key[order]
-        first = (skey < N) & jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]])
+        wanted = is_miss & valid
+        if distinct:
+            first, order = wanted, jnp.arange(M, dtype=jnp.int32)
+        else:
+            key = jnp.where(wanted, pos, N)
+            order = jnp.argsort(key, stable=True).astype(jnp.int32)
+            skey = key[order]
+            first = (skey < N) & jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]])
         n_unique = first.sum()
         rank = jnp.cumsum(first) - 1
-        unique_entry = jnp.zeros((M,), jnp.int32).at[jnp.where(first, rank, M)].set(order.astype(jnp.int32),
-                                                                                     mode="drop")
-        slot_at = (clock + jnp.arange(H, dtype=jnp.int32)) % H  # slots in circular order from the clock
+        unique_entry = jnp.zeros((M,), jnp.int32).at[jnp.where(first, rank, M)].set(order, mode="drop")
+        slot_at = (clock + jnp.arange(W, dtype=jnp.int32)) % H  # slots in circular order from the clock
         free_at = ~pinned[slot_at]
-        victim_of_rank = jnp.full((H,), H, jnp.int32).at[jnp.where(free_at, jnp.cumsum(free_at) - 1, H)].set(
+        victim_of_rank = jnp.full((W,), H, jnp.int32).at[jnp.where(free_at, jnp.cumsum(free_at) - 1, W)].set(
             slot_at, mode="drop")
         n_fill = jnp.minimum(n_unique, free_at.sum())
         j = jnp.arange(F)
@@ -228,18 +261,21 @@ def fill(st: OffloadState, layer: int, pos: Array, source: Array, slot: Array, v
                             (old_pos >= 0).sum()]).astype(jnp.int32)
         return pinned, victim, entry, new_pos, old_pos, new_clock, counts
 
-    pinned, victim, entry, new_pos, old_pos, new_clock, counts = jax.vmap(per_session)(
-        pos, is_hit, is_miss, slot, valid, st.clock[layer], st.position_of_slot[layer])
-    b = jnp.broadcast_to(jnp.arange(B)[:, None], victim.shape)
+    per_layer = jax.vmap(jax.vmap(per_session))
+    pinned, victim, entry, new_pos, old_pos, new_clock, counts = per_layer(
+        pos, is_hit, is_miss, slot, valid, st.clock[layers], st.position_of_slot[layers])
+    l_idx = jnp.broadcast_to(layers[:, None, None], victim.shape)
+    b_idx = jnp.broadcast_to(jnp.arange(B)[None, :, None], victim.shape)
     # Evict first, then fill: evicted positions were hot and filled ones were not, so the two sets are disjoint.
-    slot_of_position = st.slot_of_position.at[layer, b, jnp.where(old_pos >= 0, old_pos, N)].set(-1, mode="drop")
-    slot_of_position = slot_of_position.at[layer, b, new_pos].set(victim, mode="drop")
-    position_of_slot = st.position_of_slot.at[layer, b, victim].set(new_pos, mode="drop")
-    rows = {n: jnp.take_along_axis(v, entry[..., None], axis=1) for n, v in packed.items()}  # [B, F, W]
-    hot = {n: st.hot[n].at[layer, b, victim].set(rows[n], mode="drop") for n in st.hot}
+    slot_of_position = st.slot_of_position.at[l_idx, b_idx, jnp.where(old_pos >= 0, old_pos, N)].set(
+        -1, mode="drop")
+    slot_of_position = slot_of_position.at[l_idx, b_idx, new_pos].set(victim, mode="drop")
+    position_of_slot = st.position_of_slot.at[l_idx, b_idx, victim].set(new_pos, mode="drop")
+    rows = {n: jnp.take_along_axis(v, entry[..., None], axis=2) for n, v in packed.items()}  # [Lp, B, F, W]
+    hot = {n: st.hot[n].at[l_idx, b_idx, victim].set(rows[n], mode="drop") for n in st.hot}
     return st.replace(slot_of_position=slot_of_position, position_of_slot=position_of_slot, hot=hot,
-                      pinned=st.pinned.at[layer].set(pinned), clock=st.clock.at[layer].set(new_clock),
-                      counters=st.counters.at[layer].add(counts))
+                      pinned=st.pinned.at[layers].set(pinned), clock=st.clock.at[layers].set(new_clock),
+                      counters=st.counters.at[layers].add(counts))
 
 
 # ----------------------------------------------------------------------------------------------------------------

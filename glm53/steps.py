@@ -19,6 +19,13 @@ from glm53.model import GLM5, make_step
 F32 = jnp.float32
 
 
+def _finish_round(cache: kvcache.KVCache) -> kvcache.KVCache:
+    if cache.mode != "offload":
+        return cache
+    from glm53 import offload
+    return offload.finish_round(cache)
+
+
 def _last_valid(x: jax.Array, n_valid: jax.Array) -> jax.Array:
     """x[b, n_valid[b] - 1] (index 0 for rows with no valid token: their output is ignored)."""
     idx = jnp.maximum(n_valid - 1, 0)
@@ -81,6 +88,7 @@ def _forward(module: GLM5, params, cache: kvcache.KVCache, tokens, n_valid, sele
     B, T = tokens.shape
     step = make_step(cache.lengths, n_valid, T, cache.capacity, module.cfg, module.dtype, selection)
     hidden, cache = module.apply({"params": params}, tokens, step, cache)
+    cache = _finish_round(cache)
     h = hidden if all_logits else _last_valid(hidden, n_valid)
     logits = module.apply({"params": params}, h, method=GLM5.logits)
     return logits, hidden, kvcache.advance(cache, n_valid)
@@ -101,5 +109,6 @@ def _mtp(module: GLM5, params, cache: kvcache.KVCache, hidden, next_tokens, n_va
     B, T = next_tokens.shape
     step = make_step(cache.mtp_lengths, n_valid, T, cache.capacity, module.cfg, module.dtype)
     mtp_hidden, cache = module.apply({"params": params}, hidden, next_tokens, step, cache, method=GLM5.mtp)
+    cache = _finish_round(cache)
     logits = module.apply({"params": params}, mtp_hidden, method=GLM5.logits)
     return logits, mtp_hidden, kvcache.advance_mtp(cache, n_valid)

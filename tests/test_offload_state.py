@@ -42,14 +42,15 @@ def round_fn(cache, latent, rope, n_valid, selected):
     positions = cache.lengths[:, None] + t
     write_pos = jnp.where(t < n_valid[:, None], positions, N)
     valid = (selected <= positions[..., None]) & (t < n_valid[:, None])[..., None]
-    outs, before = [], []
+    outs = []
+    before = [(cache.offload.position_of_slot[layer], cache.offload.counters[layer]) for layer in range(L)]
     for layer in range(L):
         cache = offload.write_rows(cache, layer, latent[layer], rope[layer], write_pos)
     for layer in range(L):
-        before.append((cache.offload.position_of_slot[layer], cache.offload.counters[layer]))
         src, _, slot = offload.classify(cache.offload, layer, selected.reshape(B, T * K), L)
         lat, rp, cache = offload.gather_rows(cache, layer, selected, valid, jnp.float32)
         outs.append((lat, rp, src.reshape(B, T, K), slot.reshape(B, T, K)))
+    cache = offload.finish_round(cache)
     return kvcache.advance(cache, n_valid), outs, before, valid
 
 
