@@ -16,7 +16,7 @@ import numpy as np
 from absl import app, flags
 
 from glm53 import kv_formats
-from experiments.provenance import provenance
+from glm53.provenance import provenance
 from kernels_pallas import hot_gather as hg
 
 FLAGS = flags.FLAGS

@@ -15,7 +15,7 @@ from absl import app
 from ml_collections import config_flags
 
 import glm53
-from experiments.provenance import provenance
+from glm53.provenance import provenance
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config (configs/*.py)", lock_config=True)
 

@@ -16,7 +16,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import glm53
-from experiments.provenance import provenance
+from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment config")

@@ -272,6 +272,9 @@ class CacheConfig:
     copyback_every: int = 64  # offload: rows per batched copy of the recent ring into host memory
     ring_rows: int = 0  # offload: recent-ring rows; 0 = 2 * copyback_every
     page_rows: int = 0  # rows per capacity page (growth unit); 0 = copyback_every
+    # offload: rows of host memory in the page pool, shared by the cache's sessions; 0 = every session's full
+    # capacity. Smaller pools admit sessions by the pages they actually fill (a full pool is a clear error).
+    host_pool_rows: int = 0
 
     def __post_init__(self):
         self.validate()
@@ -290,6 +293,7 @@ class CacheConfig:
                                          and self.ring_rows % self.copyback_every == 0),
                  f"ring_rows={self.ring_rows} must be a multiple of copyback_every={self.copyback_every}")
         _require(self.hot_rows >= 1, f"hot_rows must be >= 1, got {self.hot_rows}")
+        _require(self.host_pool_rows >= 0, f"host_pool_rows must be >= 0, got {self.host_pool_rows}")
 
     @property
     def ring_size(self) -> int:

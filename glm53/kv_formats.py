@@ -45,207 +45,213 @@ _F32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126
 
 @dataclasses.dataclass(frozen=True)
 class KVFormat:
-  """Static description of one KV row format (hashable, usable as a jit static)."""
+    """Static description of one KV row format (hashable, usable as a jit static)."""
 
-  name: str
-  latent_dtype: np.dtype
-  scale_dtype: np.dtype | None  # None: no scale plane.
-  scales_per_row: int  # 0 if no scale plane.
-  rope_dtype: np.dtype
-  # Largest |q| representable in the latent dtype (quantised formats only).
-  qmax: float = 0.0
-  # Scale floor keeping every non-zero q * scale a normal float32 (see module doc).
-  min_scale: float = 0.0
+    name: str
+    latent_dtype: np.dtype
+    scale_dtype: np.dtype | None  # None: no scale plane.
+    scales_per_row: int  # 0 if no scale plane.
+    rope_dtype: np.dtype
+    # Largest |q| representable in the latent dtype (quantised formats only).
+    qmax: float = 0.0
+    # Scale floor keeping every non-zero q * scale a normal float32 (see module doc).
+    min_scale: float = 0.0
 
-  @property
-  def group_size(self) -> int:
-    return LATENT_DIM // self.scales_per_row if self.scales_per_row else LATENT_DIM
+    @property
+    def group_size(self) -> int:
+        return LATENT_DIM // self.scales_per_row if self.scales_per_row else LATENT_DIM
 
-  @property
-  def quantised(self) -> bool:
-    return self.scale_dtype is not None
+    @property
+    def quantised(self) -> bool:
+        return self.scale_dtype is not None
 
-  @property
-  def bytes_per_row(self) -> int:
-    n = LATENT_DIM * np.dtype(self.latent_dtype).itemsize
-    n += ROPE_DIM * np.dtype(self.rope_dtype).itemsize
-    if self.scale_dtype is not None:
-      n += self.scales_per_row * np.dtype(self.scale_dtype).itemsize
-    return n
+    @property
+    def bytes_per_row(self) -> int:
+        n = LATENT_DIM * np.dtype(self.latent_dtype).itemsize
+        n += ROPE_DIM * np.dtype(self.rope_dtype).itemsize
+        if self.scale_dtype is not None:
+            n += self.scales_per_row * np.dtype(self.scale_dtype).itemsize
+        return n
 
-  def plane_shapes(self, *lead: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Shapes and dtypes of the planes holding ``lead`` rows (e.g. lead = (S, N))."""
-    shapes = {"latent": ((*lead, LATENT_DIM), np.dtype(self.latent_dtype))}
-    if self.scale_dtype is not None:
-      shapes["scale"] = ((*lead, self.scales_per_row), np.dtype(self.scale_dtype))
-    shapes["rope"] = ((*lead, ROPE_DIM), np.dtype(self.rope_dtype))
-    return shapes
+    def plane_shapes(self, *lead: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Shapes and dtypes of the planes holding ``lead`` rows (e.g. lead = (S, N))."""
+        shapes = {"latent": ((*lead, LATENT_DIM), np.dtype(self.latent_dtype))}
+        if self.scale_dtype is not None:
+            shapes["scale"] = ((*lead, self.scales_per_row), np.dtype(self.scale_dtype))
+        shapes["rope"] = ((*lead, ROPE_DIM), np.dtype(self.rope_dtype))
+        return shapes
 
 
 KV_FORMATS: dict[str, KVFormat] = {
     "f32": KVFormat("f32", np.dtype(jnp.float32), None, 0, np.dtype(jnp.float32)),
     "bf16": KVFormat("bf16", np.dtype(jnp.bfloat16), None, 0, np.dtype(jnp.bfloat16)),
     "q8g64": KVFormat(
-        "q8g64", np.dtype(jnp.int8), np.dtype(jnp.bfloat16), 8,
-        np.dtype(jnp.bfloat16), qmax=127.0,
+        "q8g64",
+        np.dtype(jnp.int8),
+        np.dtype(jnp.bfloat16),
+        8,
+        np.dtype(jnp.bfloat16),
+        qmax=127.0,
         # |q| >= 1 for non-zero q, so q * scale >= 2**-126.
-        min_scale=2.0**-126),
+        min_scale=2.0**-126,
+    ),
     "fp8g128": KVFormat(
-        "fp8g128", np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float32), 4,
-        np.dtype(jnp.bfloat16), qmax=448.0,
+        "fp8g128",
+        np.dtype(jnp.float8_e4m3fn),
+        np.dtype(jnp.float32),
+        4,
+        np.dtype(jnp.bfloat16),
+        qmax=448.0,
         # The smallest non-zero e4m3fn magnitude is 2**-9, so q * scale >= 2**-126.
-        min_scale=2.0**-117),
+        min_scale=2.0**-117,
+    ),
 }
 
 
 def get_format(fmt: str | KVFormat) -> KVFormat:
-  """Returns the format named ``fmt`` (a KVFormat passes through)."""
-  if isinstance(fmt, KVFormat):
-    return fmt
-  try:
-    return KV_FORMATS[fmt]
-  except KeyError:
-    raise ValueError(
-        f"Unknown KV format {fmt!r}; valid formats: {sorted(KV_FORMATS)}") from None
+    """Returns the format named ``fmt`` (a KVFormat passes through)."""
+    if isinstance(fmt, KVFormat):
+        return fmt
+    try:
+        return KV_FORMATS[fmt]
+    except KeyError:
+        raise ValueError(f"Unknown KV format {fmt!r}; valid formats: {sorted(KV_FORMATS)}") from None
 
 
 def _group_amax(latent: jax.Array, fmt: KVFormat) -> jax.Array:
-  """f32[..., G]: max |x| per group of ``fmt.group_size`` latent values."""
-  x = latent.astype(jnp.float32)
-  g = x.reshape(*x.shape[:-1], fmt.scales_per_row, fmt.group_size)
-  return jnp.max(jnp.abs(g), axis=-1)
+    """f32[..., G]: max |x| per group of ``fmt.group_size`` latent values."""
+    x = latent.astype(jnp.float32)
+    g = x.reshape(*x.shape[:-1], fmt.scales_per_row, fmt.group_size)
+    return jnp.max(jnp.abs(g), axis=-1)
 
 
 def _ceil_to_bf16(x: jax.Array) -> jax.Array:
-  """Smallest bf16 >= x, for finite x >= 0 (bit trick: bf16 is the top half of f32)."""
-  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  bits = (bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000)
-  return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
+    """Smallest bf16 >= x, for finite x >= 0 (bit trick: bf16 is the top half of f32)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = (bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
 
 
 def _next_up_bf16(b: jax.Array) -> jax.Array:
-  """Next bf16 above b, for finite b > 0."""
-  bits = jax.lax.bitcast_convert_type(b, jnp.uint16) + jnp.uint16(1)
-  return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+    """Next bf16 above b, for finite b > 0."""
+    bits = jax.lax.bitcast_convert_type(b, jnp.uint16) + jnp.uint16(1)
+    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
 def compute_scales(fmt: KVFormat, latent: jax.Array) -> jax.Array:
-  """Per-group scales ``[..., G]`` in ``fmt.scale_dtype`` (quantised formats only).
+    """Per-group scales ``[..., G]`` in ``fmt.scale_dtype`` (quantised formats only).
 
-  q8g64: ``scale = ceil_bf16(amax / 127)``, bumped one bf16 ulp more if the f32
-  quotient ``amax / scale`` still exceeds 127, so ``|fl(x / scale)| <= 127`` for
-  every x in the group and the clip in ``pack`` never changes a value.
-  fp8g128: ``scale = fl(amax / 448)`` in f32. ``fl(x / scale)`` can exceed 448 by
-  one f32 ulp, which rounds back to 448 in e4m3fn (the next value up would be 480).
-  Both are floored at ``fmt.min_scale`` (covers amax == 0; see module doc).
-  """
-  fmt = get_format(fmt)
-  if not fmt.quantised:
-    raise ValueError(f"KV format {fmt.name!r} has no scale plane")
-  amax = _group_amax(latent, fmt)
-  if fmt.name == "q8g64":
-    scale = _ceil_to_bf16(amax / jnp.float32(fmt.qmax))
-    too_small = amax / scale.astype(jnp.float32) > jnp.float32(fmt.qmax)
-    scale = jnp.where(too_small, _next_up_bf16(scale), scale)
-  else:
-    scale = amax / jnp.float32(fmt.qmax)
-  floor = jnp.asarray(fmt.min_scale, fmt.scale_dtype)
-  return jnp.maximum(scale.astype(fmt.scale_dtype), floor)
+    q8g64: ``scale = ceil_bf16(amax / 127)``, bumped one bf16 ulp more if the f32
+    quotient ``amax / scale`` still exceeds 127, so ``|fl(x / scale)| <= 127`` for
+    every x in the group and the clip in ``pack`` never changes a value.
+    fp8g128: ``scale = fl(amax / 448)`` in f32. ``fl(x / scale)`` can exceed 448 by
+    one f32 ulp, which rounds back to 448 in e4m3fn (the next value up would be 480).
+    Both are floored at ``fmt.min_scale`` (covers amax == 0; see module doc).
+    """
+    fmt = get_format(fmt)
+    if not fmt.quantised:
+        raise ValueError(f"KV format {fmt.name!r} has no scale plane")
+    amax = _group_amax(latent, fmt)
+    if fmt.name == "q8g64":
+        scale = _ceil_to_bf16(amax / jnp.float32(fmt.qmax))
+        too_small = amax / scale.astype(jnp.float32) > jnp.float32(fmt.qmax)
+        scale = jnp.where(too_small, _next_up_bf16(scale), scale)
+    else:
+        scale = amax / jnp.float32(fmt.qmax)
+    floor = jnp.asarray(fmt.min_scale, fmt.scale_dtype)
+    return jnp.maximum(scale.astype(fmt.scale_dtype), floor)
 
 
 def pack(fmt: str | KVFormat, latent: jax.Array, rope: jax.Array) -> dict[str, jax.Array]:
-  """Encodes rows ``latent[..., 512]``, ``rope[..., 64]`` (any leading dims) into planes."""
-  fmt = get_format(fmt)
-  if latent.shape[-1] != LATENT_DIM or rope.shape[-1] != ROPE_DIM:
-    raise ValueError(
-        f"pack expects latent[..., {LATENT_DIM}] and rope[..., {ROPE_DIM}], got "
-        f"{latent.shape} and {rope.shape}")
-  planes = {"rope": rope.astype(fmt.rope_dtype)}
-  if not fmt.quantised:
-    planes["latent"] = latent.astype(fmt.latent_dtype)
+    """Encodes rows ``latent[..., 512]``, ``rope[..., 64]`` (any leading dims) into planes."""
+    fmt = get_format(fmt)
+    if latent.shape[-1] != LATENT_DIM or rope.shape[-1] != ROPE_DIM:
+        raise ValueError(
+            f"pack expects latent[..., {LATENT_DIM}] and rope[..., {ROPE_DIM}], got " f"{latent.shape} and {rope.shape}"
+        )
+    planes = {"rope": rope.astype(fmt.rope_dtype)}
+    if not fmt.quantised:
+        planes["latent"] = latent.astype(fmt.latent_dtype)
+        return planes
+    scale = compute_scales(fmt, latent)
+    x = latent.astype(jnp.float32).reshape(*latent.shape[:-1], fmt.scales_per_row, fmt.group_size)
+    y = x / scale.astype(jnp.float32)[..., None]
+    if fmt.name == "q8g64":
+        # jnp.round is round-half-to-even.
+        q = jnp.clip(jnp.round(y), -fmt.qmax, fmt.qmax).astype(jnp.int8)
+    else:
+        q = y.astype(jnp.float8_e4m3fn)
+    planes["latent"] = q.reshape(latent.shape)
+    planes["scale"] = scale
     return planes
-  scale = compute_scales(fmt, latent)
-  x = latent.astype(jnp.float32).reshape(
-      *latent.shape[:-1], fmt.scales_per_row, fmt.group_size)
-  y = x / scale.astype(jnp.float32)[..., None]
-  if fmt.name == "q8g64":
-    # jnp.round is round-half-to-even.
-    q = jnp.clip(jnp.round(y), -fmt.qmax, fmt.qmax).astype(jnp.int8)
-  else:
-    q = y.astype(jnp.float8_e4m3fn)
-  planes["latent"] = q.reshape(latent.shape)
-  planes["scale"] = scale
-  return planes
 
 
 def dequantise_latent(fmt: KVFormat, q: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
-  """``q.astype(f32) * scale.astype(f32)`` per group, cast to ``dtype``.
+    """``q.astype(f32) * scale.astype(f32)`` per group, cast to ``dtype``.
 
-  This is the arithmetic the Pallas gather kernel repeats group by group.
-  """
-  if not fmt.quantised:
-    return q.astype(dtype)
-  qf = q.astype(jnp.float32).reshape(*q.shape[:-1], fmt.scales_per_row, fmt.group_size)
-  x = qf * scale.astype(jnp.float32)[..., None]
-  return x.reshape(q.shape).astype(dtype)
+    This is the arithmetic the Pallas gather kernel repeats group by group.
+    """
+    if not fmt.quantised:
+        return q.astype(dtype)
+    qf = q.astype(jnp.float32).reshape(*q.shape[:-1], fmt.scales_per_row, fmt.group_size)
+    x = qf * scale.astype(jnp.float32)[..., None]
+    return x.reshape(q.shape).astype(dtype)
 
 
-def unpack(fmt: str | KVFormat, planes: dict[str, jax.Array], dtype=jnp.float32
-           ) -> tuple[jax.Array, jax.Array]:
-  """Decodes planes back to ``(latent[..., 512], rope[..., 64])`` in ``dtype``."""
-  fmt = get_format(fmt)
-  latent = dequantise_latent(fmt, planes["latent"], planes.get("scale"), dtype)
-  return latent, planes["rope"].astype(dtype)
+def unpack(fmt: str | KVFormat, planes: dict[str, jax.Array], dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """Decodes planes back to ``(latent[..., 512], rope[..., 64])`` in ``dtype``."""
+    fmt = get_format(fmt)
+    latent = dequantise_latent(fmt, planes["latent"], planes.get("scale"), dtype)
+    return latent, planes["rope"].astype(dtype)
 
 
 def error_bound(fmt: str | KVFormat, latent: jax.Array) -> jax.Array:
-  """Worst-case |unpack(pack(x)) - x| per latent element, unpacking to float32.
+    """Worst-case |unpack(pack(x)) - x| per latent element, unpacking to float32.
 
-  Notation: s is the group's scale, fl() is float32 rounding (relative error
-  <= 2**-24), t = 2**-126 is the smallest normal f32. Every bound adds t to cover
-  backends that flush subnormal inputs to zero (XLA:CPU does).
+    Notation: s is the group's scale, fl() is float32 rounding (relative error
+    <= 2**-24), t = 2**-126 is the smallest normal f32. Every bound adds t to cover
+    backends that flush subnormal inputs to zero (XLA:CPU does).
 
-  * f32: exact, 0 (+ t).
-  * bf16: round-to-nearest-even with 8 significand bits: 2**-8 * |x| (+ t).
-  * q8g64: y = fl(x / s) = (x / s)(1 + d), |d| <= 2**-24, and |y| <= 127 by the
-    choice of s, so the clip is inactive. q = round(y): |q - y| <= 1/2. The product
-    q * s is exact in f32 (7-bit integer times 8-bit significand). Hence
-    |q s - x| <= s |q - y| + s |y - x / s| <= s (1/2 + 127 * 2**-24).
-  * fp8g128: y = fl(x / s) as above with |y| <= 448 (+1 ulp, which rounds back
-    to 448). e4m3fn has 4 significand bits and normals down to 2**-6: rounding y
-    costs |q - y| <= max(2**-4 |y|, 2**-10) (relative half-ulp for normals, half
-    the subnormal spacing 2**-9 below). Dequantising rounds once more in f32:
-    fl(q s) = q s (1 + e), |e| <= 2**-24. Summing, with |y| <= |x| / s (1 + 2**-24)
-    and |q| <= |y| (1 + 2**-4) + 2**-10:
-      |fl(q s) - x| <= s |q - y| + s |y - x / s| + |q| s 2**-24
-                    <= max(2**-4 |x|, 2**-10 s) + 2**-21 (|x| + s).
-  Unpacking to bf16 adds bf16 rounding of the result: 2**-8 of its magnitude.
-  """
-  fmt = get_format(fmt)
-  x = jnp.abs(latent.astype(jnp.float32))
-  tiny = jnp.float32(_F32_TINY)
-  if fmt.name == "f32":
-    return jnp.zeros_like(x) + tiny
-  if fmt.name == "bf16":
-    return x * jnp.float32(2.0**-8) + tiny
-  s = compute_scales(fmt, latent).astype(jnp.float32)
-  s = jnp.repeat(s, fmt.group_size, axis=-1)
-  if fmt.name == "q8g64":
-    return s * jnp.float32(0.5 + fmt.qmax * 2.0**-24) + tiny
-  if fmt.name == "fp8g128":
-    return (jnp.maximum(x * jnp.float32(2.0**-4), s * jnp.float32(2.0**-10))
-            + jnp.float32(2.0**-21) * (x + s) + tiny)
-  raise NotImplementedError(f"no error bound derived for {fmt.name!r}")
+    * f32: exact, 0 (+ t).
+    * bf16: round-to-nearest-even with 8 significand bits: 2**-8 * |x| (+ t).
+    * q8g64: y = fl(x / s) = (x / s)(1 + d), |d| <= 2**-24, and |y| <= 127 by the
+      choice of s, so the clip is inactive. q = round(y): |q - y| <= 1/2. The product
+      q * s is exact in f32 (7-bit integer times 8-bit significand). Hence
+      |q s - x| <= s |q - y| + s |y - x / s| <= s (1/2 + 127 * 2**-24).
+    * fp8g128: y = fl(x / s) as above with |y| <= 448 (+1 ulp, which rounds back
+      to 448). e4m3fn has 4 significand bits and normals down to 2**-6: rounding y
+      costs |q - y| <= max(2**-4 |y|, 2**-10) (relative half-ulp for normals, half
+      the subnormal spacing 2**-9 below). Dequantising rounds once more in f32:
+      fl(q s) = q s (1 + e), |e| <= 2**-24. Summing, with |y| <= |x| / s (1 + 2**-24)
+      and |q| <= |y| (1 + 2**-4) + 2**-10:
+        |fl(q s) - x| <= s |q - y| + s |y - x / s| + |q| s 2**-24
+                      <= max(2**-4 |x|, 2**-10 s) + 2**-21 (|x| + s).
+    Unpacking to bf16 adds bf16 rounding of the result: 2**-8 of its magnitude.
+    """
+    fmt = get_format(fmt)
+    x = jnp.abs(latent.astype(jnp.float32))
+    tiny = jnp.float32(_F32_TINY)
+    if fmt.name == "f32":
+        return jnp.zeros_like(x) + tiny
+    if fmt.name == "bf16":
+        return x * jnp.float32(2.0**-8) + tiny
+    s = compute_scales(fmt, latent).astype(jnp.float32)
+    s = jnp.repeat(s, fmt.group_size, axis=-1)
+    if fmt.name == "q8g64":
+        return s * jnp.float32(0.5 + fmt.qmax * 2.0**-24) + tiny
+    if fmt.name == "fp8g128":
+        return jnp.maximum(x * jnp.float32(2.0**-4), s * jnp.float32(2.0**-10)) + jnp.float32(2.0**-21) * (x + s) + tiny
+    raise NotImplementedError(f"no error bound derived for {fmt.name!r}")
 
 
 def rope_error_bound(fmt: str | KVFormat, rope: jax.Array) -> jax.Array:
-  """Worst-case |unpack(pack(r)) - r| per rope element (float32 unpack).
+    """Worst-case |unpack(pack(r)) - r| per rope element (float32 unpack).
 
-  Rope is stored unquantised: exact for f32, bf16 rounding (2**-8 relative) otherwise.
-  """
-  fmt = get_format(fmt)
-  r = jnp.abs(rope.astype(jnp.float32))
-  tiny = jnp.float32(_F32_TINY)
-  if np.dtype(fmt.rope_dtype) == np.dtype(jnp.float32):
-    return jnp.zeros_like(r) + tiny
-  return r * jnp.float32(2.0**-8) + tiny
+    Rope is stored unquantised: exact for f32, bf16 rounding (2**-8 relative) otherwise.
+    """
+    fmt = get_format(fmt)
+    r = jnp.abs(rope.astype(jnp.float32))
+    tiny = jnp.float32(_F32_TINY)
+    if np.dtype(fmt.rope_dtype) == np.dtype(jnp.float32):
+        return jnp.zeros_like(r) + tiny
+    return r * jnp.float32(2.0**-8) + tiny

@@ -17,11 +17,12 @@ This is the article's final design ("let the GPU manage the hot cache directly")
   position — ``p >= host_len``: ring; ``slot_of_position[p] >= 0``: hit; else miss — then one Pallas kernel
   (``kernels_pallas.hot_gather``) reads ring and hot rows from device memory and misses straight from host memory;
   the round's unique misses are installed into victim slots for *later* rounds (``finish_round``, batched over
-  the layers at the end of the step). Visibility comes from data
-  dependence: fills happen after the gather, so slots filled this round are hit sources only next round, and
-  duplicate misses of one round each read host memory. Victims are the first unpinned slots from ``clock`` onward
-  in circular order, found with one cumsum over the slots (O(H), no pathological scan like the article's clock
-  with reference bits).
+  the layers at the end of the step). Visibility comes from data dependence: fills happen after the gather, so
+  slots filled this round are hit sources only next round, and duplicate misses of one round each read host
+  memory. Victims are the first unpinned slots from ``clock`` onward in circular order, found with one cumsum
+  over a window of slots (no pathological scan like the article's clock with reference bits). Prefill chunks are
+  rounds too, so the same rule warms the hot cache during prefill: at its end the slots hold the rows the last
+  chunks' queries selected from host memory, the ones decode is most likely to select next.
 * **Batched copyback** (``Driver.after_step`` -> ``_copyback``): whenever a session has ``copyback_every`` rows in
   the ring, those rows of all layers go to its next host page in one write per plane, in place (donated).
 
@@ -106,14 +107,15 @@ def validate(cfg: ModelConfig, cc: CacheConfig) -> None:
         raise ConfigError(f"offload: hot_rows={cc.hot_rows} must be a power of two")
 
 
-def to_offload(cache, cfg: ModelConfig, cc: CacheConfig, host_pages: int | None = None):
-    """Turn a fresh (empty) resident-layout cache into an offload cache: history -> a ``pinned_host`` page pool."""
+def to_offload(cache, cfg: ModelConfig, cc: CacheConfig):
+    """Turn a fresh (empty) resident-layout cache into an offload cache: history -> a ``pinned_host`` page pool of
+    ``cc.host_pool_rows`` rows (default: every session's full capacity), allocated once."""
     validate(cfg, cc)
     fmt = kv_formats.get_format(cache.kv_format)
     L, B, N = cache.num_layers, cache.batch, cache.capacity
     P, R, H = cc.copyback_every, ring_rows_for(cc), cc.hot_rows
     pages_per_session = N // P
-    host_pages = host_pages or B * pages_per_session
+    host_pages = -(-cc.host_pool_rows // P) if cc.host_pool_rows else B * pages_per_session
     dev = jax.devices()[0]
     host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
     pool = {}
@@ -339,12 +341,16 @@ class Driver:
     def after_step(self, cache, n_tokens: np.ndarray):
         """Advance the mirrors by the rows a step wrote and copy every completed page back, all in one call."""
         self.lengths += np.asarray(n_tokens, np.int64)
+        due = (self.lengths - self.host_len) // self.page_rows
+        if due.sum() > len(self.free_pages):
+            # Nothing is taken or written: the new rows stay in the ring, and the next step is refused by
+            # before_step (the ring would overrun) instead of losing rows.
+            raise MemoryError(f"host page pool exhausted: {int(due.sum())} pages due, {len(self.free_pages)} free "
+                              f"of {self.pool_pages} pages of {self.page_rows} rows; raise cache.host_pool_rows "
+                              "or admit fewer sessions")
         sessions, lpages, ppages = [], [], []
         for b in range(self.batch):
-            while self.lengths[b] - self.host_len[b] >= self.page_rows:
-                if not self.free_pages:
-                    raise MemoryError(f"host page pool exhausted ({self.pool_pages} pages of {self.page_rows} "
-                                      "rows): raise the pool size or admit fewer sessions")
+            for _ in range(int(due[b])):
                 sessions.append(b)
                 lpages.append(int(self.host_len[b] // self.page_rows))
                 ppages.append(self.free_pages.popleft())

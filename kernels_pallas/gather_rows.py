@@ -29,79 +29,80 @@ from glm53.kv_formats import KVFormat
 
 
 def _is_pow2(n: int) -> bool:
-  return n > 0 and (n & (n - 1)) == 0
+    return n > 0 and (n & (n - 1)) == 0
 
 
 def _gather_rows_kernel(pos_ref, latent_ref, *refs, fmt: KVFormat, block_rows: int):
-  """One program gathers ``block_rows`` rows of one session.
+    """One program gathers ``block_rows`` rows of one session.
 
-  Refs (ANY = whole array in place; outputs have the session dim squeezed):
-    pos_ref:        [S, M] int32, ANY
-    latent_ref:     [S, N, 512] latent dtype, ANY
-    scale_ref:      [S, N, G] scale dtype, ANY (quantised formats only)
-    rope_ref:       [S, N, 64] rope dtype, ANY
-    latent_out_ref: [block_rows, 512] out dtype
-    rope_out_ref:   [block_rows, 64] out dtype
-  """
-  if fmt.quantised:
-    scale_ref, rope_ref, latent_out_ref, rope_out_ref = refs
-  else:
-    scale_ref = None
-    rope_ref, latent_out_ref, rope_out_ref = refs
-  s = pl.program_id(0)
-  j = pl.program_id(1)
-  rows = pos_ref[s, pl.ds(j * block_rows, block_rows)]  # [block_rows]
-  # A 3-D ref indexed by (scalar session, row vector, slice) lowers on Triton to
-  # one pointer tensor [block_rows, width] (64-bit offsets once the plane exceeds
-  # 4 GiB), and to a gather in interpret mode; no flattening to [S*N, W] needed.
-  if fmt.quantised:
-    # One group at a time, so the scale is a [block_rows] vector broadcast over
-    # the group: the same q.astype(f32) * scale.astype(f32) as kv_formats.unpack,
-    # hence bit-identical, without reshapes or value slicing in the kernel.
-    gs = fmt.group_size
-    for g in range(fmt.scales_per_row):
-      q = latent_ref[s, rows, pl.ds(g * gs, gs)]  # [block_rows, gs]
-      scale = scale_ref[s, rows, g]  # [block_rows]
-      x = q.astype(jnp.float32) * scale.astype(jnp.float32)[:, None]
-      latent_out_ref[:, pl.ds(g * gs, gs)] = x.astype(latent_out_ref.dtype)
-  else:
-    latent = latent_ref[s, rows, :]  # [block_rows, 512]
-    latent_out_ref[...] = latent.astype(latent_out_ref.dtype)
-  rope = rope_ref[s, rows, :]  # [block_rows, 64]
-  rope_out_ref[...] = rope.astype(rope_out_ref.dtype)
+    Refs (ANY = whole array in place; outputs have the session dim squeezed):
+      pos_ref:        [S, M] int32, ANY
+      latent_ref:     [S, N, 512] latent dtype, ANY
+      scale_ref:      [S, N, G] scale dtype, ANY (quantised formats only)
+      rope_ref:       [S, N, 64] rope dtype, ANY
+      latent_out_ref: [block_rows, 512] out dtype
+      rope_out_ref:   [block_rows, 64] out dtype
+    """
+    if fmt.quantised:
+        scale_ref, rope_ref, latent_out_ref, rope_out_ref = refs
+    else:
+        scale_ref = None
+        rope_ref, latent_out_ref, rope_out_ref = refs
+    s = pl.program_id(0)
+    j = pl.program_id(1)
+    rows = pos_ref[s, pl.ds(j * block_rows, block_rows)]  # [block_rows]
+    # A 3-D ref indexed by (scalar session, row vector, slice) lowers on Triton to
+    # one pointer tensor [block_rows, width] (64-bit offsets once the plane exceeds
+    # 4 GiB), and to a gather in interpret mode; no flattening to [S*N, W] needed.
+    if fmt.quantised:
+        # One group at a time, so the scale is a [block_rows] vector broadcast over
+        # the group: the same q.astype(f32) * scale.astype(f32) as kv_formats.unpack,
+        # hence bit-identical, without reshapes or value slicing in the kernel.
+        gs = fmt.group_size
+        for g in range(fmt.scales_per_row):
+            q = latent_ref[s, rows, pl.ds(g * gs, gs)]  # [block_rows, gs]
+            scale = scale_ref[s, rows, g]  # [block_rows]
+            x = q.astype(jnp.float32) * scale.astype(jnp.float32)[:, None]
+            latent_out_ref[:, pl.ds(g * gs, gs)] = x.astype(latent_out_ref.dtype)
+    else:
+        latent = latent_ref[s, rows, :]  # [block_rows, 512]
+        latent_out_ref[...] = latent.astype(latent_out_ref.dtype)
+    rope = rope_ref[s, rows, :]  # [block_rows, 64]
+    rope_out_ref[...] = rope.astype(rope_out_ref.dtype)
 
 
 def _validate_blocks(positions, block_rows: int):
-  if not _is_pow2(block_rows):
-    raise ValueError(f"block_rows must be a power of two, got {block_rows}")
-  if positions.ndim == 2 and positions.shape[1] % block_rows:
-    raise ValueError(
-        f"the number of selected rows M={positions.shape[1]} must be a multiple of "
-        f"block_rows={block_rows}")
+    if not _is_pow2(block_rows):
+        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
+    if positions.ndim == 2 and positions.shape[1] % block_rows:
+        raise ValueError(
+            f"the number of selected rows M={positions.shape[1]} must be a multiple of " f"block_rows={block_rows}"
+        )
 
 
 def _validate_planes(planes, positions, fmt: KVFormat):
-  expected = {"latent", "rope"} | ({"scale"} if fmt.quantised else set())
-  if set(planes) != expected:
-    raise ValueError(
-        f"KV format {fmt.name!r} needs planes {sorted(expected)}, got {sorted(planes)}")
-  if positions.ndim != 2:
-    raise ValueError(f"positions must be [S, M], got shape {positions.shape}")
-  S = positions.shape[0]
-  shapes = fmt.plane_shapes(S, planes["latent"].shape[1])
-  for name, (shape, dtype) in shapes.items():
-    p = planes[name]
-    if p.shape != shape or p.dtype != dtype:
-      raise ValueError(
-          f"plane {name!r} of format {fmt.name!r} must be {dtype}{list(shape)} "
-          f"([S, N, W] with S={S} from positions), got {p.dtype}{list(p.shape)}")
-    if not _is_pow2(shape[-1] * dtype.itemsize):
-      raise ValueError(f"plane {name!r} row width {shape[-1]} x {dtype.itemsize} B "
-                       "is not a power of two (Triton lowering needs one)")
+    expected = {"latent", "rope"} | ({"scale"} if fmt.quantised else set())
+    if set(planes) != expected:
+        raise ValueError(f"KV format {fmt.name!r} needs planes {sorted(expected)}, got {sorted(planes)}")
+    if positions.ndim != 2:
+        raise ValueError(f"positions must be [S, M], got shape {positions.shape}")
+    S = positions.shape[0]
+    shapes = fmt.plane_shapes(S, planes["latent"].shape[1])
+    for name, (shape, dtype) in shapes.items():
+        p = planes[name]
+        if p.shape != shape or p.dtype != dtype:
+            raise ValueError(
+                f"plane {name!r} of format {fmt.name!r} must be {dtype}{list(shape)} "
+                f"([S, N, W] with S={S} from positions), got {p.dtype}{list(p.shape)}"
+            )
+        if not _is_pow2(shape[-1] * dtype.itemsize):
+            raise ValueError(
+                f"plane {name!r} row width {shape[-1]} x {dtype.itemsize} B "
+                "is not a power of two (Triton lowering needs one)"
+            )
 
 
-@functools.partial(
-    jax.jit, static_argnames=("kv_format", "out_dtype", "block_rows", "interpret"))
+@functools.partial(jax.jit, static_argnames=("kv_format", "out_dtype", "block_rows", "interpret"))
 def gather_rows(
     planes: dict[str, jax.Array],
     positions: jax.Array,
@@ -111,52 +112,51 @@ def gather_rows(
     block_rows: int = 16,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-  """Gathers ``planes[*][s, positions[s, m]]`` and dequantises to ``out_dtype``.
+    """Gathers ``planes[*][s, positions[s, m]]`` and dequantises to ``out_dtype``.
 
-  Args:
-    planes: dict of ``[S, N, W]`` planes in ``kv_format`` (see glm53.kv_formats).
-    positions: int32[S, M], each in [0, N); M a multiple of ``block_rows``.
-    kv_format: format name.
-    out_dtype: dtype of the outputs.
-    block_rows: rows per program (power of two).
-    interpret: run the Pallas interpreter (CPU tests).
+    Args:
+      planes: dict of ``[S, N, W]`` planes in ``kv_format`` (see glm53.kv_formats).
+      positions: int32[S, M], each in [0, N); M a multiple of ``block_rows``.
+      kv_format: format name.
+      out_dtype: dtype of the outputs.
+      block_rows: rows per program (power of two).
+      interpret: run the Pallas interpreter (CPU tests).
 
-  Returns:
-    ``(latent[S, M, 512], rope[S, M, 64])`` in ``out_dtype``.
-  """
-  fmt = kv_formats.get_format(kv_format)
-  _validate_planes(planes, positions, fmt)
-  _validate_blocks(positions, block_rows)
-  S, M = positions.shape
-  out_dtype = jnp.dtype(out_dtype)
-  any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  operands = [positions.astype(jnp.int32), planes["latent"]]
-  if fmt.quantised:
-    operands.append(planes["scale"])
-  operands.append(planes["rope"])
-  kernel = functools.partial(_gather_rows_kernel, fmt=fmt, block_rows=block_rows)
-  return pl.pallas_call(
-      kernel,
-      grid=(S, M // block_rows),
-      in_specs=[any_spec] * len(operands),
-      out_specs=[
-          pl.BlockSpec((None, block_rows, kv_formats.LATENT_DIM), lambda s, j: (s, j, 0)),
-          pl.BlockSpec((None, block_rows, kv_formats.ROPE_DIM), lambda s, j: (s, j, 0)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((S, M, kv_formats.LATENT_DIM), out_dtype),
-          jax.ShapeDtypeStruct((S, M, kv_formats.ROPE_DIM), out_dtype),
-      ],
-      # Triton params: the Triton lowering is also the one that runs on ROCm.
-      # No loops in the body, so a single stage; ignored by the interpreter.
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-      interpret=interpret,
-      name=f"gather_rows_{fmt.name}",
-  )(*operands)
+    Returns:
+      ``(latent[S, M, 512], rope[S, M, 64])`` in ``out_dtype``.
+    """
+    fmt = kv_formats.get_format(kv_format)
+    _validate_planes(planes, positions, fmt)
+    _validate_blocks(positions, block_rows)
+    S, M = positions.shape
+    out_dtype = jnp.dtype(out_dtype)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    operands = [positions.astype(jnp.int32), planes["latent"]]
+    if fmt.quantised:
+        operands.append(planes["scale"])
+    operands.append(planes["rope"])
+    kernel = functools.partial(_gather_rows_kernel, fmt=fmt, block_rows=block_rows)
+    return pl.pallas_call(
+        kernel,
+        grid=(S, M // block_rows),
+        in_specs=[any_spec] * len(operands),
+        out_specs=[
+            pl.BlockSpec((None, block_rows, kv_formats.LATENT_DIM), lambda s, j: (s, j, 0)),
+            pl.BlockSpec((None, block_rows, kv_formats.ROPE_DIM), lambda s, j: (s, j, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((S, M, kv_formats.LATENT_DIM), out_dtype),
+            jax.ShapeDtypeStruct((S, M, kv_formats.ROPE_DIM), out_dtype),
+        ],
+        # Triton params: the Triton lowering is also the one that runs on ROCm.
+        # No loops in the body, so a single stage; ignored by the interpreter.
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name=f"gather_rows_{fmt.name}",
+    )(*operands)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("kv_format", "out_dtype", "block_rows", "interpret"))
+@functools.partial(jax.jit, static_argnames=("kv_format", "out_dtype", "block_rows", "interpret"))
 def gather_rows_reference(
     planes: dict[str, jax.Array],
     positions: jax.Array,
@@ -166,10 +166,10 @@ def gather_rows_reference(
     block_rows: int = 16,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-  """Pure-jnp ``gather_rows``: ``jnp.take`` per plane, then ``kv_formats.unpack``."""
-  del block_rows, interpret  # Same signature as the kernel.
-  fmt = kv_formats.get_format(kv_format)
-  _validate_planes(planes, positions, fmt)
-  take = jax.vmap(lambda p, i: jnp.take(p, i, axis=0, mode="clip"))
-  rows = {k: take(v, positions.astype(jnp.int32)) for k, v in planes.items()}
-  return kv_formats.unpack(fmt, rows, out_dtype)
+    """Pure-jnp ``gather_rows``: ``jnp.take`` per plane, then ``kv_formats.unpack``."""
+    del block_rows, interpret  # Same signature as the kernel.
+    fmt = kv_formats.get_format(kv_format)
+    _validate_planes(planes, positions, fmt)
+    take = jax.vmap(lambda p, i: jnp.take(p, i, axis=0, mode="clip"))
+    rows = {k: take(v, positions.astype(jnp.int32)) for k, v in planes.items()}
+    return kv_formats.unpack(fmt, rows, out_dtype)

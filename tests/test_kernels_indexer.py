@@ -8,20 +8,19 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kernels_pallas import (indexer_scores, indexer_scores_reference, topk_positions,
-                            topk_positions_reference)
+from kernels_pallas import indexer_scores, indexer_scores_reference, topk_positions, topk_positions_reference
 
 INTERPRET = True
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
 def _indexer_inputs(S, T, Hi, D, N, dtype, seed=0):
-  ks = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(ks[0], (S, T, Hi, D)).astype(dtype)
-  w = jax.random.normal(ks[1], (S, T, Hi), jnp.float32)  # signed: yields -0.0 too
-  keys = jax.random.normal(ks[2], (S, N, D)).astype(dtype)
-  qpos = jax.random.randint(ks[3], (S, T), 0, N)
-  return q, w, keys, qpos
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (S, T, Hi, D)).astype(dtype)
+    w = jax.random.normal(ks[1], (S, T, Hi), jnp.float32)  # signed: yields -0.0 too
+    keys = jax.random.normal(ks[2], (S, N, D)).astype(dtype)
+    qpos = jax.random.randint(ks[3], (S, T), 0, N)
+    return q, w, keys, qpos
 
 
 _SCORE_KW = dict(softmax_scale=0.125, block_keys=64)
@@ -29,48 +28,47 @@ _SCORE_KW = dict(softmax_scale=0.125, block_keys=64)
 
 @pytest.mark.parametrize("dtype,T", [(jnp.bfloat16, 3), (jnp.float32, 1)])
 def test_scores_match_reference(dtype, T):
-  S, Hi, D, N = 2, 8, 32, 128
-  q, w, keys, qpos = _indexer_inputs(S, T, Hi, D, N, dtype)
-  # Causal edges: the first position, the last one, and beyond the written length.
-  qpos = qpos.at[0, 0].set(0).at[1, -1].set(N - 1)
-  if T > 1:
-    qpos = qpos.at[0, 1].set(N + 5)
-  kw = _SCORE_KW
-  got = indexer_scores(q, w, keys, qpos, interpret=INTERPRET, **kw)
-  want = indexer_scores_reference(q, w, keys, qpos, **kw)
-  assert got.shape == (S, T, N) and got.dtype == jnp.float32
-  got, want = np.asarray(got), np.asarray(want)
-  np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
-  n = np.arange(N)
-  np.testing.assert_array_equal(np.isneginf(want), n > np.asarray(qpos)[..., None])
-  finite = np.isfinite(want)
-  np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+    S, Hi, D, N = 2, 8, 32, 128
+    q, w, keys, qpos = _indexer_inputs(S, T, Hi, D, N, dtype)
+    # Causal edges: the first position, the last one, and beyond the written length.
+    qpos = qpos.at[0, 0].set(0).at[1, -1].set(N - 1)
+    if T > 1:
+        qpos = qpos.at[0, 1].set(N + 5)
+    kw = _SCORE_KW
+    got = indexer_scores(q, w, keys, qpos, interpret=INTERPRET, **kw)
+    want = indexer_scores_reference(q, w, keys, qpos, **kw)
+    assert got.shape == (S, T, N) and got.dtype == jnp.float32
+    got, want = np.asarray(got), np.asarray(want)
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    n = np.arange(N)
+    np.testing.assert_array_equal(np.isneginf(want), n > np.asarray(qpos)[..., None])
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
 
 
 def test_scores_validation():
-  q, w, keys, qpos = _indexer_inputs(1, 1, 4, 16, 96, jnp.float32)
-  with pytest.raises(ValueError, match="multiple of block_keys"):
-    indexer_scores(q, w, keys, qpos, softmax_scale=1.0, block_keys=64, interpret=INTERPRET)
-  with pytest.raises(ValueError, match="block_keys must be a power of two"):
-    indexer_scores(q, w, keys, qpos, softmax_scale=1.0, block_keys=48, interpret=INTERPRET)
-  with pytest.raises(ValueError, match="expected q"):
-    indexer_scores(q, w[:, :, :2], keys, qpos, softmax_scale=1.0, block_keys=32,
-                   interpret=INTERPRET)
+    q, w, keys, qpos = _indexer_inputs(1, 1, 4, 16, 96, jnp.float32)
+    with pytest.raises(ValueError, match="multiple of block_keys"):
+        indexer_scores(q, w, keys, qpos, softmax_scale=1.0, block_keys=64, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="block_keys must be a power of two"):
+        indexer_scores(q, w, keys, qpos, softmax_scale=1.0, block_keys=48, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="expected q"):
+        indexer_scores(q, w[:, :, :2], keys, qpos, softmax_scale=1.0, block_keys=32, interpret=INTERPRET)
 
 
 def _check_topk(scores, k, block_n=64):
-  scores = jnp.asarray(scores, jnp.float32)
-  got = topk_positions(scores, k, block_n=block_n, interpret=INTERPRET)
-  want = topk_positions_reference(scores, k)
-  assert got.shape == (*scores.shape[:-1], k) and got.dtype == jnp.int32
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  got = np.asarray(got)
-  assert np.all(np.diff(got, axis=-1) > 0), "ascending, no duplicates"
-  return got
+    scores = jnp.asarray(scores, jnp.float32)
+    got = topk_positions(scores, k, block_n=block_n, interpret=INTERPRET)
+    want = topk_positions_reference(scores, k)
+    assert got.shape == (*scores.shape[:-1], k) and got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    got = np.asarray(got)
+    assert np.all(np.diff(got, axis=-1) > 0), "ascending, no duplicates"
+    return got
 
 
 def _rng_scores(shape, seed):
-  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
 # Most top-k tests share one shape and k so the interpreted kernels compile once.
@@ -79,71 +77,71 @@ _SHAPE, _K = (2, 3, 200), 64
 
 
 def test_topk_random():
-  _check_topk(_rng_scores(_SHAPE, 0), _K)
+    _check_topk(_rng_scores(_SHAPE, 0), _K)
 
 
 def test_topk_many_ties():
-  x = _rng_scores(_SHAPE, 1)
-  x = np.round(x * 2) / 2  # a handful of distinct values
-  x = np.where(x < 0, 0.0, x)  # relu zeros ...
-  x[..., ::3] *= -1.0  # ... with -0.0 among them (equal to +0.0)
-  got = _check_topk(x, _K)
-  # Ties at the threshold go to the lowest positions.
-  row = x[0, 0]
-  thr = np.sort(row)[::-1][_K - 1]
-  tied = np.flatnonzero(row == thr)
-  taken = np.intersect1d(got[0, 0], tied)
-  assert 0 < len(taken) < len(tied)
-  np.testing.assert_array_equal(taken, tied[:len(taken)])
+    x = _rng_scores(_SHAPE, 1)
+    x = np.round(x * 2) / 2  # a handful of distinct values
+    x = np.where(x < 0, 0.0, x)  # relu zeros ...
+    x[..., ::3] *= -1.0  # ... with -0.0 among them (equal to +0.0)
+    got = _check_topk(x, _K)
+    # Ties at the threshold go to the lowest positions.
+    row = x[0, 0]
+    thr = np.sort(row)[::-1][_K - 1]
+    tied = np.flatnonzero(row == thr)
+    taken = np.intersect1d(got[0, 0], tied)
+    assert 0 < len(taken) < len(tied)
+    np.testing.assert_array_equal(taken, tied[: len(taken)])
 
 
 def test_topk_all_equal_and_k_equals_n():
-  _check_topk(np.zeros(_SHAPE, np.float32), _K)
-  _check_topk(_rng_scores(_SHAPE, 2), _SHAPE[-1])
+    _check_topk(np.zeros(_SHAPE, np.float32), _K)
+    _check_topk(_rng_scores(_SHAPE, 2), _SHAPE[-1])
 
 
 def test_topk_fewer_finite_than_k():
-  x = _rng_scores(_SHAPE, 3)
-  x[0, 0, 10:] = -np.inf  # 10 finite entries
-  x[0, 1, :] = -np.inf  # none
-  x[0, 2, ::2] = -np.inf
-  x[1, 0, :150] = -np.inf  # the finite tail and the lowest -inf positions
-  got = _check_topk(x, _K)
-  np.testing.assert_array_equal(got[0, 0], np.arange(_K))  # finite, then lowest -inf
-  np.testing.assert_array_equal(got[0, 1], np.arange(_K))
-  np.testing.assert_array_equal(got[1, 0], np.r_[np.arange(14), np.arange(150, 200)])
+    x = _rng_scores(_SHAPE, 3)
+    x[0, 0, 10:] = -np.inf  # 10 finite entries
+    x[0, 1, :] = -np.inf  # none
+    x[0, 2, ::2] = -np.inf
+    x[1, 0, :150] = -np.inf  # the finite tail and the lowest -inf positions
+    got = _check_topk(x, _K)
+    np.testing.assert_array_equal(got[0, 0], np.arange(_K))  # finite, then lowest -inf
+    np.testing.assert_array_equal(got[0, 1], np.arange(_K))
+    np.testing.assert_array_equal(got[1, 0], np.r_[np.arange(14), np.arange(150, 200)])
 
 
 def test_topk_small_n_and_k1():
-  _check_topk(_rng_scores((3, 2, 20), 4), 1, block_n=1024)  # N < block_n
+    _check_topk(_rng_scores((3, 2, 20), 4), 1, block_n=1024)  # N < block_n
 
 
 def test_topk_on_indexer_scores():
-  """End to end: causal -inf tails, relu zeros of both signs, S,T > 1."""
-  # Same shapes as test_scores_match_reference: the compiled kernel is reused.
-  q, w, keys, qpos = _indexer_inputs(2, 3, 8, 32, 128, jnp.bfloat16, seed=5)
-  qpos = qpos.at[0, 0].set(20)
-  scores = indexer_scores(q, w, keys, qpos, interpret=INTERPRET, **_SCORE_KW)
-  assert np.any(np.asarray(scores) == 0)
-  scores = jnp.pad(scores, [(0, 0), (0, 0), (0, _SHAPE[-1] - 128)],
-                   constant_values=-jnp.inf)
-  _check_topk(scores, _K)
+    """End to end: causal -inf tails, relu zeros of both signs, S,T > 1."""
+    # Same shapes as test_scores_match_reference: the compiled kernel is reused.
+    q, w, keys, qpos = _indexer_inputs(2, 3, 8, 32, 128, jnp.bfloat16, seed=5)
+    qpos = qpos.at[0, 0].set(20)
+    scores = indexer_scores(q, w, keys, qpos, interpret=INTERPRET, **_SCORE_KW)
+    assert np.any(np.asarray(scores) == 0)
+    scores = jnp.pad(scores, [(0, 0), (0, 0), (0, _SHAPE[-1] - 128)], constant_values=-jnp.inf)
+    _check_topk(scores, _K)
 
 
 def test_topk_validation():
-  x = jnp.zeros((1, 1, 64), jnp.float32)
-  with pytest.raises(ValueError, match="k=65"):
-    topk_positions(x, 65, interpret=INTERPRET)
-  with pytest.raises(ValueError, match="block_n must be a power of two"):
-    topk_positions(x, 4, block_n=100, interpret=INTERPRET)
+    x = jnp.zeros((1, 1, 64), jnp.float32)
+    with pytest.raises(ValueError, match="k=65"):
+        topk_positions(x, 65, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        topk_positions(x, 4, block_n=100, interpret=INTERPRET)
 
 
 _VALUES = [-np.inf, -2.0, -1.0, -0.0, 0.0, 0.5, 1.0, 3.0, 1e30]
 
 
 @settings(max_examples=10, deadline=None)
-@given(values=st.lists(st.sampled_from(_VALUES), min_size=int(np.prod(_SHAPE)),
-                       max_size=int(np.prod(_SHAPE))),
-       k=st.sampled_from([_K, _SHAPE[-1]]))
+@given(
+    values=st.lists(st.sampled_from(_VALUES), min_size=int(np.prod(_SHAPE)), max_size=int(np.prod(_SHAPE))),
+    k=st.sampled_from([_K, _SHAPE[-1]]),
+)
 def test_topk_property_exact_ties(values, k):
-  _check_topk(np.asarray(values, np.float32).reshape(_SHAPE), k)
+    _check_topk(np.asarray(values, np.float32).reshape(_SHAPE), k)

@@ -203,3 +203,29 @@ def test_ring_overrun_and_capacity_are_refused():
     driver.host_len[:] = N - 8
     with pytest.raises(ValueError, match="exceed the cache capacity"):
         driver.before_step(np.array([2, 0]))
+
+
+def test_a_full_host_pool_is_a_clear_error_and_loses_nothing():
+    """A pool smaller than the sessions' histories (admission by real allocation): when it runs out, the step's
+    rows stay in the ring, nothing is half-written, and the next step is refused instead of overrunning."""
+    base = kvcache.init_cache(CFG, CC.replace(mode="resident"), B, N, jnp.float32)
+    cache = offload.to_offload(base, CFG, CC.replace(host_pool_rows=8))  # one page for two sessions
+    driver = offload.Driver(cache)
+    rng = np.random.default_rng(0)
+    sel = jnp.zeros((B, T, K), jnp.int32)
+    n_valid = np.array([T, T], np.int32)
+    for _ in range(2):  # 8 rows each: two pages due, one free
+        driver.before_step(n_valid)
+        cache, *_ = round_fn(cache, jnp.asarray(rng.normal(size=(L, B, T, 512)), jnp.float32),
+                             jnp.asarray(rng.normal(size=(L, B, T, 64)), jnp.float32), jnp.asarray(n_valid), sel)
+        if driver.lengths[0] + T < 8:
+            cache = driver.after_step(cache, n_valid)
+    history = {n: np.asarray(v) for n, v in cache.history.items()}
+    with pytest.raises(MemoryError, match="host page pool exhausted: 2 pages due, 1 free"):
+        driver.after_step(cache, n_valid)
+    assert len(driver.free_pages) == 1 and list(driver.host_len) == [0, 0]
+    for n, v in cache.history.items():
+        np.testing.assert_array_equal(np.asarray(v), history[n])
+    assert (np.asarray(cache.offload.host_len) == 0).all() and (np.asarray(cache.offload.page_table) == -1).all()
+    with pytest.raises(ValueError, match="ring holds"):
+        driver.before_step(np.array([T + 8, 0]))
