@@ -151,15 +151,7 @@ def main(argv=None):
             f"{r['kernel_ms']:>10.3f} {r['reference_ms']:>10.3f}"
         )
     if args.out:
-        meta = dict(
-            jax=jax.__version__,
-            backend=jax.default_backend(),
-            device=str(jax.devices()[0].device_kind),
-            python=platform.python_version(),
-            interpret=interpret,
-            iters=iters,
-            **provenance(),
-        )
+        meta = dict(python=platform.python_version(), interpret=interpret, iters=iters, **provenance())
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=2)
     if not all(r["match"] for r in rows):
