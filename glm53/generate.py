@@ -111,7 +111,7 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     the first one (it is included in its tokens).
 
     ``selection_override(step, positions)`` (benchmarks only): called before each decode step after the first
-    token with the position ``[B]`` each session's new token takes; returns int ``[B, K]`` (K = the model's
+    token with the position ``[B]`` at which each session's input token is written (its query position); returns int ``[B, K]`` (K = the model's
     selection size) positions that every layer attends to instead of the indexer's choice (the indexer still
     runs; positions after the session's current one are masked, as causal attention requires). The default is always the indexer.
     """
@@ -178,7 +178,8 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
             driver.before_step(ones)
         sel = None
         if selection_override is not None:
-            sel = _checked_selection(selection_override(i, np.asarray(lens) + i), B, kv, model.config)
+            # decode step i writes the token sampled at step i - 1, at position len + i - 1
+            sel = _checked_selection(selection_override(i, np.asarray(lens) + i - 1), B, kv, model.config)
         tok, lg, kv = model.steps.decode(model.params, kv, tok, jax.random.fold_in(key, i), temp, tp, sel)
         if driver is not None:
             kv = driver.after_step(kv, ones)

@@ -111,3 +111,32 @@ def test_history_planes_live_in_pinned_host(model):
     for plane in kv.offload.hot.values():
         assert plane.sharding.memory_kind == "device"
     assert int(kv.offload.host_len[0]) == 32 and int(kv.lengths[0]) == 42
+
+
+def test_selection_override_controls_locality_and_stays_bit_identical(model):
+    """A benchmark-supplied selection replaces the indexer's (which still runs): it changes the output, sees the
+    right query positions, drives the hit rate, and keeps offload bit-identical to resident."""
+    cc = CacheConfig(kv_format="q8g64", copyback_every=16, prefill_chunk=16, hot_rows=64)
+    ps = prompts([40, 33])
+    K = CFG.index_topk
+    seen = []
+
+    def fixed(step, positions):
+        seen.append(positions.copy())
+        return np.broadcast_to(np.arange(K, dtype=np.int32) * 2, (len(positions), K))  # positions 0, 2, ..., 30
+
+    runs = {m: glm53.generate(model, ps, max_new_tokens=6, cache=cc.replace(mode=m), return_logits=True,
+                              selection_override=fixed) for m in ("resident", "offload")}
+    assert runs["offload"].tokens == runs["resident"].tokens
+    assert np.array_equal(runs["offload"].logits, runs["resident"].logits)
+    assert [p.tolist() for p in seen[:5]] == [[40 + i - 1, 33 + i - 1] for i in range(1, 6)]
+    decode = runs["offload"].cache_stats["decode"]
+    # Each fixed position misses at most once per layer and session (then it is hot): every later lookup hits.
+    layers, sessions = CFG.num_hidden_layers, len(ps)
+    assert 0 < decode["misses"] <= K * layers * sessions and decode["fills"] == decode["misses"]
+    assert decode["hits"] + decode["misses"] == 5 * K * layers * sessions
+    plain = glm53.generate(model, ps, max_new_tokens=6, cache=cc.replace(mode="resident"), return_logits=True)
+    assert not np.array_equal(plain.logits[:, 1:], runs["resident"].logits[:, 1:])  # the override was used
+    np.testing.assert_array_equal(plain.logits[:, 0], runs["resident"].logits[:, 0])  # prefill untouched
+    with pytest.raises(ValueError, match="selection_override must return int"):
+        glm53.generate(model, ps, max_new_tokens=3, cache=cc, selection_override=lambda s, p: np.zeros((2, 3)))
