@@ -4,15 +4,14 @@ Layout (B sessions, L cache layers = main layers + MTP layers, N = capacity rows
 
     lengths        int32[B]                 rows of history each session has (logical length)
     mtp_lengths    int32[B]                 rows the MTP layer has (it runs one position behind the main model)
-    history[p]     [L, B, N, W_p]           MLA rows as planes p in {"latent", "scale", "rope"} (glm53.kv_formats)
-    index_keys     [Lf, B, N, index_dim]    DSA indexer keys, only for layers with a "full" indexer
+    history[p]     resident: [L, B, N, W_p] on the accelerator; offload: the host page pool [pages*L*P, W_p] in
+                   pinned_host memory. MLA rows as planes p in {"latent", "scale", "rope"} (glm53.kv_formats)
+    index_keys     [Lf, B, N, index_dim]    DSA indexer keys, only for layers with a "full" indexer (always on the
+                                            accelerator: every step scores all of them)
     offload        OffloadState | None      hot cache, slot maps, ring, counters (mode="offload"; glm53.offload)
 
-Every layer's planes are stacked into one array per plane so a copy of new rows for *all* layers is one operation
-(the article: the number of transfers, not their bytes, is what costs). Resident mode keeps ``history`` on the
-accelerator; offload mode keeps the same arrays in ``pinned_host`` memory and adds ``offload``. The model never
-looks at the layout: it calls ``write_rows``, ``write_index_keys`` and ``gather_rows`` below, which is where the two
-modes differ.
+The model never looks at the layout: it calls ``write_rows``, ``write_index_keys`` and ``gather_rows`` below, which
+is where the two modes differ.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from glm53 import kv_formats
 from glm53.config import CacheConfig, ModelConfig, round_up
@@ -162,7 +160,3 @@ def describe(cache: KVCache) -> str:
         name = jax.tree_util.keystr(path)
         lines.append(f"  {name:<36} {str(leaf.dtype):<14} {str(tuple(leaf.shape)):<24} {kind(leaf)}")
     return "\n".join(lines)
-
-
-def host_lengths(cache: KVCache) -> np.ndarray:
-    return np.asarray(jax.device_get(cache.lengths))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 # The cache modes an engine can run in: everything on the accelerator, or history in host memory + hot cache.
 CACHE_MODES = ("resident", "offload")
@@ -317,11 +317,3 @@ class CacheConfig:
 
 def round_up(x: int, multiple: int) -> int:
     return int(math.ceil(x / multiple) * multiple)
-
-
-def as_tuple(x: int | Sequence[int] | None) -> tuple[int, ...]:
-    if x is None:
-        return ()
-    if isinstance(x, int):
-        return (x,)
-    return tuple(x)

@@ -97,6 +97,9 @@ class Model:
         self.dtype = resolve_dtype(dtype)
         self.params = params
         self.cache_config = cache_config or CacheConfig(kv_format="f32" if self.dtype == jnp.float32 else "bf16")
+        if self.cache_config.mode == "offload":  # sizes that cannot work fail here, before any run
+            from glm53 import offload
+            offload.validate(config, self.cache_config)
         self.tokenizer = tokenizer
         self.module = GLM5(config, self.dtype)
         self.steps = Steps(self.module)
@@ -132,6 +135,9 @@ class Model:
 
     def new_cache(self, batch: int, capacity_rows: int, cache_config: CacheConfig | None = None) -> kvcache.KVCache:
         cc = cache_config or self.cache_config
+        if cc.mode == "offload":
+            from glm53 import offload
+            offload.validate(self.config, cc)
         capacity = kvcache.capacity_for(cc, capacity_rows)
         cache = kvcache.init_cache(self.config, cc, batch, capacity, self.dtype)
         if cc.mode == "offload":

@@ -140,3 +140,11 @@ def test_selection_override_controls_locality_and_stays_bit_identical(model):
     np.testing.assert_array_equal(plain.logits[:, 0], runs["resident"].logits[:, 0])  # prefill untouched
     with pytest.raises(ValueError, match="selection_override must return int"):
         glm53.generate(model, ps, max_new_tokens=3, cache=cc, selection_override=lambda s, p: np.zeros((2, 3)))
+
+
+def test_offload_sizes_are_checked_when_the_model_is_configured():
+    with pytest.raises(ConfigError, match="hot_rows=32 is below what a round can pin"):
+        glm53.Model(CFG, params=None, dtype="float32",
+                    cache_config=CacheConfig(mode="offload", copyback_every=16, prefill_chunk=16, hot_rows=32))
+    with pytest.raises(ConfigError, match="must be a power of two"):
+        CacheConfig(mode="offload", copyback_every=24)
