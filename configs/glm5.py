@@ -52,7 +52,7 @@ def get_config() -> ml_collections.ConfigDict:
         prefill_chunk=2048,  # tokens per prefill step (power of two)
         hot_rows=32768,  # offload: hot-cache slots per layer and session (20.5 MiB per layer in q8g64)
         copyback_every=64,  # offload: rows per batched ring -> host copy
-        ring_rows=0,  # offload: recent-ring rows; 0 = 2 * copyback_every
+        ring_rows=0,  # offload: ring rows, at least (raised to a power of 2 >= prefill_chunk + copyback)
         page_rows=0,  # capacity growth unit; 0 = copyback_every
     ))
     c.run = ml_collections.ConfigDict(dict(

@@ -38,7 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
         prefill_chunk=64,  # tokens per prefill step (power of two)
         hot_rows=256,  # offload: hot-cache slots per layer (>= index_topk + ring rows, a power of two)
         copyback_every=16,  # offload: rows per batched ring -> host copy
-        ring_rows=0,  # offload: recent-ring rows; 0 = 2 * copyback_every
+        ring_rows=0,  # offload: ring rows, at least (raised to a power of 2 >= prefill_chunk + copyback)
         page_rows=0,  # capacity growth unit; 0 = copyback_every
     ))
     c.run = ml_collections.ConfigDict(dict(

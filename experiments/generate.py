@@ -82,7 +82,8 @@ def main(argv):
 
     mode = model.cache_config.mode
     print(f"{run.batch} x {run.prompt_len}-token prompts, {run.max_new_tokens} new tokens, cache {mode}/"
-          f"{model.cache_config.kv_format} (an untimed warm-up generate with the same shapes ran first: compile not timed)")
+          f"{model.cache_config.kv_format} (an untimed warm-up generate with the same shapes ran first: compile is "
+          "not timed)")
     result = timed(mode)
     for b, toks in enumerate(result.tokens):
         print(f"session {b}: {toks[:32]}{' ...' if len(toks) > 32 else ''}")

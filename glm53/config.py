@@ -270,7 +270,9 @@ class CacheConfig:
     prefill_chunk: int = 256  # tokens per prefill step: bounds transient device memory of prefill
     hot_rows: int = 32768  # offload: hot-cache slots per layer and session
     copyback_every: int = 64  # offload: rows per batched copy of the recent ring into host memory
-    ring_rows: int = 0  # offload: recent-ring rows; 0 = 2 * copyback_every
+    # offload: recent-ring rows, at least; the ring is raised to a power of two >= prefill_chunk + copyback_every so
+    # a whole prefill chunk fits before its pages are copied back (glm53.offload.ring_rows_for)
+    ring_rows: int = 0
     page_rows: int = 0  # rows per capacity page (growth unit); 0 = copyback_every
     # offload: rows of host memory in the page pool, shared by the cache's sessions; 0 = every session's full
     # capacity. Smaller pools admit sessions by the pages they actually fill (a full pool is a clear error).

@@ -111,9 +111,10 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     the first one (it is included in its tokens).
 
     ``selection_override(step, positions)`` (benchmarks only): called before each decode step after the first
-    token with the position ``[B]`` at which each session's input token is written (its query position); returns int ``[B, K]`` (K = the model's
-    selection size) positions that every layer attends to instead of the indexer's choice (the indexer still
-    runs; positions after the session's current one are masked, as causal attention requires). The default is always the indexer.
+    token with the position ``[B]`` at which each session's input token is written (its query position); returns
+    int ``[B, K]`` positions (K = the model's selection size) that every layer attends to instead of the indexer's
+    choice. The indexer still runs; positions after a session's current one are masked, as causal attention
+    requires. The default is always the indexer.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
