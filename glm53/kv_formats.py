@@ -241,7 +241,7 @@ def error_bound(fmt: str | KVFormat, latent: jax.Array) -> jax.Array:
         return s * jnp.float32(0.5 + fmt.qmax * 2.0**-24) + tiny
     if fmt.name == "fp8g128":
         return jnp.maximum(x * jnp.float32(2.0**-4), s * jnp.float32(2.0**-10)) + jnp.float32(2.0**-21) * (x + s) + tiny
-    raise NotImplementedError(f"no error bound derived for {fmt.name!r}")
+    raise ValueError(f"no error bound derived for format {fmt.name!r}")
 
 
 def rope_error_bound(fmt: str | KVFormat, rope: jax.Array) -> jax.Array:
