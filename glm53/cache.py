@@ -132,8 +132,11 @@ def gather_rows(cache: KVCache, layer: int, selected: jax.Array, valid: jax.Arra
         return offload.gather_rows(cache, layer, selected, valid, dtype)
     from kernels_pallas import ops
     B, T, K = selected.shape
-    planes = {name: cache.history[name][layer] for name in cache.history}
-    latent, rope = ops.gather_rows(planes, selected.reshape(B, T * K), kv_format=cache.kv_format, out_dtype=dtype)
+    # All layers' planes as [L*B, N, W] (a free reshape) and this layer's offset: slicing out the layer instead would
+    # make XLA copy its whole history before the kernel, on every layer of every step.
+    planes = {name: p.reshape(-1, *p.shape[2:]) for name, p in cache.history.items()}
+    latent, rope = ops.gather_rows(planes, selected.reshape(B, T * K), kv_format=cache.kv_format, out_dtype=dtype,
+                                   first_plane=layer * B)
     return latent.reshape(B, T, K, -1), rope.reshape(B, T, K, -1), cache
 
 

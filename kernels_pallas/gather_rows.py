@@ -32,14 +32,14 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
-def _gather_rows_kernel(pos_ref, latent_ref, *refs, fmt: KVFormat, block_rows: int):
+def _gather_rows_kernel(pos_ref, latent_ref, *refs, fmt: KVFormat, block_rows: int, first_plane: int):
     """One program gathers ``block_rows`` rows of one session.
 
     Refs (ANY = whole array in place; outputs have the session dim squeezed):
       pos_ref:        [S, M] int32, ANY
-      latent_ref:     [S, N, 512] latent dtype, ANY
-      scale_ref:      [S, N, G] scale dtype, ANY (quantised formats only)
-      rope_ref:       [S, N, 64] rope dtype, ANY
+      latent_ref:     [P, N, 512] latent dtype, ANY (session s reads plane first_plane + s)
+      scale_ref:      [P, N, G] scale dtype, ANY (quantised formats only)
+      rope_ref:       [P, N, 64] rope dtype, ANY
       latent_out_ref: [block_rows, 512] out dtype
       rope_out_ref:   [block_rows, 64] out dtype
     """
@@ -48,9 +48,9 @@ def _gather_rows_kernel(pos_ref, latent_ref, *refs, fmt: KVFormat, block_rows: i
     else:
         scale_ref = None
         rope_ref, latent_out_ref, rope_out_ref = refs
-    s = pl.program_id(0)
     j = pl.program_id(1)
-    rows = pos_ref[s, pl.ds(j * block_rows, block_rows)]  # [block_rows]
+    rows = pos_ref[pl.program_id(0), pl.ds(j * block_rows, block_rows)]  # [block_rows]
+    s = pl.program_id(0) + first_plane
     # A 3-D ref indexed by (scalar session, row vector, slice) lowers on Triton to
     # one pointer tensor [block_rows, width] (64-bit offsets once the plane exceeds
     # 4 GiB), and to a gather in interpret mode; no flattening to [S*N, W] needed.
@@ -80,20 +80,23 @@ def _validate_blocks(positions, block_rows: int):
         )
 
 
-def _validate_planes(planes, positions, fmt: KVFormat):
+def _validate_planes(planes, positions, fmt: KVFormat, first_plane: int = 0):
     expected = {"latent", "rope"} | ({"scale"} if fmt.quantised else set())
     if set(planes) != expected:
         raise ValueError(f"KV format {fmt.name!r} needs planes {sorted(expected)}, got {sorted(planes)}")
     if positions.ndim != 2:
         raise ValueError(f"positions must be [S, M], got shape {positions.shape}")
     S = positions.shape[0]
-    shapes = fmt.plane_shapes(S, planes["latent"].shape[1])
+    P = planes["latent"].shape[0]
+    if first_plane < 0 or first_plane + S > P:
+        raise ValueError(f"sessions [{first_plane}, {first_plane + S}) are outside the planes' {P} sessions")
+    shapes = fmt.plane_shapes(P, planes["latent"].shape[1])
     for name, (shape, dtype) in shapes.items():
         p = planes[name]
         if p.shape != shape or p.dtype != dtype:
             raise ValueError(
                 f"plane {name!r} of format {fmt.name!r} must be {dtype}{list(shape)} "
-                f"([S, N, W] with S={S} from positions), got {p.dtype}{list(p.shape)}"
+                f"([P, N, W] like the latent plane), got {p.dtype}{list(p.shape)}"
             )
         if not _is_pow2(shape[-1] * dtype.itemsize):
             raise ValueError(
@@ -102,7 +105,7 @@ def _validate_planes(planes, positions, fmt: KVFormat):
             )
 
 
-@functools.partial(jax.jit, static_argnames=("kv_format", "out_dtype", "block_rows", "interpret"))
+@functools.partial(jax.jit, static_argnames=("kv_format", "out_dtype", "block_rows", "interpret", "first_plane"))
 def gather_rows(
     planes: dict[str, jax.Array],
     positions: jax.Array,
@@ -111,22 +114,26 @@ def gather_rows(
     out_dtype=jnp.bfloat16,
     block_rows: int = 16,
     interpret: bool = False,
+    first_plane: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
-    """Gathers ``planes[*][s, positions[s, m]]`` and dequantises to ``out_dtype``.
+    """Gathers ``planes[*][first_plane + s, positions[s, m]]`` and dequantises to ``out_dtype``.
 
     Args:
-      planes: dict of ``[S, N, W]`` planes in ``kv_format`` (see glm53.kv_formats).
+      planes: dict of ``[P, N, W]`` planes in ``kv_format`` (see glm53.kv_formats), P >= first_plane + S. The
+        offset lets a caller pass every layer's planes stacked ([L*B, N, W], a free reshape) and read one layer's
+        rows in place: a sliced operand would make XLA copy that layer's whole history before the custom call.
       positions: int32[S, M], each in [0, N); M a multiple of ``block_rows``.
       kv_format: format name.
       out_dtype: dtype of the outputs.
       block_rows: rows per program (power of two).
       interpret: run the Pallas interpreter (CPU tests).
+      first_plane: plane of session 0 (static).
 
     Returns:
       ``(latent[S, M, 512], rope[S, M, 64])`` in ``out_dtype``.
     """
     fmt = kv_formats.get_format(kv_format)
-    _validate_planes(planes, positions, fmt)
+    _validate_planes(planes, positions, fmt, first_plane)
     _validate_blocks(positions, block_rows)
     S, M = positions.shape
     out_dtype = jnp.dtype(out_dtype)
@@ -135,7 +142,7 @@ def gather_rows(
     if fmt.quantised:
         operands.append(planes["scale"])
     operands.append(planes["rope"])
-    kernel = functools.partial(_gather_rows_kernel, fmt=fmt, block_rows=block_rows)
+    kernel = functools.partial(_gather_rows_kernel, fmt=fmt, block_rows=block_rows, first_plane=first_plane)
     return pl.pallas_call(
         kernel,
         grid=(S, M // block_rows),
@@ -156,7 +163,7 @@ def gather_rows(
     )(*operands)
 
 
-@functools.partial(jax.jit, static_argnames=("kv_format", "out_dtype", "block_rows", "interpret"))
+@functools.partial(jax.jit, static_argnames=("kv_format", "out_dtype", "block_rows", "interpret", "first_plane"))
 def gather_rows_reference(
     planes: dict[str, jax.Array],
     positions: jax.Array,
@@ -165,11 +172,13 @@ def gather_rows_reference(
     out_dtype=jnp.bfloat16,
     block_rows: int = 16,
     interpret: bool = False,
+    first_plane: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
     """Pure-jnp ``gather_rows``: ``jnp.take`` per plane, then ``kv_formats.unpack``."""
     del block_rows, interpret  # Same signature as the kernel.
     fmt = kv_formats.get_format(kv_format)
-    _validate_planes(planes, positions, fmt)
+    _validate_planes(planes, positions, fmt, first_plane)
+    S = positions.shape[0]
     take = jax.vmap(lambda p, i: jnp.take(p, i, axis=0, mode="clip"))
-    rows = {k: take(v, positions.astype(jnp.int32)) for k, v in planes.items()}
+    rows = {k: take(v[first_plane:first_plane + S], positions.astype(jnp.int32)) for k, v in planes.items()}
     return kv_formats.unpack(fmt, rows, out_dtype)

@@ -48,17 +48,19 @@ def _impl() -> tuple[bool, bool]:
     return on_gpu, False
 
 
-def gather_rows(planes: dict, positions: jax.Array, *, kv_format: str, out_dtype):
-    """Rows at ``positions [S, M]`` of ``planes`` (each ``[S, N, W]``), dequantised to ``out_dtype``."""
+def gather_rows(planes: dict, positions: jax.Array, *, kv_format: str, out_dtype, first_plane: int = 0):
+    """Rows at ``positions [S, M]`` of planes ``first_plane + s`` of ``planes`` (each ``[P, N, W]``), dequantised
+    to ``out_dtype``."""
     use_pallas, interpret = _impl()
     if not use_pallas:
-        return _gather.gather_rows_reference(planes, positions, kv_format=kv_format, out_dtype=out_dtype)
+        return _gather.gather_rows_reference(planes, positions, kv_format=kv_format, out_dtype=out_dtype,
+                                             first_plane=first_plane)
     S, M = positions.shape
     pad = (-M) % GATHER_BLOCK_ROWS
     if pad:  # row 0 always exists; padded rows are sliced off below
         positions = jnp.pad(positions, ((0, 0), (0, pad)))
     latent, rope = _gather.gather_rows(planes, positions, kv_format=kv_format, out_dtype=out_dtype,
-                                       block_rows=GATHER_BLOCK_ROWS, interpret=interpret)
+                                       block_rows=GATHER_BLOCK_ROWS, interpret=interpret, first_plane=first_plane)
     return latent[:, :M], rope[:, :M]
 
 

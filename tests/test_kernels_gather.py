@@ -86,3 +86,19 @@ def test_gather_validation():
         )
     with pytest.raises(ValueError, match="Unknown KV format"):
         gather_rows(planes, pos, kv_format="q4", block_rows=8, interpret=INTERPRET)
+
+
+def test_gather_from_stacked_planes_with_an_offset():
+    """first_plane reads sessions [first_plane, first_plane + S) of stacked planes in place: the same rows as
+    slicing those planes out first."""
+    name = "q8g64"
+    planes = _planes(name, 6, 32, seed=5)  # e.g. 3 layers x 2 sessions, flattened
+    pos = jax.random.randint(jax.random.key(2), (2, 16), 0, 32)
+    sliced = {k: v[2:4] for k, v in planes.items()}
+    want = gather_rows_reference(sliced, pos, kv_format=name, out_dtype=jnp.float32)
+    for fn, kw in ((gather_rows, {"interpret": INTERPRET}), (gather_rows_reference, {})):
+        got = fn(planes, pos, kv_format=name, out_dtype=jnp.float32, block_rows=8, first_plane=2, **kw)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(ValueError, match="outside the planes"):
+        gather_rows(planes, pos, kv_format=name, block_rows=8, first_plane=5, interpret=INTERPRET)
