@@ -16,6 +16,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import glm53
+from experiments.workloads import local99
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
@@ -23,20 +24,6 @@ config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment c
 flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_integer("pairs", 1, "interleaved resident/offload pairs per workload")
 flags.DEFINE_list("workloads", ["indexer", "local99"], "indexer | local99")
-
-
-def local99(K: int, history: int, seed: int, churn: float = 0.01):
-    """A selection override factory: the same positions every step but for ``churn`` of them."""
-    rng = np.random.default_rng(seed)
-    chosen = rng.choice(history, K, replace=history < K)
-
-    def override(step: int, positions: np.ndarray) -> np.ndarray:
-        n_new = max(1, int(round(churn * K)))
-        idx = rng.choice(K, n_new, replace=False)
-        chosen[idx] = rng.integers(0, history, n_new)
-        return np.broadcast_to(np.sort(chosen), (len(positions), K)).astype(np.int32)
-
-    return override
 
 
 def run_once(model, prompts, cc, new_tokens, workload, K, history, seed):

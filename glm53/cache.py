@@ -106,8 +106,10 @@ def write_rows(cache: KVCache, layer: int, latent: jax.Array, rope: jax.Array, p
     if cache.mode == "offload":
         from glm53 import offload
         return offload.write_rows(cache, layer, latent, rope, positions)
-    planes = kv_formats.pack(kv_formats.get_format(cache.kv_format), latent, rope)
-    history = {name: _scatter_rows(cache.history[name], layer, planes[name], positions) for name in cache.history}
+    with jax.named_scope("resident_write"):
+        planes = kv_formats.pack(kv_formats.get_format(cache.kv_format), latent, rope)
+        history = {name: _scatter_rows(cache.history[name], layer, planes[name], positions)
+                   for name in cache.history}
     return cache.replace(history=history)
 
 
@@ -135,8 +137,9 @@ def gather_rows(cache: KVCache, layer: int, selected: jax.Array, valid: jax.Arra
     # All layers' planes as [L*B, N, W] (a free reshape) and this layer's offset: slicing out the layer instead would
     # make XLA copy its whole history before the kernel, on every layer of every step.
     planes = {name: p.reshape(-1, *p.shape[2:]) for name, p in cache.history.items()}
-    latent, rope = ops.gather_rows(planes, selected.reshape(B, T * K), kv_format=cache.kv_format, out_dtype=dtype,
-                                   first_plane=layer * B)
+    with jax.named_scope("resident_gather"):
+        latent, rope = ops.gather_rows(planes, selected.reshape(B, T * K), kv_format=cache.kv_format,
+                                       out_dtype=dtype, first_plane=layer * B)
     return latent.reshape(B, T, K, -1), rope.reshape(B, T, K, -1), cache
 
 

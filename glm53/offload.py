@@ -141,6 +141,7 @@ def to_offload(cache, cfg: ModelConfig, cc: CacheConfig):
 # ----------------------------------------------------------------------------------------------------------------
 # Inside the jitted step
 # ----------------------------------------------------------------------------------------------------------------
+@jax.named_scope("offload_ring_write")
 def write_rows(cache, layer: int, latent: Array, rope: Array, positions: Array):
     """New rows go to the ring only; host memory gets them by copyback once a page is complete."""
     st: OffloadState = cache.offload
@@ -154,6 +155,7 @@ def write_rows(cache, layer: int, latent: Array, rope: Array, positions: Array):
     return cache.replace(offload=st.replace(ring=ring))
 
 
+@jax.named_scope("offload_classify")
 def classify(st: OffloadState, layer: int, positions: Array, num_layers: int):
     """Source (0 ring, 1 hot, 2 host) and flat row of each selected position ``[B, M]``, plus the hot slot."""
     from kernels_pallas.hot_gather import HOST, HOT, RING
@@ -174,6 +176,7 @@ def classify(st: OffloadState, layer: int, positions: Array, num_layers: int):
     return source, row, slot
 
 
+@jax.named_scope("offload_gather")
 def _gather_packed(cache, source: Array, row: Array) -> dict:
     from kernels_pallas import ops
 
@@ -192,12 +195,14 @@ def gather_rows(cache, layer: int, selected: Array, valid: Array, dtype):
     source, row, slot = classify(st, layer, pos, cache.num_layers)
     packed = _gather_packed(cache, source, row)  # {plane: [B*M, W]}
     packed = {n: v.reshape(B, T * K, v.shape[-1]) for n, v in packed.items()}
-    latent, rope = kv_formats.unpack(kv_formats.get_format(cache.kv_format), packed, dtype)
+    with jax.named_scope("offload_unpack"):
+        latent, rope = kv_formats.unpack(kv_formats.get_format(cache.kv_format), packed, dtype)
     pending = (st.pending or ()) + (dict(layer=layer, tokens=T, pos=pos, source=source, slot=slot,
                                          valid=valid.reshape(B, T * K), packed=packed),)
     return latent.reshape(B, T, K, -1), rope.reshape(B, T, K, -1), cache.replace(offload=st.replace(pending=pending))
 
 
+@jax.named_scope("offload_fill")
 def finish_round(cache):
     """Install every layer's misses of this step into victim slots, in one batched pass over the layers.
 

@@ -70,14 +70,35 @@ class _Jitted:
 
     def __init__(self, fn, static_argnames=()):
         self._resident = jax.jit(fn, static_argnames=static_argnames, donate_argnums=(1,))
-        self._offload = jax.jit(_with_history(fn), static_argnames=static_argnames, donate_argnums=(1,))
+        run = _with_history(fn)
+        run.__name__ = getattr(getattr(fn, "func", fn), "__name__", "run")  # the profile's module name
+        self._offload = jax.jit(run, static_argnames=static_argnames, donate_argnums=(1,))
+        self._last = None
 
     def __call__(self, params, cache: kvcache.KVCache, *args, **kw):
         if cache.mode != "offload":
+            self._last = (self._resident, (params, cache, *args), kw)
             return self._resident(params, cache, *args, **kw)
         history = cache.history
-        *out, rest = self._offload(params, cache.replace(history=None), history, *args, **kw)
+        rest = cache.replace(history=None)
+        self._last = (self._offload, (params, rest, history, *args), kw)
+        *out, rest = self._offload(params, rest, history, *args, **kw)
         return (*out, rest.replace(history=history))
+
+    def last_compiled_text(self) -> str:
+        """The optimised HLO of the executable the latest call ran (a compilation-cache hit): for profiling, to map
+        kernels back to source through their ``op_name`` metadata."""
+        if self._last is None:
+            raise RuntimeError("the step has not been called yet")
+        fn, args, kw = self._last
+        return fn.lower(*_abstract(args), **kw).compile().as_text()
+
+
+def _abstract(tree):
+    """Shapes, dtypes and placements (memory kinds included) of a call's arrays, donated ones too (a deleted
+    array keeps its aval and sharding); other leaves as they are."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                        if isinstance(x, jax.Array) else x, tree)
 
 
 def _forward(module: GLM5, params, cache: kvcache.KVCache, tokens, n_valid, selection=None, *, all_logits: bool):

@@ -1,0 +1,168 @@
+"""Where a decode step's device time goes: resident vs offload, kernel by kernel, from a JAX profiler trace.
+
+    python -m experiments.profile_decode --config=configs/h200_bench.py --config.run.prompt_len=50000 \
+        --config.run.max_new_tokens=64 --workload=local99 --out=experiments/results/profile_decode_50k.json
+
+Each mode runs one untimed generate (compilation), then one generate under ``jax.profiler.trace``. From the trace's
+device plane it sums, for the decode step's module and the copyback module, every kernel's device time per decode
+step, and attributes kernels to source code through the compiled HLO's ``op_name`` metadata (Flax module paths and
+the ``jax.named_scope``s of ``glm53.offload``: ``offload_classify``, ``offload_gather``, ``offload_fill``, ...).
+``span`` is the device timeline from the first to the last decode kernel per step: ``span - busy`` is idle time
+(launch gaps), which kernel sums alone would hide. Figures are device time, not a speed benchmark: use
+``experiments.offload_ab`` for tokens/s.
+"""
+
+import collections
+import glob
+import json
+import os
+import re
+import tempfile
+
+import jax
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+import glm53
+from experiments.workloads import local99
+from glm53.provenance import provenance
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment config")
+flags.DEFINE_string("out", "", "write the results JSON here")
+flags.DEFINE_enum("workload", "local99", ["indexer", "local99"], "selection: the indexer's or local99's override")
+flags.DEFINE_list("modes", ["resident", "offload"], "cache modes to profile")
+flags.DEFINE_integer("top", 40, "kernels listed per mode")
+
+# The cache's own scopes (glm53.cache / glm53.offload) name a kernel first; otherwise the Flax module path does.
+CACHE_SCOPES = ("offload_classify", "offload_gather", "offload_unpack", "offload_ring_write", "offload_fill",
+                "resident_gather", "resident_write")
+
+
+def op_names_from_hlo(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> op_name metadata for every instruction of the compiled module."""
+    out = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?metadata=\{[^}]*op_name=\"([^\"]*)\"", hlo_text,
+                         re.M):
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+def scope_of(op_name: str) -> str:
+    """``offload_fill``, ``self_attn/indexer``, ``mlp``, ``lm_head``, ... for a kernel's op_name."""
+    for s in CACHE_SCOPES:
+        if s in op_name:
+            return s
+    m = re.search(r"GLM5/layers_\d+/(\w+)(?:/(indexer)\b)?", op_name)
+    if m:
+        return "/".join(x for x in m.groups() if x)
+    m = re.search(r"GLM5/(\w+)", op_name)
+    if m:
+        return m.group(1)
+    if "gumbel" in op_name or "argmax" in op_name or "argsort" in op_name or "sample" in op_name:
+        return "sample"
+    return "other"
+
+
+def device_events(path: str) -> list:
+    """(name, start_ns, duration_ns, stats) of every event that ran an HLO op: the accelerator's stream events, or
+    on a CPU-only run the host's XLA thunks (so the script can be tried on a laptop)."""
+    from jax.profiler import ProfileData
+    pd = ProfileData.from_file(path)
+    planes = [p for p in pd.planes if p.name.startswith("/device:")] or [p for p in pd.planes
+                                                                         if p.name.startswith("/host:CPU")]
+    out = []
+    for plane in planes:
+        for line in plane.lines:
+            for ev in line.events:
+                stats = dict(ev.stats)
+                if "hlo_module" in stats:
+                    out.append((ev.name, ev.start_ns, ev.duration_ns, stats))
+    return out
+
+
+def summarise(events, op_names: dict, decode_steps: int) -> dict:
+    per_kernel = collections.defaultdict(lambda: [0, 0.0, "", ""])
+    per_scope = collections.Counter()
+    per_module = collections.Counter()
+    starts, ends = [], []
+    for name, start, dur, stats in events:
+        module = str(stats.get("hlo_module", ""))
+        per_module[module] += dur
+        if not (module.startswith("jit__decode") or "copyback" in module):
+            continue
+        if "copyback" not in module:
+            starts.append(start)
+            ends.append(start + dur)
+        hlo_op = str(stats.get("hlo_op", ""))
+        op_name = op_names.get(hlo_op, "")
+        scope = "copyback" if "copyback" in module else scope_of(op_name or name)
+        k = per_kernel[(name, hlo_op)]
+        k[0] += 1
+        k[1] += dur
+        k[2], k[3] = op_name, scope
+        per_scope[scope] += dur
+    decode_steps = max(decode_steps, 1)
+    busy = sum(v[1] for v in per_kernel.values())
+    rows = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])
+    return {
+        "decode_steps_profiled": decode_steps,
+        "busy_us_per_step": busy / 1e3 / decode_steps,
+        "span_us_per_step": (max(ends) - min(starts)) / 1e3 / decode_steps if starts else 0.0,
+        "kernels_per_step": sum(v[0] for v in per_kernel.values()) / decode_steps,
+        "per_scope_us_per_step": {k: v / 1e3 / decode_steps for k, v in per_scope.most_common()},
+        "top_kernels": [{"kernel": n, "hlo_op": h, "scope": v[3], "op_name": v[2][-160:],
+                         "calls_per_step": v[0] / decode_steps, "us_per_step": v[1] / 1e3 / decode_steps}
+                        for (n, h), v in rows[: FLAGS.top]],
+        "device_ms_per_module": {k: v / 1e6 for k, v in per_module.most_common(12)},
+        "example_event_stats": [{k: str(v)[:120] for k, v in e[3].items()} for e in events[:3]],
+    }
+
+
+def main(_):
+    c = FLAGS.config
+    cc = glm53.CacheConfig.from_config_dict(c.cache)
+    model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
+    rng = np.random.default_rng(c.run.seed)
+    prompts = [rng.integers(0, model.config.vocab_size, c.run.prompt_len).tolist() for _ in range(c.run.batch)]
+    new = c.run.max_new_tokens
+    cc = cc.replace(max_len=c.run.prompt_len + new)
+    K = min(model.config.index_topk, glm53.cache.capacity_for(cc, c.run.prompt_len + new))
+    results = {"config": c.to_dict(), **provenance(), "workload": FLAGS.workload, "modes": {}}
+    tokens = {}
+    for mode in FLAGS.modes:
+        mc = cc.replace(mode=mode)
+
+        def run():
+            override = local99(K, c.run.prompt_len, c.run.seed) if FLAGS.workload == "local99" else None
+            return glm53.generate(model, prompts, max_new_tokens=new, cache=mc, selection_override=override)
+
+        run()  # compile every shape
+        logdir = tempfile.mkdtemp()
+        with jax.profiler.trace(logdir):
+            res = run()
+        tokens[mode] = res.tokens
+        (path,) = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+        hlo = model.steps.decode.last_compiled_text()
+        summary = summarise(device_events(path), op_names_from_hlo(hlo), new - 1)
+        summary["decode_tokens_per_s_while_profiled"] = res.decode_tokens_per_s
+        if res.cache_stats:
+            summary["decode_hit_rate"] = res.cache_stats["decode"]["hit_rate"]
+        results["modes"][mode] = summary
+        print(f"[{mode}] busy {summary['busy_us_per_step']:.1f} us/step, span {summary['span_us_per_step']:.1f} "
+              f"us/step, {summary['kernels_per_step']:.0f} kernels/step", flush=True)
+        for k, v in summary["per_scope_us_per_step"].items():
+            print(f"    {k:>20}: {v:8.1f} us/step")
+        for r in summary["top_kernels"][:25]:
+            print(f"    {r['us_per_step']:8.1f} us  x{r['calls_per_step']:5.1f}  {r['scope']:>18}  {r['kernel'][:60]}")
+    if len(tokens) > 1:
+        results["tokens_identical"] = len({json.dumps(t) for t in tokens.values()}) == 1
+        print("tokens identical across modes:", results["tokens_identical"])
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    app.run(main)
