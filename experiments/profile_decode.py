@@ -41,12 +41,20 @@ CACHE_SCOPES = ("offload_classify", "offload_gather", "offload_unpack", "offload
 
 
 def op_names_from_hlo(hlo_text: str) -> dict[str, str]:
-    """Instruction name -> op_name metadata for every instruction of the compiled module."""
+    """Instruction name -> op_name metadata for every instruction of the compiled module, keyed both as written
+    (``fusion.12``) and as its GPU kernel is named (``fusion_12``: inside command buffers a kernel event carries the
+    command buffer as its hlo_op, and only its own name says which fusion it is)."""
     out = {}
     for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?metadata=\{[^}]*op_name=\"([^\"]*)\"", hlo_text,
                          re.M):
         out[m.group(1)] = m.group(2)
+        out[re.sub(r"[.\-]", "_", m.group(1))] = m.group(2)
     return out
+
+
+# Kernels whose names say where they come from (Pallas kernels are named by their pallas_call).
+KERNEL_SCOPES = (("hot_gather", "offload_gather"), ("gather_rows", "resident_gather"),
+                 ("indexer_scores", "self_attn/indexer"), ("topk", "self_attn/indexer"))
 
 
 def scope_of(op_name: str) -> str:
@@ -82,23 +90,34 @@ def device_events(path: str) -> list:
     return out
 
 
+def kernel_scope(name: str, hlo_op: str, module: str, op_names: dict) -> tuple[str, str]:
+    """(scope, op_name) of one kernel event."""
+    if "copyback" in module:
+        return "copyback", ""
+    for key, scope in KERNEL_SCOPES:
+        if key in name:
+            return scope, ""
+    op_name = op_names.get(name) or op_names.get(hlo_op, "")
+    return (scope_of(op_name) if op_name else "unattributed"), op_name
+
+
 def summarise(events, op_names: dict, decode_steps: int) -> dict:
     per_kernel = collections.defaultdict(lambda: [0, 0.0, "", ""])
     per_scope = collections.Counter()
     per_module = collections.Counter()
-    starts, ends = [], []
+    decode = [e for e in events if str(e[3].get("hlo_module", "")).startswith("jit__decode")]
+    starts = [e[1] for e in decode]
+    ends = [e[1] + e[2] for e in decode]
+    t0, t1 = (min(starts), max(ends)) if decode else (0, 0)
     for name, start, dur, stats in events:
         module = str(stats.get("hlo_module", ""))
         per_module[module] += dur
-        if not (module.startswith("jit__decode") or "copyback" in module):
+        # The decode step, and the copybacks that happen between decode steps (not prefill's).
+        if not (module.startswith("jit__decode") or ("copyback" in module and t0 <= start <= t1)):
             continue
-        if "copyback" not in module:
-            starts.append(start)
-            ends.append(start + dur)
         hlo_op = str(stats.get("hlo_op", ""))
-        op_name = op_names.get(hlo_op, "")
-        scope = "copyback" if "copyback" in module else scope_of(op_name or name)
-        k = per_kernel[(name, hlo_op)]
+        scope, op_name = kernel_scope(name, hlo_op, module, op_names)
+        k = per_kernel[name]
         k[0] += 1
         k[1] += dur
         k[2], k[3] = op_name, scope
@@ -109,12 +128,13 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
     return {
         "decode_steps_profiled": decode_steps,
         "busy_us_per_step": busy / 1e3 / decode_steps,
-        "span_us_per_step": (max(ends) - min(starts)) / 1e3 / decode_steps if starts else 0.0,
+        "span_us_per_step": (t1 - t0) / 1e3 / decode_steps,
         "kernels_per_step": sum(v[0] for v in per_kernel.values()) / decode_steps,
         "per_scope_us_per_step": {k: v / 1e3 / decode_steps for k, v in per_scope.most_common()},
-        "top_kernels": [{"kernel": n, "hlo_op": h, "scope": v[3], "op_name": v[2][-160:],
+        "top_kernels": [{"kernel": n, "scope": v[3], "op_name": v[2][-160:],
                          "calls_per_step": v[0] / decode_steps, "us_per_step": v[1] / 1e3 / decode_steps}
-                        for (n, h), v in rows[: FLAGS.top]],
+                        for n, v in rows[: FLAGS.top]],
+        "all_kernels": [[n, v[3], v[0], v[1]] for n, v in rows],  # kernel, scope, calls, total ns
         "device_ms_per_module": {k: v / 1e6 for k, v in per_module.most_common(12)},
         "example_event_stats": [{k: str(v)[:120] for k, v in e[3].items()} for e in events[:3]],
     }
@@ -145,6 +165,9 @@ def main(_):
         tokens[mode] = res.tokens
         (path,) = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
         hlo = model.steps.decode.last_compiled_text()
+        if FLAGS.out:
+            with open(os.path.join(os.path.dirname(FLAGS.out) or ".", f"decode_hlo_{mode}.txt"), "w") as f:
+                f.write(hlo)
         summary = summarise(device_events(path), op_names_from_hlo(hlo), new - 1)
         summary["decode_tokens_per_s_while_profiled"] = res.decode_tokens_per_s
         if res.cache_stats:
@@ -156,6 +179,16 @@ def main(_):
             print(f"    {k:>20}: {v:8.1f} us/step")
         for r in summary["top_kernels"][:25]:
             print(f"    {r['us_per_step']:8.1f} us  x{r['calls_per_step']:5.1f}  {r['scope']:>18}  {r['kernel'][:60]}")
+    if {"resident", "offload"} <= set(results["modes"]):
+        r, o = results["modes"]["resident"], results["modes"]["offload"]
+        scopes = set(r["per_scope_us_per_step"]) | set(o["per_scope_us_per_step"])
+        diff = {s: o["per_scope_us_per_step"].get(s, 0.0) - r["per_scope_us_per_step"].get(s, 0.0) for s in scopes}
+        results["offload_minus_resident_us_per_step"] = dict(sorted(diff.items(), key=lambda kv: -abs(kv[1])))
+        results["offload_minus_resident_us_per_step"]["busy"] = o["busy_us_per_step"] - r["busy_us_per_step"]
+        results["offload_minus_resident_us_per_step"]["kernels"] = o["kernels_per_step"] - r["kernels_per_step"]
+        print("offload - resident (us/step):")
+        for k, v in results["offload_minus_resident_us_per_step"].items():
+            print(f"    {k:>20}: {v:+8.1f}")
     if len(tokens) > 1:
         results["tokens_identical"] = len({json.dumps(t) for t in tokens.values()}) == 1
         print("tokens identical across modes:", results["tokens_identical"])
