@@ -176,62 +176,70 @@ def classify(st: OffloadState, layer: int, positions: Array, num_layers: int):
     return source, row, slot
 
 
-@jax.named_scope("offload_gather")
-def _gather_packed(cache, source: Array, row: Array) -> dict:
+def gather_rows(cache, layer: int, selected: Array, valid: Array, dtype):
+    """One round of one layer: read the selected rows (ring / hit / miss) and install the misses for later rounds.
+
+    Decode rounds (one token) leave their fill to ``finish_round`` at the end of the step, batched over the layers
+    (see there); rounds of many tokens (prefill chunks, verify) fill right away, so the gathered rows they keep for
+    the fill are one layer's, not every layer's (a 1,024-token prefill chunk gathers ~1.4 GB of rows per layer).
+    """
     from kernels_pallas import ops
 
-    st: OffloadState = cache.offload
-    ring = {n: a.reshape(-1, a.shape[-1]) for n, a in st.ring.items()}
-    hot = {n: a.reshape(-1, a.shape[-1]) for n, a in st.hot.items()}
-    return ops.hot_gather(source.reshape(-1), row.reshape(-1), ring, hot, cache.history)
-
-
-def gather_rows(cache, layer: int, selected: Array, valid: Array, dtype):
-    """One round of one layer: read the selected rows (ring / hit / miss). The round's misses are installed later,
-    by ``finish_round`` at the end of the step, for all layers at once (see there)."""
     st: OffloadState = cache.offload
     B, T, K = selected.shape
     pos = selected.reshape(B, T * K).astype(jnp.int32)
     source, row, slot = classify(st, layer, pos, cache.num_layers)
-    packed = _gather_packed(cache, source, row)  # {plane: [B*M, W]}
-    packed = {n: v.reshape(B, T * K, v.shape[-1]) for n, v in packed.items()}
-    with jax.named_scope("offload_unpack"):
-        latent, rope = kv_formats.unpack(kv_formats.get_format(cache.kv_format), packed, dtype)
-    pending = (st.pending or ()) + (dict(layer=layer, tokens=T, pos=pos, source=source, slot=slot,
-                                         valid=valid.reshape(B, T * K), packed=packed),)
-    return latent.reshape(B, T, K, -1), rope.reshape(B, T, K, -1), cache.replace(offload=st.replace(pending=pending))
+    with jax.named_scope("offload_gather"):
+        ring = {n: a.reshape(-1, a.shape[-1]) for n, a in st.ring.items()}
+        hot = {n: a.reshape(-1, a.shape[-1]) for n, a in st.hot.items()}
+        latent, rope, packed = ops.hot_gather(source.reshape(-1), row.reshape(-1), ring, hot, cache.history,
+                                              kv_format=cache.kv_format, out_dtype=dtype)
+    packed = {n: v.reshape(B, T * K, -1) for n, v in packed.items()}
+    round_ = dict(layer=layer, pos=pos, source=source, slot=slot, valid=valid.reshape(B, T * K), packed=packed)
+    if T == 1:
+        st = st.replace(pending=(st.pending or ()) + (round_,))
+    else:
+        with jax.named_scope("offload_fill"):
+            st = _fill_layers(st, [round_], distinct=False)
+    return latent.reshape(B, T, K, -1), rope.reshape(B, T, K, -1), cache.replace(offload=st)
 
 
 @jax.named_scope("offload_fill")
 def finish_round(cache):
-    """Install every layer's misses of this step into victim slots, in one batched pass over the layers.
+    """Install every layer's misses of this decode step into victim slots, in one batched pass over the layers.
 
     Why at the end of the step and not right after each layer's gather: a layer's fill only has to happen before
     that layer's next gather (next step), and the layers' hot caches are independent, so the result is the same;
-    but one pass over [layers, sessions] launches the ~20 small sort/scan/scatter kernels of a fill once per step
-    instead of once per layer, which is most of what offload adds to a decode step (measured on the H200).
+    but one pass over [layers, sessions] launches the small kernels of a fill once per step instead of once per
+    layer, which was most of what offload added to a decode step (measured on the H200).
     """
     st: OffloadState = cache.offload
     if not st.pending:
         return cache
-    groups: dict[int, list] = {}
-    for p in st.pending:  # one group per round size (all layers of a step share it)
-        groups.setdefault(p["tokens"], []).append(p)
-    for tokens, items in groups.items():
-        st = _fill_layers(st, items, distinct=(tokens == 1))
+    # A single query's top-k positions are distinct: no deduplication (no sort) needed.
+    st = _fill_layers(st, list(st.pending), distinct=True)
     return cache.replace(offload=st.replace(pending=None))
 
 
+def _layer_index(layers: list[int]):
+    """A static slice when the layers are consecutive (always, for the model's rounds): XLA updates a slice in
+    place with a dynamic-update-slice, where an index array makes a scatter (one of 12 us for the [layers,
+    sessions, 5] counter update, measured with experiments.profile_decode)."""
+    if layers == list(range(layers[0], layers[0] + len(layers))):
+        return slice(layers[0], layers[0] + len(layers))
+    return jnp.asarray(layers, jnp.int32)
+
+
 def _fill_layers(st: OffloadState, items: list, distinct: bool) -> OffloadState:
-    """Fill for the layers in ``items`` (stacked); ``distinct``: a single query's top-k positions are distinct,
-    so no deduplication (no sort) is needed."""
+    """Fill for the rounds in ``items`` (one per layer). ``distinct``: no position repeats within a round."""
+    from kernels_pallas import ops
     from kernels_pallas.hot_gather import HOST, HOT
 
-    layers = jnp.asarray([p["layer"] for p in items], jnp.int32)
+    layer_list = [p["layer"] for p in items]
+    layers = _layer_index(layer_list)
     pos, source, slot, valid = (jnp.stack([p[k] for p in items]) for k in ("pos", "source", "slot", "valid"))
-    packed = {n: jnp.stack([p["packed"][n] for p in items]) for n in items[0]["packed"]}  # [Lp, B, M, W]
     Lp, B, M = pos.shape
-    N = st.slot_of_position.shape[2]
+    L, N = st.slot_of_position.shape[0], st.slot_of_position.shape[2]
     H = st.hot_rows
     F = min(M, H)  # most fills one round can make
     # A round pins at most M slots (its hits), so the first M + F slots from the clock hold F unpinned ones.
@@ -248,38 +256,42 @@ def _fill_layers(st: OffloadState, items: list, distinct: bool) -> OffloadState:
             order = jnp.argsort(key, stable=True).astype(jnp.int32)
             skey = key[order]
             first = (skey < N) & jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]])
-        n_unique = first.sum()
-        rank = jnp.cumsum(first) - 1
-        unique_entry = jnp.zeros((M,), jnp.int32).at[jnp.where(first, rank, M)].set(order, mode="drop")
         slot_at = (clock + jnp.arange(W, dtype=jnp.int32)) % H  # slots in circular order from the clock
         free_at = ~pinned[slot_at]
-        victim_of_rank = jnp.full((W,), H, jnp.int32).at[jnp.where(free_at, jnp.cumsum(free_at) - 1, W)].set(
-            slot_at, mode="drop")
-        n_fill = jnp.minimum(n_unique, free_at.sum())
-        j = jnp.arange(F)
-        do = j < n_fill
-        victim = jnp.where(do, victim_of_rank[j], H)
-        entry = unique_entry[j]
-        new_pos = jnp.where(do, pos[entry], N)
+        # One cumsum ranks both the unique misses and the free slots (the second part is offset by the first's
+        # total): one scan kernel instead of two.
+        ranks = jnp.cumsum(jnp.concatenate([first, free_at]).astype(jnp.int32))
+        n_unique = ranks[M - 1]
+        n_free = ranks[-1] - n_unique
+        unique_entry = jnp.zeros((F,), jnp.int32).at[jnp.where(first, ranks[:M] - 1, F)].set(order, mode="drop")
+        victim_of_rank = jnp.full((F,), H, jnp.int32).at[
+            jnp.where(free_at, ranks[M:] - n_unique - 1, F)].set(slot_at, mode="drop")
+        n_fill = jnp.minimum(jnp.minimum(n_unique, n_free), F)
+        do = jnp.arange(F) < n_fill
+        victim = jnp.where(do, victim_of_rank, H)
+        new_pos = jnp.where(do, pos[unique_entry], N)
         old_pos = jnp.where(do, pos_of_slot[jnp.minimum(victim, H - 1)], -1)
         new_clock = jnp.where(n_fill > 0, (victim_of_rank[jnp.maximum(n_fill - 1, 0)] + 1) % H, clock)
         in_ring = ~is_hit & ~is_miss
         counts = jnp.stack([(is_hit & valid).sum(), (is_miss & valid).sum(), (in_ring & valid).sum(), n_fill,
                             (old_pos >= 0).sum()]).astype(jnp.int32)
-        return pinned, victim, entry, new_pos, old_pos, new_clock, counts
+        return pinned, victim, unique_entry, new_pos, old_pos, new_clock, counts, n_fill
 
     per_layer = jax.vmap(jax.vmap(per_session))
-    pinned, victim, entry, new_pos, old_pos, new_clock, counts = per_layer(
+    pinned, victim, entry, new_pos, old_pos, new_clock, counts, n_fill = per_layer(
         pos, is_hit, is_miss, slot, valid, st.clock[layers], st.position_of_slot[layers])
-    l_idx = jnp.broadcast_to(layers[:, None, None], victim.shape)
+    l_idx = jnp.broadcast_to(jnp.asarray(layer_list, jnp.int32)[:, None, None], victim.shape)
     b_idx = jnp.broadcast_to(jnp.arange(B)[None, :, None], victim.shape)
     # Evict first, then fill: evicted positions were hot and filled ones were not, so the two sets are disjoint.
     slot_of_position = st.slot_of_position.at[l_idx, b_idx, jnp.where(old_pos >= 0, old_pos, N)].set(
         -1, mode="drop")
     slot_of_position = slot_of_position.at[l_idx, b_idx, new_pos].set(victim, mode="drop")
     position_of_slot = st.position_of_slot.at[l_idx, b_idx, victim].set(new_pos, mode="drop")
-    rows = {n: jnp.take_along_axis(v, entry[..., None], axis=2) for n, v in packed.items()}  # [Lp, B, F, W]
-    hot = {n: st.hot[n].at[l_idx, b_idx, victim].set(rows[n], mode="drop") for n in st.hot}
+    # The rows: only the n_fill real ones are copied (a Pallas kernel on GPUs), from the gathers' own buffers.
+    hot = ops.fill_rows({n: a.reshape(-1, a.shape[-1]) for n, a in st.hot.items()},
+                        [{n: v.reshape(B * M, -1) for n, v in p["packed"].items()} for p in items],
+                        entry, victim, n_fill, layers=tuple(layer_list), sessions=B, hot_rows=H)
+    hot = {n: hot[n].reshape(L, B, H, -1) for n in st.hot}
     return st.replace(slot_of_position=slot_of_position, position_of_slot=position_of_slot, hot=hot,
                       pinned=st.pinned.at[layers].set(pinned), clock=st.clock.at[layers].set(new_clock),
                       counters=st.counters.at[layers].add(counts))

@@ -5,9 +5,10 @@ device; one kernel reads every selected row from wherever it is and writes the c
 Misses are read straight from the ``pinned_host`` history planes, zero-copy over PCIe (measured to work with
 Pallas's Triton lowering and ``memory_space=ANY`` operands: h200-probe.md).
 
-Rows are moved as raw packed planes (no dequantisation here): the compact buffer is also what the fill step copies
-into victim slots, and a dequantised row cannot be re-packed to the same bytes. The caller dequantises the compact
-rows with ``glm53.kv_formats.unpack`` (a few hundred KiB of elementwise work).
+The kernel writes each row twice: dequantised (``latent``, ``rope`` in the model's dtype, what attention reads,
+with the same arithmetic as ``kv_formats.unpack`` and the resident ``gather_rows``) and packed (the raw plane bytes,
+what the fill step copies into victim slots: a dequantised row cannot be re-packed to the same bytes). Dequantising
+here instead of in a separate XLA op saved one kernel per layer per step, ~2 us each on the H200 (profile_decode).
 
 Each entry's source is decided before the kernel (``source``: 0 ring, 1 hot, 2 host) together with its row in that
 source's flat ``[rows, W]`` plane. Loads are masked per source, so a hit never touches host memory and a miss never
@@ -23,6 +24,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from glm53 import kv_formats
+from glm53.kv_formats import KVFormat
+
 RING, HOT, HOST = 0, 1, 2
 
 
@@ -30,33 +34,56 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
-def _hot_gather_kernel(source_ref, row_ref, *refs, n_planes: int, block_rows: int):
-    """One program gathers ``block_rows`` entries for every plane.
+def _load3(srcs, masks, row, cols, dtype):
+    """The rows ``row`` at columns ``cols`` from whichever of the three sources each entry's mask selects."""
+    value = None
+    for src_ref, m in zip(srcs, masks):
+        # Masked-off lanes issue no memory access; their row index is pinned to 0 so addresses stay in range.
+        part = plgpu.load(src_ref.at[jnp.where(m, row, 0)[:, None], cols], mask=m[:, None], other=0)
+        value = part if value is None else jnp.where(m[:, None], part, value)
+    return value.astype(dtype)
 
-    Refs (ANY = the whole array where it lives; flat planes):
+
+def _hot_gather_kernel(source_ref, row_ref, *refs, fmt: KVFormat, names: tuple, block_rows: int):
+    """One program gathers ``block_rows`` entries.
+
+    Refs (ANY = the whole array where it lives; flat planes, sorted by plane name):
       source_ref: [E] int32, ANY — 0 ring, 1 hot, 2 host
       row_ref:    [E] int32, ANY — row within that source's plane
-      then per plane p: ring_ref [R_total, W_p], hot_ref [H_total, W_p], host_ref [N_host, W_p] (ANY)
-      then per plane p: out_ref [block_rows, W_p]
+      then per plane: ring_ref [R_total, W_p], hot_ref [H_total, W_p], host_ref [N_host, W_p] (ANY)
+      outputs: latent_out [block_rows, 512], rope_out [block_rows, 64], then per plane packed_out [block_rows, W_p]
     """
-    ins, outs = refs[: 3 * n_planes], refs[3 * n_planes:]
+    n = len(names)
+    srcs = {name: refs[3 * i: 3 * i + 3] for i, name in enumerate(names)}
+    latent_out, rope_out = refs[3 * n], refs[3 * n + 1]
+    packed_out = dict(zip(names, refs[3 * n + 2:]))
     i = pl.program_id(0)
     source = source_ref[pl.ds(i * block_rows, block_rows)]  # [block_rows]
     row = row_ref[pl.ds(i * block_rows, block_rows)]
     masks = [source == s for s in (RING, HOT, HOST)]
-    for p in range(n_planes):
-        out_ref = outs[p]
-        width = out_ref.shape[1]
-        cols = jnp.arange(width, dtype=jnp.int32)[None, :]  # [1, W]: all-array indices -> one pointer tile
-        value = jnp.zeros(out_ref.shape, out_ref.dtype)
-        for src_ref, m in zip(ins[3 * p: 3 * p + 3], masks):
-            # Masked-off lanes issue no memory access; their row index is pinned to 0 so addresses stay in range.
-            part = plgpu.load(src_ref.at[jnp.where(m, row, 0)[:, None], cols], mask=m[:, None], other=0)
-            value = jnp.where(m[:, None], part, value)
-        out_ref[...] = value
+    if fmt.quantised:
+        # Group by group, as gather_rows does: q.astype(f32) * scale.astype(f32), bit-identical to unpack.
+        gs = fmt.group_size
+        for g in range(fmt.scales_per_row):
+            q = _load3(srcs["latent"], masks, row, (g * gs + jnp.arange(gs, dtype=jnp.int32))[None, :],
+                       packed_out["latent"].dtype)
+            scale = _load3(srcs["scale"], masks, row, jnp.full((1, 1), g, jnp.int32), packed_out["scale"].dtype)
+            packed_out["latent"][:, pl.ds(g * gs, gs)] = q
+            packed_out["scale"][:, pl.ds(g, 1)] = scale
+            x = q.astype(jnp.float32) * scale.astype(jnp.float32)
+            latent_out[:, pl.ds(g * gs, gs)] = x.astype(latent_out.dtype)
+    else:
+        latent = _load3(srcs["latent"], masks, row, jnp.arange(latent_out.shape[1], dtype=jnp.int32)[None, :],
+                        packed_out["latent"].dtype)
+        packed_out["latent"][...] = latent
+        latent_out[...] = latent.astype(latent_out.dtype)
+    rope = _load3(srcs["rope"], masks, row, jnp.arange(rope_out.shape[1], dtype=jnp.int32)[None, :],
+                  packed_out["rope"].dtype)
+    packed_out["rope"][...] = rope
+    rope_out[...] = rope.astype(rope_out.dtype)
 
 
-def _validate(source, row, ring, hot, host, block_rows):
+def _validate(source, row, ring, hot, host, block_rows, fmt: KVFormat):
     if not _is_pow2(block_rows):
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
     if source.shape != row.shape or source.ndim != 1:
@@ -65,6 +92,9 @@ def _validate(source, row, ring, hot, host, block_rows):
         raise ValueError(f"the number of entries {source.shape[0]} must be a multiple of block_rows={block_rows}")
     if not (ring.keys() == hot.keys() == host.keys()):
         raise ValueError(f"ring, hot and host planes differ: {sorted(ring)}, {sorted(hot)}, {sorted(host)}")
+    expected = {"latent", "rope"} | ({"scale"} if fmt.quantised else set())
+    if set(ring) != expected:
+        raise ValueError(f"KV format {fmt.name!r} needs planes {sorted(expected)}, got {sorted(ring)}")
     for name in ring:
         widths = {ring[name].shape[1], hot[name].shape[1], host[name].shape[1]}
         dtypes = {ring[name].dtype, hot[name].dtype, host[name].dtype}
@@ -75,39 +105,48 @@ def _validate(source, row, ring, hot, host, block_rows):
             raise ValueError(f"plane {name!r}: width {w} must be a power of two (Triton lowering)")
 
 
-@functools.partial(jax.jit, static_argnames=("block_rows", "num_warps", "interpret"))
-def hot_gather(source: jax.Array, row: jax.Array, ring: dict, hot: dict, host: dict, *, block_rows: int = 16,
-               num_warps: int = 4, interpret: bool = False) -> dict:
+@functools.partial(jax.jit, static_argnames=("kv_format", "out_dtype", "block_rows", "num_warps", "interpret"))
+def hot_gather(source: jax.Array, row: jax.Array, ring: dict, hot: dict, host: dict, *, kv_format: str,
+               out_dtype=jnp.bfloat16, block_rows: int = 16, num_warps: int = 4,
+               interpret: bool = False) -> tuple[jax.Array, jax.Array, dict]:
     """Gather entries ``e`` of ``source``/``row`` (``[E]``) from the flat ``[rows, W]`` planes of the ring, the
-    hot cache and host memory. Returns ``{plane: [E, W]}`` packed rows (same dtypes as the planes)."""
-    _validate(source, row, ring, hot, host, block_rows)
-    names = sorted(ring)
+    hot cache and host memory (all in ``kv_format``). Returns ``(latent [E, 512], rope [E, 64], packed)``:
+    the rows dequantised to ``out_dtype`` and ``{plane: [E, W]}`` the same rows as stored."""
+    fmt = kv_formats.get_format(kv_format)
+    _validate(source, row, ring, hot, host, block_rows, fmt)
+    names = tuple(sorted(ring))
     E = source.shape[0]
+    out_dtype = jnp.dtype(out_dtype)
     operands, in_specs = [source, row], [pl.BlockSpec(memory_space=pl.ANY)] * 2
     for name in names:
         operands += [ring[name], hot[name], host[name]]
         in_specs += [pl.BlockSpec(memory_space=pl.ANY)] * 3
-    out_shape = [jax.ShapeDtypeStruct((E, ring[n].shape[1]), ring[n].dtype) for n in names]
-    out_specs = [pl.BlockSpec((block_rows, ring[n].shape[1]), lambda i: (i, 0)) for n in names]
+    out_shape = [jax.ShapeDtypeStruct((E, kv_formats.LATENT_DIM), out_dtype),
+                 jax.ShapeDtypeStruct((E, kv_formats.ROPE_DIM), out_dtype)]
+    out_shape += [jax.ShapeDtypeStruct((E, ring[n].shape[1]), ring[n].dtype) for n in names]
+    out_specs = [pl.BlockSpec((block_rows, s.shape[1]), lambda i: (i, 0)) for s in out_shape]
     kwargs = {} if interpret else {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=1)}
-    outs = pl.pallas_call(
-        functools.partial(_hot_gather_kernel, n_planes=len(names), block_rows=block_rows),
+    latent, rope, *packed = pl.pallas_call(
+        functools.partial(_hot_gather_kernel, fmt=fmt, names=names, block_rows=block_rows),
         out_shape=out_shape, grid=(E // block_rows,), in_specs=in_specs, out_specs=out_specs,
         interpret=interpret, name="glm53_hot_gather", **kwargs,
     )(*operands)
-    return dict(zip(names, outs))
+    return latent, rope, dict(zip(names, packed))
 
 
-def hot_gather_reference(source: jax.Array, row: jax.Array, ring: dict, hot: dict, host: dict, *,
-                         block_rows: int = 16, num_warps: int = 4, interpret: bool = False) -> dict:
+def hot_gather_reference(source: jax.Array, row: jax.Array, ring: dict, hot: dict, host: dict, *, kv_format: str,
+                         out_dtype=jnp.bfloat16, block_rows: int = 16, num_warps: int = 4,
+                         interpret: bool = False) -> tuple[jax.Array, jax.Array, dict]:
     """Pure-jnp reference with the same signature. ``host`` planes must be readable by XLA's gather here (device
     arrays; a caller holding ``pinned_host`` planes moves them first — the CPU fallback does)."""
     del num_warps, interpret
-    _validate(source, row, ring, hot, host, block_rows)
-    out = {}
+    fmt = kv_formats.get_format(kv_format)
+    _validate(source, row, ring, hot, host, block_rows, fmt)
+    packed = {}
     for name in ring:
         vals = [jnp.take(src[name], jnp.where(source == s, row, 0), axis=0)
                 for s, src in ((RING, ring), (HOT, hot), (HOST, host))]
         sel = source[:, None]
-        out[name] = jnp.where(sel == RING, vals[0], jnp.where(sel == HOT, vals[1], vals[2]))
-    return out
+        packed[name] = jnp.where(sel == RING, vals[0], jnp.where(sel == HOT, vals[1], vals[2]))
+    latent, rope = kv_formats.unpack(fmt, packed, out_dtype)
+    return latent, rope, packed

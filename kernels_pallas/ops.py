@@ -20,6 +20,7 @@ import importlib
 _gather = importlib.import_module("kernels_pallas.gather_rows")
 _hot = importlib.import_module("kernels_pallas.hot_gather")
 _indexer = importlib.import_module("kernels_pallas.indexer_topk")
+_fill = importlib.import_module("kernels_pallas.fill_rows")
 
 _FORCED: str | None = None
 GATHER_BLOCK_ROWS = 16
@@ -84,21 +85,40 @@ def topk_positions(scores, k: int):
     return _indexer.topk_positions(scores, k, interpret=interpret)
 
 
-def hot_gather(source, row, ring: dict, hot: dict, host: dict) -> dict:
-    """Packed rows of entries ``[E]`` from the ring / hot cache / host history (offload mode's gather)."""
+def hot_gather(source, row, ring: dict, hot: dict, host: dict, *, kv_format: str, out_dtype):
+    """Entries ``[E]`` from the ring / hot cache / host history (offload mode's gather): ``(latent [E, 512], rope
+    [E, 64], packed {plane: [E, W]})``."""
     use_pallas, interpret = _impl()
     E = source.shape[0]
     pad = (-E) % GATHER_BLOCK_ROWS
     if pad:  # padded entries read ring row 0, which always exists, and are sliced off below
         source = jnp.pad(source, (0, pad))
         row = jnp.pad(row, (0, pad))
+    kw = dict(kv_format=kv_format, out_dtype=out_dtype, block_rows=GATHER_BLOCK_ROWS)
     if use_pallas and not interpret:
-        out = _hot.hot_gather(source, row, ring, hot, host, block_rows=GATHER_BLOCK_ROWS)
+        latent, rope, packed = _hot.hot_gather(source, row, ring, hot, host, **kw)
     else:
         # XLA (and the Pallas interpreter, which lowers to XLA gathers) cannot read pinned_host operands: bring the
         # host planes to the device first. On a CPU both memories are host RAM; GPUs take the kernel path above.
         host = {n: jax.device_put(v, jax.memory.Space.Device) for n, v in host.items()}
-        fn = _hot.hot_gather if use_pallas else _hot.hot_gather_reference
-        kw = {"interpret": True} if use_pallas else {}
-        out = fn(source, row, ring, hot, host, block_rows=GATHER_BLOCK_ROWS, **kw)
-    return {n: v[:E] for n, v in out.items()}
+        if use_pallas:
+            latent, rope, packed = _hot.hot_gather(source, row, ring, hot, host, interpret=True, **kw)
+        else:
+            latent, rope, packed = _hot.hot_gather_reference(source, row, ring, hot, host, **kw)
+    return latent[:E], rope[:E], {n: v[:E] for n, v in packed.items()}
+
+
+FILL_BLOCK_ROWS = 16
+
+
+def fill_rows(hot: dict, rows: tuple, entry, victim, n_fill, *, layers: tuple, sessions: int, hot_rows: int):
+    """Copy ``n_fill`` gathered rows per layer and session into their victim slots (offload fill), in place."""
+    use_pallas, interpret = _impl()
+    F = entry.shape[2]
+    pad = (-F) % FILL_BLOCK_ROWS
+    if pad:  # padded fills lie past n_fill: never copied
+        entry = jnp.pad(entry, ((0, 0), (0, 0), (0, pad)))
+        victim = jnp.pad(victim, ((0, 0), (0, 0), (0, pad)))
+    fn = _fill.fill_rows if use_pallas else _fill.fill_rows_reference
+    return fn(hot, tuple(rows), entry, victim, n_fill, layers=tuple(layers), sessions=sessions, hot_rows=hot_rows,
+              block_rows=FILL_BLOCK_ROWS, interpret=interpret)

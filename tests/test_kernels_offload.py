@@ -1,0 +1,111 @@
+"""The offload kernels (interpreted on CPU) == their pure-jnp references, bit for bit: the hot gather (ring / hot /
+host sources, dequantised and packed outputs) and the fill (only the first n_fill rows copied, in place)."""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm53 import kv_formats as kvf
+
+hg = importlib.import_module("kernels_pallas.hot_gather")
+fr = importlib.import_module("kernels_pallas.fill_rows")
+
+
+def _planes(fmt, n, seed):
+    rng = np.random.default_rng(seed)
+    mag = 2.0 ** rng.integers(-10, 10, size=(n, 1))
+    latent = jnp.asarray(rng.normal(size=(n, 512)) * mag, jnp.float32)
+    rope = jnp.asarray(rng.normal(size=(n, 64)), jnp.float32)
+    return kvf.pack(fmt, latent, rope)
+
+
+@pytest.mark.parametrize("fmt", list(kvf.KV_FORMATS))
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_hot_gather_matches_reference(fmt, out_dtype):
+    ring, hot, host = _planes(fmt, 16, 0), _planes(fmt, 32, 1), _planes(fmt, 96, 2)
+    rng = np.random.default_rng(3)
+    E = 48
+    source = rng.integers(0, 3, E).astype(np.int32)
+    row = np.where(source == hg.RING, rng.integers(0, 16, E), np.where(source == hg.HOT, rng.integers(0, 32, E),
+                                                                       rng.integers(0, 96, E))).astype(np.int32)
+    row[:4] = [0, 15, 31, 95] if fmt else row[:4]
+    source[:4] = [hg.RING, hg.RING, hg.HOT, hg.HOST]
+    row[5:9], source[5:9] = 7, hg.HOST  # duplicate misses
+    args = (jnp.asarray(source), jnp.asarray(row), ring, hot, host)
+    got = hg.hot_gather(*args, kv_format=fmt, out_dtype=out_dtype, block_rows=16, interpret=True)
+    want = hg.hot_gather_reference(*args, kv_format=fmt, out_dtype=out_dtype, block_rows=16)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    # The rows are the stored ones, from the right source.
+    lat, rope = kvf.unpack(fmt, host, out_dtype)
+    np.testing.assert_array_equal(np.asarray(got[0][3]), np.asarray(lat[95]))
+    np.testing.assert_array_equal(np.asarray(got[1][6]), np.asarray(rope[7]))
+    for n in host:
+        np.testing.assert_array_equal(np.asarray(got[2][n][2]), np.asarray(hot[n][31]))
+
+
+def test_hot_gather_validation():
+    p = _planes("q8g64", 16, 0)
+    s = jnp.zeros((16,), jnp.int32)
+    with pytest.raises(ValueError, match="multiple of block_rows"):
+        hg.hot_gather_reference(s[:10], s[:10], p, p, p, kv_format="q8g64")
+    with pytest.raises(ValueError, match="needs planes"):
+        hg.hot_gather_reference(s, s, p, p, p, kv_format="bf16")
+
+
+def _fill_case(seed, layers, B=2, E=24, F=32, H=40, L=4, fmt="q8g64"):
+    rng = np.random.default_rng(seed)
+    hot = {n: v.reshape(L * B * H, -1) for n, v in _planes(fmt, L * B * H, seed).items()}
+    rows = [{n: v for n, v in _planes(fmt, B * E, seed + 1 + i).items()} for i in range(len(layers))]
+    Lp = len(layers)
+    entry = np.zeros((Lp, B, F), np.int32)
+    victim = np.zeros((Lp, B, F), np.int32)
+    n_fill = np.zeros((Lp, B), np.int32)
+    for i in range(Lp):
+        for b in range(B):
+            n = [0, min(E, H, F), int(rng.integers(1, min(E, H, F)))][(i + b) % 3]
+            n_fill[i, b] = n
+            entry[i, b, :n] = rng.choice(E, n, replace=False)
+            victim[i, b, :n] = rng.choice(H, n, replace=False)
+            entry[i, b, n:] = rng.integers(-5, 1000, F - n)  # junk past n_fill: must be ignored
+            victim[i, b, n:] = rng.integers(-5, 1000, F - n)
+    return hot, rows, jnp.asarray(entry), jnp.asarray(victim), jnp.asarray(n_fill)
+
+
+@pytest.mark.parametrize("layers", [(0, 1, 2), (3,), (1, 3)])
+def test_fill_rows_matches_reference(layers):
+    B, E, F, H, L = 2, 24, 32, 40, 4
+    hot, rows, entry, victim, n_fill = _fill_case(0, layers, B, E, F, H, L)
+    kw = dict(layers=layers, sessions=B, hot_rows=H, block_rows=8)
+    before = {n: np.asarray(v) for n, v in hot.items()}
+    got = fr.fill_rows({n: jnp.array(v) for n, v in before.items()}, tuple(rows), entry, victim, n_fill,
+                       interpret=True, **kw)
+    want = fr.fill_rows_reference({n: jnp.array(v) for n, v in before.items()}, tuple(rows), entry, victim,
+                                  n_fill, **kw)
+    for n in before:
+        np.testing.assert_array_equal(np.asarray(got[n]), np.asarray(want[n]))
+    # Independently: exactly the first n_fill rows of each (layer, session) moved, nothing else changed.
+    expect = {n: v.copy() for n, v in before.items()}
+    e, v, nf = np.asarray(entry), np.asarray(victim), np.asarray(n_fill)
+    for i, layer in enumerate(layers):
+        for b in range(B):
+            for f in range(nf[i, b]):
+                for n in expect:
+                    expect[n][(layer * B + b) * H + v[i, b, f]] = np.asarray(rows[i][n])[b * E + e[i, b, f]]
+    for n in expect:
+        np.testing.assert_array_equal(np.asarray(got[n]), expect[n])
+    assert int(nf.max()) > 0 and int(nf.min()) == 0
+
+
+def test_fill_rows_validation():
+    hot, rows, entry, victim, n_fill = _fill_case(0, (0, 1))
+    with pytest.raises(ValueError, match="n_fill"):
+        fr.fill_rows_reference(hot, tuple(rows), entry, victim, n_fill[:1], layers=(0, 1), sessions=2, hot_rows=40,
+                               block_rows=8)
+    with pytest.raises(ValueError, match="row dicts"):
+        fr.fill_rows_reference(hot, tuple(rows[:1]), entry, victim, n_fill, layers=(0, 1), sessions=2,
+                               hot_rows=40, block_rows=8)
