@@ -282,10 +282,12 @@ def _fill_layers(st: OffloadState, items: list, distinct: bool) -> OffloadState:
         pos, is_hit, is_miss, slot, valid, st.clock[layers], st.position_of_slot[layers])
     l_idx = jnp.broadcast_to(jnp.asarray(layer_list, jnp.int32)[:, None, None], victim.shape)
     b_idx = jnp.broadcast_to(jnp.arange(B)[None, :, None], victim.shape)
-    # Evict first, then fill: evicted positions were hot and filled ones were not, so the two sets are disjoint.
-    slot_of_position = st.slot_of_position.at[l_idx, b_idx, jnp.where(old_pos >= 0, old_pos, N)].set(
-        -1, mode="drop")
-    slot_of_position = slot_of_position.at[l_idx, b_idx, new_pos].set(victim, mode="drop")
+    # Evictions and fills in one scatter: evicted positions were hot and filled ones were not, so the two sets are
+    # disjoint and their order does not matter.
+    slot_of_position = st.slot_of_position.at[
+        jnp.concatenate([l_idx, l_idx], -1), jnp.concatenate([b_idx, b_idx], -1),
+        jnp.concatenate([jnp.where(old_pos >= 0, old_pos, N), new_pos], -1)].set(
+        jnp.concatenate([jnp.full_like(victim, -1), victim], -1), mode="drop")
     position_of_slot = st.position_of_slot.at[l_idx, b_idx, victim].set(new_pos, mode="drop")
     # The rows: only the n_fill real ones are copied (a Pallas kernel on GPUs), from the gathers' own buffers.
     hot = ops.fill_rows({n: a.reshape(-1, a.shape[-1]) for n, a in st.hot.items()},
