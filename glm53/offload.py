@@ -11,7 +11,7 @@ This is the article's final design ("let the GPU manage the hot cache directly")
   admission control can count real allocation. Per-session arrays with a capacity were rejected: growing one means
   copying the whole history, and sessions of different lengths would waste the pool.
 * **Device state** (``OffloadState``, per layer and session): ``hot`` slots, ``slot_of_position`` and its inverse
-  ``position_of_slot``, ``pinned`` (slots the latest round read as hits), the circular ``clock``, the recent
+  ``position_of_slot``, pins (``pin_round``: slots the latest round read as hits), the circular ``clock``, the recent
   ``ring`` of rows not yet in host memory, and counters.
 * **One round per layer** (``gather_rows``, inside the jitted step, no host round trip): classify each selected
   position — ``p >= host_len``: ring; ``slot_of_position[p] >= 0``: hit; else miss — then one Pallas kernel
@@ -59,7 +59,10 @@ class OffloadState:
     hot: dict  # plane -> [L, B, H, W] device
     slot_of_position: Array  # int32[L, B, N]: hot slot holding position p (-1 = not hot)
     position_of_slot: Array  # int32[L, B, H]: position held by a slot (-1 = empty)
-    pinned: Array  # bool[L, B, H]: slots the latest round read as hits (never victims of that round)
+    # Pins as round stamps: a slot is pinned by a round when it was read there as a hit (never that round's victim).
+    # Stamping the round's hit slots in place replaces clearing and re-setting a whole [H] mask every round.
+    pin_round: Array  # int32[L, B, H]: the round in which a slot was last read as a hit (-1 never)
+    rounds: Array  # int32[L, B]: rounds completed (decode steps, prefill chunks) per layer and session
     clock: Array  # int32[L, B]: where the next victim search starts
     counters: Array  # int32[L, B, len(COUNTERS)]
     copybacks: Array  # int32[B]: pages written to host memory
@@ -75,10 +78,16 @@ class OffloadState:
     def hot_rows(self) -> int:
         return int(self.position_of_slot.shape[2])
 
+    @property
+    def pinned(self) -> Array:
+        """bool[L, B, H]: the slots the latest round read as hits."""
+        return self.pin_round == self.rounds[..., None]
+
     def nbytes(self) -> dict[str, int]:
         return {"hot": sum(int(a.nbytes) for a in self.hot.values()),
                 "ring": sum(int(a.nbytes) for a in self.ring.values()),
-                "slot_maps": int(self.slot_of_position.nbytes + self.position_of_slot.nbytes + self.pinned.nbytes),
+                "slot_maps": int(self.slot_of_position.nbytes + self.position_of_slot.nbytes
+                                  + self.pin_round.nbytes),
                 "page_table": int(self.page_table.nbytes)}
 
 
@@ -128,7 +137,8 @@ def to_offload(cache, cfg: ModelConfig, cc: CacheConfig):
         hot={n: jnp.zeros(s, d) for n, (s, d) in fmt.plane_shapes(L, B, H).items()},
         slot_of_position=jnp.full((L, B, N), -1, jnp.int32),
         position_of_slot=jnp.full((L, B, H), -1, jnp.int32),
-        pinned=jnp.zeros((L, B, H), bool),
+        pin_round=jnp.full((L, B, H), -1, jnp.int32),
+        rounds=jnp.zeros((L, B), jnp.int32),
         clock=jnp.zeros((L, B), jnp.int32),
         counters=jnp.zeros((L, B, len(COUNTERS)), jnp.int32),
         copybacks=jnp.zeros((B,), jnp.int32),
@@ -245,9 +255,16 @@ def _fill_layers(st: OffloadState, items: list, distinct: bool) -> OffloadState:
     # A round pins at most M slots (its hits), so the first M + F slots from the clock hold F unpinned ones.
     W = min(H, M + F)
     is_hit, is_miss = source == HOT, source == HOST
+    l_m = jnp.broadcast_to(jnp.asarray(layer_list, jnp.int32)[:, None, None], (Lp, B, M))
+    b_m = jnp.broadcast_to(jnp.arange(B)[None, :, None], (Lp, B, M))
+    this_round = st.rounds[layers] + 1  # [Lp, B]
+    pin_round = st.pin_round.at[l_m, b_m, jnp.where(is_hit, slot, H)].set(
+        jnp.broadcast_to(this_round[..., None], (Lp, B, M)), mode="drop")
+    clock = st.clock[layers]
+    slot_at = (clock[..., None] + jnp.arange(W, dtype=jnp.int32)) % H  # slots in circular order from the clock
+    free_at = jnp.take_along_axis(pin_round[layers], slot_at, axis=2) != this_round[..., None]
 
-    def per_session(pos, is_hit, is_miss, slot, valid, clock, pos_of_slot):
-        pinned = jnp.zeros((H,), bool).at[jnp.where(is_hit, slot, H)].set(True, mode="drop")
+    def per_session(pos, is_miss, valid, clock, slot_at, free_at, pos_of_slot):
         wanted = is_miss & valid
         if distinct:
             first, order = wanted, jnp.arange(M, dtype=jnp.int32)
@@ -256,8 +273,6 @@ def _fill_layers(st: OffloadState, items: list, distinct: bool) -> OffloadState:
             order = jnp.argsort(key, stable=True).astype(jnp.int32)
             skey = key[order]
             first = (skey < N) & jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]])
-        slot_at = (clock + jnp.arange(W, dtype=jnp.int32)) % H  # slots in circular order from the clock
-        free_at = ~pinned[slot_at]
         # One cumsum ranks both the unique misses and the free slots (the second part is offset by the first's
         # total): one scan kernel instead of two.
         ranks = jnp.cumsum(jnp.concatenate([first, free_at]).astype(jnp.int32))
@@ -272,14 +287,16 @@ def _fill_layers(st: OffloadState, items: list, distinct: bool) -> OffloadState:
         new_pos = jnp.where(do, pos[unique_entry], N)
         old_pos = jnp.where(do, pos_of_slot[jnp.minimum(victim, H - 1)], -1)
         new_clock = jnp.where(n_fill > 0, (victim_of_rank[jnp.maximum(n_fill - 1, 0)] + 1) % H, clock)
-        in_ring = ~is_hit & ~is_miss
-        counts = jnp.stack([(is_hit & valid).sum(), (is_miss & valid).sum(), (in_ring & valid).sum(), n_fill,
-                            (old_pos >= 0).sum()]).astype(jnp.int32)
-        return pinned, victim, unique_entry, new_pos, old_pos, new_clock, counts, n_fill
+        return victim, unique_entry, new_pos, old_pos, new_clock, n_fill
 
     per_layer = jax.vmap(jax.vmap(per_session))
-    pinned, victim, entry, new_pos, old_pos, new_clock, counts, n_fill = per_layer(
-        pos, is_hit, is_miss, slot, valid, st.clock[layers], st.position_of_slot[layers])
+    victim, entry, new_pos, old_pos, new_clock, n_fill = per_layer(
+        pos, is_miss, valid, clock, slot_at, free_at, st.position_of_slot[layers])
+    # Every counter in one reduction (each separate one was a ~1-2 us kernel of 8 short rows).
+    evicted = jnp.pad(old_pos >= 0, ((0, 0), (0, 0), (0, M - F)))
+    indicators = jnp.stack([is_hit & valid, is_miss & valid, ~is_hit & ~is_miss & valid, evicted], axis=2)
+    tally = indicators.astype(jnp.int32).sum(-1)  # [Lp, B, 4]: hits, misses, ring reads, evictions
+    counts = jnp.concatenate([tally[..., :3], n_fill[..., None], tally[..., 3:]], axis=-1)
     l_idx = jnp.broadcast_to(jnp.asarray(layer_list, jnp.int32)[:, None, None], victim.shape)
     b_idx = jnp.broadcast_to(jnp.arange(B)[None, :, None], victim.shape)
     # Evictions and fills in one scatter: evicted positions were hot and filled ones were not, so the two sets are
@@ -295,8 +312,8 @@ def _fill_layers(st: OffloadState, items: list, distinct: bool) -> OffloadState:
                         entry, victim, n_fill, layers=tuple(layer_list), sessions=B, hot_rows=H)
     hot = {n: hot[n].reshape(L, B, H, -1) for n in st.hot}
     return st.replace(slot_of_position=slot_of_position, position_of_slot=position_of_slot, hot=hot,
-                      pinned=st.pinned.at[layers].set(pinned), clock=st.clock.at[layers].set(new_clock),
-                      counters=st.counters.at[layers].add(counts))
+                      pin_round=pin_round, rounds=st.rounds.at[layers].set(this_round),
+                      clock=st.clock.at[layers].set(new_clock), counters=st.counters.at[layers].add(counts))
 
 
 # ----------------------------------------------------------------------------------------------------------------

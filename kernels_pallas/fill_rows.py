@@ -3,7 +3,7 @@
 The offload fill (``glm53.offload.finish_round``) knows, per layer and session, how many rows it installs
 (``n_fill``), which gathered entry each comes from (``entry``) and which slot it goes to (``victim``). Its size is
 static (up to one fill per gathered entry) but the real count is small at high hit rates (~20 of 2,048 rows at 99%
-hits). An XLA scatter processes every static entry and read the whole gathered buffer per plane: about 20 us per
+hits). An XLA scatter processes every static entry and reads the whole gathered buffer per plane: about 20 us per
 decode step on the H200 for 8 layers (profile_decode). Here every program first reads its layer's ``n_fill`` and
 returns at once when its block is past it, so the work follows the real fills (~3 us a decode step).
 
@@ -98,7 +98,8 @@ def fill_rows(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Array, n_fil
         functools.partial(_fill_kernel, layers=layers, names=names, sessions=sessions, entries=E,
                           hot_rows=hot_rows, block_rows=block_rows),
         out_shape=[jax.ShapeDtypeStruct(hot[n].shape, hot[n].dtype) for n in names],
-        grid=(len(layers), sessions, F // block_rows), in_specs=[any_spec] * len(operands), out_specs=[any_spec] * len(names),
+        grid=(len(layers), sessions, F // block_rows),
+        in_specs=[any_spec] * len(operands), out_specs=[any_spec] * len(names),
         input_output_aliases={first_hot + p: p for p in range(len(names))},
         interpret=interpret, name="glm53_fill_rows", **kwargs,
     )(*operands)
