@@ -66,6 +66,8 @@ def main(_):
                 "resident_ttft_s": r.time_to_first_token_s, "offload_ttft_s": o.time_to_first_token_s,
                 "resident_prefill_tok_s": r.prefill_tokens_per_s, "offload_prefill_tok_s": o.prefill_tokens_per_s,
                 "decode_hit_rate": o.cache_stats["decode"]["hit_rate"],
+                "decode_host_loop_s": {"resident": r.decode_host_loop_s, "offload": o.decode_host_loop_s},
+                "decode_step_calls_s": {"resident": r.decode_step_calls_s, "offload": o.decode_step_calls_s},
                 "cache_stats": o.cache_stats,
             }
             pairs.append(pair)
@@ -73,7 +75,8 @@ def main(_):
                   f"{pair['offload_decode_tok_s']:.2f} tok/s, loss {pair['offload_loss_pct']:.2f}%, decode hit "
                   f"rate {100 * pair['decode_hit_rate']:.2f}%, tokens identical {pair['tokens_identical']}, logits "
                   f"identical {pair['logits_identical']}; TTFT {pair['resident_ttft_s']:.2f} s vs "
-                  f"{pair['offload_ttft_s']:.2f} s", flush=True)
+                  f"{pair['offload_ttft_s']:.2f} s; host loop {r.decode_host_loop_s:.3f} / {o.decode_host_loop_s:.3f} "
+                  f"s, step calls {r.decode_step_calls_s:.3f} / {o.decode_step_calls_s:.3f} s", flush=True)
         results["workloads"][wl] = pairs
         if FLAGS.out:  # after every workload, so a run cut short still leaves what it measured
             with open(FLAGS.out, "w") as f:

@@ -31,6 +31,11 @@ class GenerateResult:
     cache_stats: dict | None = None  # offload mode: per-layer hits, misses, fills, evictions, copybacks, bytes
     text: list[str] | None = None  # decoded text when the model has a tokenizer
     cache: kvcache.KVCache | None = None  # the final cache (keep_cache=True), e.g. to inspect it
+    # Where decode wall time went on the host: the whole loop (dispatching every step) and the calls of the step
+    # itself. A loop that takes about the decode time means the host, not the device, set the pace; a step call
+    # that takes long means it waited (on the device or on a transfer) instead of queueing.
+    decode_host_loop_s: float = 0.0
+    decode_step_calls_s: float = 0.0
 
     def summary(self) -> str:
         return (f"time to first token {self.time_to_first_token_s * 1e3:.1f} ms | prefill "
@@ -172,6 +177,7 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     # early at eos, so steps are dispatched ahead of the device instead of syncing per token.
     check_every = 1 if on_token is not None else 16
     ones = np.ones(B, np.int32)
+    step_calls = 0.0
     for i in range(1, max_new_tokens):
         if finished.all():
             break
@@ -181,9 +187,11 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
         if selection_override is not None:
             # decode step i writes the token sampled at step i - 1, at position len + i - 1
             sel = _checked_selection(selection_override(i, np.asarray(lens) + i - 1), B, kv, model.config)
+        t_call = time.perf_counter()
         tok, lg, kv = model.steps.decode(model.params, kv, tok, jax.random.fold_in(key, i), temp, tp, sel)
         if driver is not None:
             kv = driver.after_step(kv, ones)
+        step_calls += time.perf_counter() - t_call
         out_tokens.append(tok)
         if return_logits:
             out_logits.append(lg)
@@ -193,6 +201,7 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
         elif i % check_every == 0 and stop.size:
             recent = np.stack([np.asarray(t) for t in out_tokens[-check_every:]], axis=1)
             finished |= np.isin(recent, stop).any(axis=1)
+    t_loop = time.perf_counter()
     jax.block_until_ready(tok)
     t2 = time.perf_counter()
 
@@ -215,7 +224,8 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
         logits=np.stack([np.asarray(l, np.float32) for l in out_logits], axis=1) if return_logits else None,
         time_to_first_token_s=t1 - t0, prefill_tokens_per_s=sum(lens) / max(t1 - t0, 1e-9),
         decode_tokens_per_s=decoded / decode_time, decode_tokens_per_s_per_session=(n_steps - 1) / decode_time,
-        prompt_lengths=lens, cache_stats=stats, text=text, cache=kv if keep_cache else None)
+        prompt_lengths=lens, cache_stats=stats, text=text, cache=kv if keep_cache else None,
+        decode_host_loop_s=t_loop - t_decode0, decode_step_calls_s=step_calls)
 
 
 def _checked_selection(sel, B: int, kv: kvcache.KVCache, cfg) -> jax.Array:
