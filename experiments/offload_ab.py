@@ -68,6 +68,12 @@ def main(_):
                 "decode_hit_rate": o.cache_stats["decode"]["hit_rate"],
                 "decode_host_loop_s": {"resident": r.decode_host_loop_s, "offload": o.decode_host_loop_s},
                 "decode_step_calls_s": {"resident": r.decode_step_calls_s, "offload": o.decode_step_calls_s},
+                "decode_step_call_ms_percentiles": {
+                    m: dict(zip(("p50", "p90", "p99", "max"),
+                                (1e3 * np.percentile(x.decode_step_call_s, [50, 90, 99, 100])).tolist()))
+                    for m, x in (("resident", r), ("offload", o))},
+                "offload_slowest_step_calls": sorted(
+                    ((round(1e3 * t, 3), i + 1) for i, t in enumerate(o.decode_step_call_s)), reverse=True)[:6],
                 "cache_stats": o.cache_stats,
             }
             pairs.append(pair)
@@ -76,7 +82,9 @@ def main(_):
                   f"rate {100 * pair['decode_hit_rate']:.2f}%, tokens identical {pair['tokens_identical']}, logits "
                   f"identical {pair['logits_identical']}; TTFT {pair['resident_ttft_s']:.2f} s vs "
                   f"{pair['offload_ttft_s']:.2f} s; host loop {r.decode_host_loop_s:.3f} / {o.decode_host_loop_s:.3f} "
-                  f"s, step calls {r.decode_step_calls_s:.3f} / {o.decode_step_calls_s:.3f} s", flush=True)
+                  f"s, step calls {r.decode_step_calls_s:.3f} / {o.decode_step_calls_s:.3f} s; call ms percentiles "
+                  f"{pair['decode_step_call_ms_percentiles']}; slowest offload calls (ms, step) "
+                  f"{pair['offload_slowest_step_calls']}", flush=True)
         results["workloads"][wl] = pairs
         if FLAGS.out:  # after every workload, so a run cut short still leaves what it measured
             with open(FLAGS.out, "w") as f:

@@ -36,6 +36,7 @@ class GenerateResult:
     # that takes long means it waited (on the device or on a transfer) instead of queueing.
     decode_host_loop_s: float = 0.0
     decode_step_calls_s: float = 0.0
+    decode_step_call_s: list[float] = dataclasses.field(default_factory=list)  # per step: spikes show stalls
 
     def summary(self) -> str:
         return (f"time to first token {self.time_to_first_token_s * 1e3:.1f} ms | prefill "
@@ -177,7 +178,7 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     # early at eos, so steps are dispatched ahead of the device instead of syncing per token.
     check_every = 1 if on_token is not None else 16
     ones = np.ones(B, np.int32)
-    step_calls = 0.0
+    call_times: list[float] = []
     for i in range(1, max_new_tokens):
         if finished.all():
             break
@@ -191,7 +192,7 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
         tok, lg, kv = model.steps.decode(model.params, kv, tok, jax.random.fold_in(key, i), temp, tp, sel)
         if driver is not None:
             kv = driver.after_step(kv, ones)
-        step_calls += time.perf_counter() - t_call
+        call_times.append(time.perf_counter() - t_call)
         out_tokens.append(tok)
         if return_logits:
             out_logits.append(lg)
@@ -225,7 +226,8 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
         time_to_first_token_s=t1 - t0, prefill_tokens_per_s=sum(lens) / max(t1 - t0, 1e-9),
         decode_tokens_per_s=decoded / decode_time, decode_tokens_per_s_per_session=(n_steps - 1) / decode_time,
         prompt_lengths=lens, cache_stats=stats, text=text, cache=kv if keep_cache else None,
-        decode_host_loop_s=t_loop - t_decode0, decode_step_calls_s=step_calls)
+        decode_host_loop_s=t_loop - t_decode0, decode_step_calls_s=float(sum(call_times)),
+        decode_step_call_s=call_times)
 
 
 def _checked_selection(sel, B: int, kv: kvcache.KVCache, cfg) -> jax.Array:
