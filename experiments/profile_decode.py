@@ -7,8 +7,9 @@ Each mode runs one untimed generate (compilation), then one generate under ``jax
 device plane it sums, for the decode step's module and the copyback module, every kernel's device time per decode
 step, and attributes kernels to source code through the compiled HLO's ``op_name`` metadata (Flax module paths and
 the ``jax.named_scope``s of ``glm53.offload``: ``offload_classify``, ``offload_gather``, ``offload_fill``, ...).
-``span`` is the device timeline from the first to the last decode kernel per step: ``span - busy`` is idle time
-(launch gaps), which kernel sums alone would hide. Figures are device time, not a speed benchmark: use
+``span`` is the device timeline from the first to the last decode kernel per step; ``idle`` is the time in it when
+nothing ran, charged to the kernel that ended each gap (``idle_before_*``): launch gaps and waits on the host, which
+kernel sums alone would hide. The trace runs without the Python tracer, whose overhead would create gaps itself. Figures are device time, not a speed benchmark: use
 ``experiments.offload_ab`` for tokens/s.
 """
 
@@ -109,7 +110,10 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
     starts = [e[1] for e in decode]
     ends = [e[1] + e[2] for e in decode]
     t0, t1 = (min(starts), max(ends)) if decode else (0, 0)
-    for name, start, dur, stats in events:
+    idle_before = collections.Counter()  # device idle time right before a kernel, by its scope
+    idle_before_kernel = collections.Counter()
+    frontier = None  # the latest end of any event so far (streams overlap: a gap is time nothing ran)
+    for name, start, dur, stats in sorted(events, key=lambda e: e[1]):
         module = str(stats.get("hlo_module", ""))
         per_module[module] += dur
         # The decode step, and the copybacks that happen between decode steps (not prefill's).
@@ -122,12 +126,21 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
         k[1] += dur
         k[2], k[3] = op_name, scope
         per_scope[scope] += dur
+        if frontier is not None and start > frontier:
+            idle_before[scope] += start - frontier
+            idle_before_kernel[name] += start - frontier
+        frontier = start + dur if frontier is None else max(frontier, start + dur)
     decode_steps = max(decode_steps, 1)
     busy = sum(v[1] for v in per_kernel.values())
     rows = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])
     return {
         "decode_steps_profiled": decode_steps,
         "busy_us_per_step": busy / 1e3 / decode_steps,
+        # Idle device time inside the decode window, charged to the kernel that ended it: where the device waited
+        # (for a launch, the host, a transfer). Needs a light host tracer, or the profiler's own overhead shows.
+        "idle_us_per_step": sum(idle_before.values()) / 1e3 / decode_steps,
+        "idle_before_scope_us_per_step": {k: v / 1e3 / decode_steps for k, v in idle_before.most_common()},
+        "idle_before_kernel_us_per_step": {k: v / 1e3 / decode_steps for k, v in idle_before_kernel.most_common(15)},
         "span_us_per_step": (t1 - t0) / 1e3 / decode_steps,
         "kernels_per_step": sum(v[0] for v in per_kernel.values()) / decode_steps,
         "per_scope_us_per_step": {k: v / 1e3 / decode_steps for k, v in per_scope.most_common()},
@@ -160,7 +173,12 @@ def main(_):
 
         run()  # compile every shape
         logdir = tempfile.mkdtemp()
-        with jax.profiler.trace(logdir):
+        # No Python tracer and the lightest host tracer: the trace's own host overhead would otherwise slow dispatch
+        # enough to leave the device idle between kernels that normally run back to back.
+        options = jax.profiler.ProfileOptions()
+        options.python_tracer_level = 0
+        options.host_tracer_level = 1
+        with jax.profiler.trace(logdir, profiler_options=options):
             res = run()
         tokens[mode] = res.tokens
         (path,) = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
@@ -173,8 +191,11 @@ def main(_):
         if res.cache_stats:
             summary["decode_hit_rate"] = res.cache_stats["decode"]["hit_rate"]
         results["modes"][mode] = summary
-        print(f"[{mode}] busy {summary['busy_us_per_step']:.1f} us/step, span {summary['span_us_per_step']:.1f} "
-              f"us/step, {summary['kernels_per_step']:.0f} kernels/step", flush=True)
+        print(f"[{mode}] busy {summary['busy_us_per_step']:.1f} us/step, idle {summary['idle_us_per_step']:.1f} "
+              f"us/step, span {summary['span_us_per_step']:.1f} us/step, {summary['kernels_per_step']:.0f} "
+              f"kernels/step; idle before (us/step): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in list(summary["idle_before_scope_us_per_step"].items())[:8]),
+              flush=True)
         for k, v in summary["per_scope_us_per_step"].items():
             print(f"    {k:>20}: {v:8.1f} us/step")
         for r in summary["top_kernels"][:25]:
@@ -185,6 +206,7 @@ def main(_):
         diff = {s: o["per_scope_us_per_step"].get(s, 0.0) - r["per_scope_us_per_step"].get(s, 0.0) for s in scopes}
         results["offload_minus_resident_us_per_step"] = dict(sorted(diff.items(), key=lambda kv: -abs(kv[1])))
         results["offload_minus_resident_us_per_step"]["busy"] = o["busy_us_per_step"] - r["busy_us_per_step"]
+        results["offload_minus_resident_us_per_step"]["idle"] = o["idle_us_per_step"] - r["idle_us_per_step"]
         results["offload_minus_resident_us_per_step"]["kernels"] = o["kernels_per_step"] - r["kernels_per_step"]
         print("offload - resident (us/step):")
         for k, v in results["offload_minus_resident_us_per_step"].items():

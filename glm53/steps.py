@@ -56,10 +56,21 @@ class Steps:
         self.mtp = _Jitted(functools.partial(_mtp, module))
 
 
+def _cache_first(fn):
+    """The step with the cache moved to the front of its outputs. JAX pairs each donated input buffer with the
+    first output of the same shape and dtype, in output order: with the sampled tokens (int32[B]) first, they took
+    the buffer of ``lengths``, ``lengths`` the next int32[B] field's, and so on, and XLA added a copy for every
+    field the chain displaced (small, but one launch each, every step). Outputs in the inputs' order pair up 1:1."""
+    def run(params, cache, *args, **kw):
+        *out, cache = fn(params, cache, *args, **kw)
+        return (cache, *out)
+    return run
+
+
 def _with_history(fn):
     def run(params, rest, history, *args, **kw):
-        *out, cache = fn(params, rest.replace(history=history), *args, **kw)
-        return (*out, cache.replace(history=None))
+        cache, *out = fn(params, rest.replace(history=history), *args, **kw)
+        return (cache.replace(history=None), *out)
     return run
 
 
@@ -69,20 +80,23 @@ class _Jitted:
     where to place a returned pinned_host array, and nothing can copy the history."""
 
     def __init__(self, fn, static_argnames=()):
-        self._resident = jax.jit(fn, static_argnames=static_argnames, donate_argnums=(1,))
-        run = _with_history(fn)
-        run.__name__ = getattr(getattr(fn, "func", fn), "__name__", "run")  # the profile's module name
-        self._offload = jax.jit(run, static_argnames=static_argnames, donate_argnums=(1,))
+        name = getattr(getattr(fn, "func", fn), "__name__", "step")  # the profile's module name: jit_<name>
+        resident = _cache_first(fn)
+        offload = _with_history(resident)
+        resident.__name__ = offload.__name__ = name
+        self._resident = jax.jit(resident, static_argnames=static_argnames, donate_argnums=(1,))
+        self._offload = jax.jit(offload, static_argnames=static_argnames, donate_argnums=(1,))
         self._last = None
 
     def __call__(self, params, cache: kvcache.KVCache, *args, **kw):
         if cache.mode != "offload":
             self._last = (self._resident, (params, cache, *args), kw)
-            return self._resident(params, cache, *args, **kw)
+            cache, *out = self._resident(params, cache, *args, **kw)
+            return (*out, cache)
         history = cache.history
         rest = cache.replace(history=None)
         self._last = (self._offload, (params, rest, history, *args), kw)
-        *out, rest = self._offload(params, rest, history, *args, **kw)
+        rest, *out = self._offload(params, rest, history, *args, **kw)
         return (*out, rest.replace(history=history))
 
     def last_compiled_text(self) -> str:

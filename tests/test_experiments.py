@@ -1,0 +1,48 @@
+"""The offload experiments' entry points run end to end on the tiny config (CPU: timings meaningless, structure and
+output equality checked): the resident/offload A/B and the decode profiler."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ["--config=configs/tiny.py", "--config.run.prompt_len=100", "--config.run.batch=1"]
+
+
+def _run(module, *args):
+    p = subprocess.run([sys.executable, "-m", module, *TINY, *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def test_offload_ab(tmp_path):
+    out = tmp_path / "ab.json"
+    _run("experiments.offload_ab", "--config.run.max_new_tokens=20", "--workloads=local99", f"--out={out}")
+    (pair,) = json.loads(out.read_text())["workloads"]["local99"]
+    assert pair["tokens_identical"] and pair["logits_identical"]
+    assert pair["decode_hit_rate"] > 0.5 and pair["resident_decode_tok_s"] > 0 and pair["offload_decode_tok_s"] > 0
+    for mode in ("resident", "offload"):
+        # the host diagnostics: the step calls are part of the loop, and there is one time per decode step
+        assert 0 < pair["decode_step_calls_s"][mode] <= pair["decode_host_loop_s"][mode]
+        p = pair["decode_step_call_ms_percentiles"][mode]
+        assert 0 < p["p50"] <= p["p90"] <= p["p99"] <= p["max"]
+    assert len(pair["offload_slowest_step_calls"]) == 6
+
+
+def test_profile_decode(tmp_path):
+    out = tmp_path / "profile.json"
+    _run("experiments.profile_decode", "--config.run.max_new_tokens=6", f"--out={out}")
+    report = json.loads(out.read_text())
+    assert report["tokens_identical"]
+    off, res = report["modes"]["offload"], report["modes"]["resident"]
+    # offload's own work is attributed to its scopes, the resident cache's to its own
+    for scope in ("offload_gather", "offload_fill", "offload_ring_write", "offload_classify"):
+        assert off["per_scope_us_per_step"].get(scope, 0) > 0, scope
+        assert scope not in res["per_scope_us_per_step"]
+    assert res["per_scope_us_per_step"].get("resident_gather", 0) > 0
+    assert off["busy_us_per_step"] > 0 and off["kernels_per_step"] > res["kernels_per_step"]
+    assert off["idle_us_per_step"] >= 0 and off["idle_before_scope_us_per_step"]
+    assert {"busy", "idle"} <= set(report["offload_minus_resident_us_per_step"])
+    assert (tmp_path / "decode_hlo_offload.txt").read_text().startswith("HloModule")
