@@ -15,9 +15,11 @@ This is the article's final design ("let the GPU manage the hot cache directly")
   ``ring`` of rows not yet in host memory, and counters.
 * **One round per layer** (``gather_rows``, inside the jitted step, no host round trip): classify each selected
   position — ``p >= host_len``: ring; ``slot_of_position[p] >= 0``: hit; else miss — then one Pallas kernel
-  (``kernels_pallas.hot_gather``) reads ring and hot rows from device memory and misses straight from host memory;
-  the round's unique misses are installed into victim slots for *later* rounds (``finish_round``, batched over
-  the layers at the end of the step). Visibility comes from data dependence: fills happen after the gather, so
+  (``kernels_pallas.hot_gather``) reads ring and hot rows from device memory and misses straight from host memory,
+  and returns them dequantised for attention and packed for the fill; the round's unique misses are installed into
+  victim slots for *later* rounds (decode: ``finish_round``, batched over the layers at the end of the step;
+  prefill chunks: right after each layer's gather), their rows copied by ``kernels_pallas.fill_rows``, which
+  touches only the rows really filled. Visibility comes from data dependence: fills happen after the gather, so
   slots filled this round are hit sources only next round, and duplicate misses of one round each read host
   memory. Victims are the first unpinned slots from ``clock`` onward in circular order, found with one cumsum
   over a window of slots (no pathological scan like the article's clock with reference bits). Prefill chunks are
