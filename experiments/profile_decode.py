@@ -21,6 +21,7 @@ import re
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
@@ -167,11 +168,19 @@ def main(_):
     for mode in FLAGS.modes:
         mc = cc.replace(mode=mode)
 
-        def run():
+        def run(keep_cache=False):
             override = local99(K, c.run.prompt_len, c.run.seed) if FLAGS.workload == "local99" else None
-            return glm53.generate(model, prompts, max_new_tokens=new, cache=mc, selection_override=override)
+            return glm53.generate(model, prompts, max_new_tokens=new, cache=mc, selection_override=override,
+                                  keep_cache=keep_cache)
 
-        run()  # compile every shape
+        warm = run(keep_cache=True)  # compile every shape
+        # The decode step's HLO, from arguments shaped like a decode call's.
+        B = c.run.batch
+        sel = jnp.zeros((B, K), jnp.int32) if FLAGS.workload == "local99" else None
+        hlo = model.steps.decode.compiled_text(model.params, warm.cache, jnp.zeros((B,), jnp.int32),
+                                               jax.random.fold_in(jax.random.key(0), 1), jnp.float32(0),
+                                               jnp.float32(1), sel)
+        del warm
         logdir = tempfile.mkdtemp()
         # No Python tracer and the lightest host tracer: the trace's own host overhead would otherwise slow dispatch
         # enough to leave the device idle between kernels that normally run back to back.
@@ -182,7 +191,6 @@ def main(_):
             res = run()
         tokens[mode] = res.tokens
         (path,) = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
-        hlo = model.steps.decode.last_compiled_text()
         if FLAGS.out:
             with open(os.path.join(os.path.dirname(FLAGS.out) or ".", f"decode_hlo_{mode}.txt"), "w") as f:
                 f.write(hlo)

@@ -86,31 +86,28 @@ class _Jitted:
         resident.__name__ = offload.__name__ = name
         self._resident = jax.jit(resident, static_argnames=static_argnames, donate_argnums=(1,))
         self._offload = jax.jit(offload, static_argnames=static_argnames, donate_argnums=(1,))
-        self._last = None
 
     def __call__(self, params, cache: kvcache.KVCache, *args, **kw):
         if cache.mode != "offload":
-            self._last = (self._resident, (params, cache, *args), kw)
             cache, *out = self._resident(params, cache, *args, **kw)
             return (*out, cache)
         history = cache.history
         rest = cache.replace(history=None)
-        self._last = (self._offload, (params, rest, history, *args), kw)
         rest, *out = self._offload(params, rest, history, *args, **kw)
         return (*out, rest.replace(history=history))
 
-    def last_compiled_text(self) -> str:
-        """The optimised HLO of the executable the latest call ran (a compilation-cache hit): for profiling, to map
-        kernels back to source through their ``op_name`` metadata."""
-        if self._last is None:
-            raise RuntimeError("the step has not been called yet")
-        fn, args, kw = self._last
-        return fn.lower(*_abstract(args), **kw).compile().as_text()
+    def compiled_text(self, params, cache: kvcache.KVCache, *args, **kw) -> str:
+        """The optimised HLO of the executable a call with these arguments runs (nothing is run or donated): for
+        profiling, to map kernels back to source through their ``op_name`` metadata."""
+        if cache.mode != "offload":
+            fn, call = self._resident, (params, cache, *args)
+        else:
+            fn, call = self._offload, (params, cache.replace(history=None), cache.history, *args)
+        return fn.lower(*_abstract(call), **kw).compile().as_text()
 
 
 def _abstract(tree):
-    """Shapes, dtypes and placements (memory kinds included) of a call's arrays, donated ones too (a deleted
-    array keeps its aval and sharding); other leaves as they are."""
+    """Shapes, dtypes and placements (memory kinds included) of a call's arrays; other leaves as they are."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                         if isinstance(x, jax.Array) else x, tree)
 
