@@ -114,6 +114,10 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
     idle_before = collections.Counter()  # device idle time right before a kernel, by its scope
     idle_before_kernel = collections.Counter()
     frontier = None  # the latest end of any event so far (streams overlap: a gap is time nothing ran)
+    # Launch units: a run of kernels from one command buffer (a CUDA graph, one host launch) or a kernel launched on
+    # its own; more units per step means more host launches the device may wait for.
+    launch_units, last_unit = 0, None
+    outside_buffers = collections.Counter()
     for name, start, dur, stats in sorted(events, key=lambda e: e[1]):
         module = str(stats.get("hlo_module", ""))
         per_module[module] += dur
@@ -127,6 +131,12 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
         k[1] += dur
         k[2], k[3] = op_name, scope
         per_scope[scope] += dur
+        unit = hlo_op if hlo_op.startswith("command_buffer") else None
+        if unit is None or unit != last_unit:
+            launch_units += 1
+        if unit is None:
+            outside_buffers[name] += 1
+        last_unit = unit
         if frontier is not None and start > frontier:
             idle_before[scope] += start - frontier
             idle_before_kernel[name] += start - frontier
@@ -143,6 +153,8 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
         "idle_before_scope_us_per_step": {k: v / 1e3 / decode_steps for k, v in idle_before.most_common()},
         "idle_before_kernel_us_per_step": {k: v / 1e3 / decode_steps for k, v in idle_before_kernel.most_common(15)},
         "span_us_per_step": (t1 - t0) / 1e3 / decode_steps,
+        "launch_units_per_step": launch_units / decode_steps,
+        "kernels_outside_command_buffers_per_step": {k: v / decode_steps for k, v in outside_buffers.most_common(30)},
         "kernels_per_step": sum(v[0] for v in per_kernel.values()) / decode_steps,
         "per_scope_us_per_step": {k: v / 1e3 / decode_steps for k, v in per_scope.most_common()},
         "top_kernels": [{"kernel": n, "scope": v[3], "op_name": v[2][-160:],
@@ -201,7 +213,7 @@ def main(_):
         results["modes"][mode] = summary
         print(f"[{mode}] busy {summary['busy_us_per_step']:.1f} us/step, idle {summary['idle_us_per_step']:.1f} "
               f"us/step, span {summary['span_us_per_step']:.1f} us/step, {summary['kernels_per_step']:.0f} "
-              f"kernels/step; idle before (us/step): "
+              f"kernels and {summary['launch_units_per_step']:.0f} launch units/step; idle before (us/step): "
               + ", ".join(f"{k} {v:.1f}" for k, v in list(summary["idle_before_scope_us_per_step"].items())[:8]),
               flush=True)
         for k, v in summary["per_scope_us_per_step"].items():
@@ -215,6 +227,8 @@ def main(_):
         results["offload_minus_resident_us_per_step"] = dict(sorted(diff.items(), key=lambda kv: -abs(kv[1])))
         results["offload_minus_resident_us_per_step"]["busy"] = o["busy_us_per_step"] - r["busy_us_per_step"]
         results["offload_minus_resident_us_per_step"]["idle"] = o["idle_us_per_step"] - r["idle_us_per_step"]
+        results["offload_minus_resident_us_per_step"]["launch_units"] = (o["launch_units_per_step"]
+                                                                         - r["launch_units_per_step"])
         results["offload_minus_resident_us_per_step"]["kernels"] = o["kernels_per_step"] - r["kernels_per_step"]
         print("offload - resident (us/step):")
         for k, v in results["offload_minus_resident_us_per_step"].items():
