@@ -16,7 +16,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import glm53
-from experiments.workloads import local99
+from experiments import workloads
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
@@ -27,20 +27,14 @@ flags.DEFINE_list("workloads", ["indexer", "local99"], "indexer | local99")
 
 
 def run_once(model, prompts, cc, new_tokens, workload, K, history, seed):
-    override = local99(K, history, seed) if workload == "local99" else None
     return glm53.generate(model, prompts, max_new_tokens=new_tokens, cache=cc, return_logits=True,
-                          selection_override=override)
+                          selection_override=workloads.selection(workload, K, history, seed))
 
 
 def main(_):
     c = FLAGS.config
-    cc = glm53.CacheConfig.from_config_dict(c.cache)
-    model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
-    rng = np.random.default_rng(c.run.seed)
-    prompts = [rng.integers(0, model.config.vocab_size, c.run.prompt_len).tolist() for _ in range(c.run.batch)]
+    model, prompts, cc, K = workloads.setup(c)
     new = c.run.max_new_tokens
-    cc = cc.replace(max_len=c.run.prompt_len + new)  # fixed capacity: warm-up and timed runs share every shape
-    K = min(model.config.index_topk, glm53.cache.capacity_for(cc, c.run.prompt_len + new))
     modes = {"resident": cc.replace(mode="resident"), "offload": cc.replace(mode="offload")}
     warm = [p[: min(len(p), cc.prefill_chunk)] for p in prompts]
     for wl in FLAGS.workloads:

@@ -22,12 +22,11 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
 import glm53
-from experiments.workloads import local99
+from experiments import workloads
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
@@ -168,20 +167,15 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
 
 def main(_):
     c = FLAGS.config
-    cc = glm53.CacheConfig.from_config_dict(c.cache)
-    model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
-    rng = np.random.default_rng(c.run.seed)
-    prompts = [rng.integers(0, model.config.vocab_size, c.run.prompt_len).tolist() for _ in range(c.run.batch)]
+    model, prompts, cc, K = workloads.setup(c)
     new = c.run.max_new_tokens
-    cc = cc.replace(max_len=c.run.prompt_len + new)
-    K = min(model.config.index_topk, glm53.cache.capacity_for(cc, c.run.prompt_len + new))
     results = {"config": c.to_dict(), **provenance(), "workload": FLAGS.workload, "modes": {}}
     tokens = {}
     for mode in FLAGS.modes:
         mc = cc.replace(mode=mode)
 
         def run(keep_cache=False):
-            override = local99(K, c.run.prompt_len, c.run.seed) if FLAGS.workload == "local99" else None
+            override = workloads.selection(FLAGS.workload, K, c.run.prompt_len, c.run.seed)
             return glm53.generate(model, prompts, max_new_tokens=new, cache=mc, selection_override=override,
                                   keep_cache=keep_cache)
 

@@ -1,7 +1,32 @@
 """Selection workloads for benchmarks (``glm53.generate(selection_override=...)``): they control the locality of
-the DSA selection so an experiment can fix the hot cache's hit rate. The indexer's own choice needs no override."""
+the DSA selection so an experiment can fix the hot cache's hit rate. The indexer's own choice needs no override.
+Also the setup the resident/offload experiments share (model, prompts, fixed-capacity cache config)."""
 
 import numpy as np
+
+import glm53
+
+
+def setup(c):
+    """From an experiment config: ``(model, prompts, cache_config, K)``. The cache capacity is fixed to prompt + new
+    tokens, so warm-up and timed runs share every shape; K is the number of positions a selection holds."""
+    cc = glm53.CacheConfig.from_config_dict(c.cache)
+    model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
+    rng = np.random.default_rng(c.run.seed)
+    prompts = [rng.integers(0, model.config.vocab_size, c.run.prompt_len).tolist() for _ in range(c.run.batch)]
+    total = c.run.prompt_len + c.run.max_new_tokens
+    cc = cc.replace(max_len=total)
+    K = min(model.config.index_topk, glm53.cache.capacity_for(cc, total))
+    return model, prompts, cc, K
+
+
+def selection(workload: str, K: int, history: int, seed: int):
+    """The ``selection_override`` of a workload: ``"local99"`` or ``"indexer"`` (None: the model's own choice)."""
+    if workload == "local99":
+        return local99(K, history, seed)
+    if workload == "indexer":
+        return None
+    raise ValueError(f"unknown workload {workload!r}: indexer | local99")
 
 
 def local99(K: int, history: int, seed: int, churn: float = 0.01):
