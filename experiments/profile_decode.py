@@ -117,6 +117,7 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
     # its own; more units per step means more host launches the device may wait for.
     launch_units, last_unit = 0, None
     outside_buffers = collections.Counter()
+    outside_by_scope = collections.Counter()
     for name, start, dur, stats in sorted(events, key=lambda e: e[1]):
         module = str(stats.get("hlo_module", ""))
         per_module[module] += dur
@@ -135,6 +136,7 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
             launch_units += 1
         if unit is None:
             outside_buffers[name] += 1
+            outside_by_scope[scope] += 1
         last_unit = unit
         if frontier is not None and start > frontier:
             idle_before[scope] += start - frontier
@@ -154,6 +156,8 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
         "span_us_per_step": (t1 - t0) / 1e3 / decode_steps,
         "launch_units_per_step": launch_units / decode_steps,
         "kernels_outside_command_buffers_per_step": {k: v / decode_steps for k, v in outside_buffers.most_common(30)},
+        "kernels_outside_command_buffers_by_scope_per_step": {k: v / decode_steps
+                                                              for k, v in outside_by_scope.most_common()},
         "kernels_per_step": sum(v[0] for v in per_kernel.values()) / decode_steps,
         "per_scope_us_per_step": {k: v / 1e3 / decode_steps for k, v in per_scope.most_common()},
         "top_kernels": [{"kernel": n, "scope": v[3], "op_name": v[2][-160:],

@@ -44,6 +44,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from glm53 import kv_formats
@@ -294,6 +295,10 @@ def _fill_layers(st: OffloadState, items: list, distinct: bool) -> OffloadState:
     per_layer = jax.vmap(jax.vmap(per_session))
     victim, entry, new_pos, old_pos, new_clock, n_fill = per_layer(
         pos, is_miss, valid, clock, slot_at, free_at, st.position_of_slot[layers])
+    # The evicted positions must be read before position_of_slot is updated in place. Left to itself XLA fused that
+    # read into the slot_of_position scatter, scheduled it after the update and so copied the whole map twice per
+    # step to keep the old values (seen in the compiled HLO); the barrier orders the read first, with no copy.
+    old_pos, pos_of_slot_before = lax.optimization_barrier((old_pos, st.position_of_slot))
     # Every counter in one reduction (each separate one was a ~1-2 us kernel of 8 short rows).
     evicted = jnp.pad(old_pos >= 0, ((0, 0), (0, 0), (0, M - F)))
     indicators = jnp.stack([is_hit & valid, is_miss & valid, ~is_hit & ~is_miss & valid, evicted], axis=2)
@@ -307,7 +312,7 @@ def _fill_layers(st: OffloadState, items: list, distinct: bool) -> OffloadState:
         jnp.concatenate([l_idx, l_idx], -1), jnp.concatenate([b_idx, b_idx], -1),
         jnp.concatenate([jnp.where(old_pos >= 0, old_pos, N), new_pos], -1)].set(
         jnp.concatenate([jnp.full_like(victim, -1), victim], -1), mode="drop")
-    position_of_slot = st.position_of_slot.at[l_idx, b_idx, victim].set(new_pos, mode="drop")
+    position_of_slot = pos_of_slot_before.at[l_idx, b_idx, victim].set(new_pos, mode="drop")
     # The rows: only the n_fill real ones are copied (a Pallas kernel on GPUs), from the gathers' own buffers.
     hot = ops.fill_rows({n: a.reshape(-1, a.shape[-1]) for n, a in st.hot.items()},
                         [{n: v.reshape(B * M, -1) for n, v in p["packed"].items()} for p in items],

@@ -318,8 +318,11 @@ def topk_positions(
         digit = jnp.sum(counts >= k, axis=1).astype(jnp.uint32) - 1
         return prefix | (digit << shift)
 
-    # A loop rather than 8 unrolled calls: one kernel to compile.
-    prefix = lax.fori_loop(0, _NUM_PASSES, radix_pass, jnp.zeros((R,), jnp.uint32))
+    # Unrolled: XLA's GPU runtime launches the kernels of a while loop one by one, outside the command buffers
+    # (CUDA graphs) that carry the rest of the step, so a rolled loop cost 6 host launches x 8 passes per indexer
+    # layer per decode step, and batch-1 decode was bound by how fast the host could launch (measured with
+    # experiments.profile_decode: 192 lone launches per step). The pass kernel is still compiled once.
+    prefix = lax.fori_loop(0, _NUM_PASSES, radix_pass, jnp.zeros((R,), jnp.uint32), unroll=True)
     thr = lax.bitcast_convert_type(prefix ^ _SIGN, jnp.int32)[:, None]  # [R, 1]
 
     gt, eq = pl.pallas_call(
