@@ -144,6 +144,7 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
         frontier = start + dur if frontier is None else max(frontier, start + dur)
     decode_steps = max(decode_steps, 1)
     busy = sum(v[1] for v in per_kernel.values())
+    sequence = step_sequence(events, op_names, decode_steps)
     rows = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])
     return {
         "decode_steps_profiled": decode_steps,
@@ -159,6 +160,9 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
         "kernels_outside_command_buffers_by_scope_per_step": {k: v / decode_steps
                                                               for k, v in outside_by_scope.most_common()},
         "kernels_per_step": sum(v[0] for v in per_kernel.values()) / decode_steps,
+        # One decode step in device order: which kernels ran alone (host-launched one by one) and where the device
+        # waited; the runs of lone kernels show what splits the command buffers.
+        "middle_step_sequence": sequence,
         "per_scope_us_per_step": {k: v / 1e3 / decode_steps for k, v in per_scope.most_common()},
         "top_kernels": [{"kernel": n, "scope": v[3], "op_name": v[2][-160:],
                          "calls_per_step": v[0] / decode_steps, "us_per_step": v[1] / 1e3 / decode_steps}
@@ -167,6 +171,33 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
         "device_ms_per_module": {k: v / 1e6 for k, v in per_module.most_common(12)},
         "example_event_stats": [{k: str(v)[:120] for k, v in e[3].items()} for e in events[:3]],
     }
+
+
+def step_sequence(events, op_names: dict, decode_steps: int) -> list:
+    """The kernels of the middle decode step in start order: [kernel, scope, "graph" or "lone", start us (from the
+    step's first kernel), duration us, idle us before it]. Steps are told apart by their first kernel, which every
+    step runs the same number of times."""
+    decode = sorted((e for e in events if str(e[3].get("hlo_module", "")).startswith("jit__decode")),
+                    key=lambda e: e[1])
+    if not decode or decode_steps < 1:
+        return []
+    first = decode[0][0]
+    starts = [i for i, e in enumerate(decode) if e[0] == first]
+    per_step = len(starts) // decode_steps
+    if per_step < 1 or len(starts) % decode_steps:
+        return []
+    bounds = starts[::per_step] + [len(decode)]
+    mid = decode_steps // 2
+    step = decode[bounds[mid]:bounds[mid + 1]]
+    out, frontier = [], step[0][1]
+    for name, start, dur, stats in step:
+        hlo_op = str(stats.get("hlo_op", ""))
+        scope, _ = kernel_scope(name, hlo_op, str(stats.get("hlo_module", "")), op_names)
+        unit = "graph" if hlo_op.startswith("command_buffer") else "lone"
+        out.append([name[:60], scope, unit, round((start - step[0][1]) / 1e3, 2), round(dur / 1e3, 2),
+                    round(max(start - frontier, 0) / 1e3, 2)])
+        frontier = max(frontier, start + dur)
+    return out
 
 
 def main(_):
@@ -189,7 +220,7 @@ def main(_):
         sel = jnp.zeros((B, K), jnp.int32) if FLAGS.workload == "local99" else None
         hlo = model.steps.decode.compiled_text(model.params, warm.cache, jnp.zeros((B,), jnp.int32),
                                                jax.random.fold_in(jax.random.key(0), 1), jnp.float32(0),
-                                               jnp.float32(1), sel)
+                                               jnp.float32(1), sel, greedy=True)  # generate below runs greedy
         del warm
         logdir = tempfile.mkdtemp()
         # No Python tracer and the lightest host tracer: the trace's own host overhead would otherwise slow dispatch

@@ -16,7 +16,7 @@ from glm53 import offload
 from glm53.config import CacheConfig
 from glm53.steps import sample
 
-_sample = jax.jit(sample)
+_sample = jax.jit(sample, static_argnames=("greedy",))
 
 
 @dataclasses.dataclass
@@ -152,7 +152,8 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     t0 = time.perf_counter()
     logits, _, kv = prefill(model, kv, toks, all_logits=False, progress=progress,
                             chunk=cache_config.prefill_chunk, driver=driver)
-    first = _sample(logits, jax.random.fold_in(key, 0), temp, tp)
+    greedy = temperature == 0
+    first = _sample(logits, jax.random.fold_in(key, 0), temp, tp, greedy=greedy)
     first.block_until_ready()
     t1 = time.perf_counter()
     prefill_stats = None
@@ -189,7 +190,9 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
             # decode step i writes the token sampled at step i - 1, at position len + i - 1
             sel = _checked_selection(selection_override(i, np.asarray(lens) + i - 1), B, kv, model.config)
         t_call = time.perf_counter()
-        tok, lg, kv = model.steps.decode(model.params, kv, tok, jax.random.fold_in(key, i), temp, tp, sel)
+        # Greedy steps ignore the key: skip deriving one (a separate dispatch and kernel every step).
+        step_key = key if greedy else jax.random.fold_in(key, i)
+        tok, lg, kv = model.steps.decode(model.params, kv, tok, step_key, temp, tp, sel, greedy=greedy)
         if driver is not None:
             kv = driver.after_step(kv, ones)
         call_times.append(time.perf_counter() - t_call)

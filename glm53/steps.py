@@ -32,9 +32,16 @@ def _last_valid(x: jax.Array, n_valid: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
 
 
-def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Greedy (argmax, first index on ties) when temperature == 0, else nucleus sampling. ``logits [B, V]``."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array, *,
+           greedy: bool = False) -> jax.Array:
+    """Greedy (argmax, first index on ties) when temperature == 0, else nucleus sampling. ``logits [B, V]``.
+
+    ``greedy`` (static) compiles the argmax alone. Without it the nucleus path (a sort of the whole vocabulary, a
+    dozen kernels) runs every step and is discarded by a select when the traced temperature is 0: ~50 us of device
+    time and a dozen host launches per decode step (experiments.profile_decode), for nothing."""
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if greedy:
+        return greedy_tokens
     scaled = logits / jnp.maximum(temperature, 1e-6)
     order = jnp.argsort(-scaled, axis=-1, stable=True)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
@@ -43,7 +50,7 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax
     keep_sorted = (cum - probs) < top_p  # always keeps the most likely token
     keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
     sampled = jax.random.categorical(key, jnp.where(keep, scaled, -jnp.inf), axis=-1).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    return jnp.where(temperature > 0, sampled, greedy_tokens)
 
 
 class Steps:
@@ -52,7 +59,7 @@ class Steps:
     def __init__(self, module: GLM5):
         self.module = module
         self.forward = _Jitted(functools.partial(_forward, module), static_argnames=("all_logits",))
-        self.decode = _Jitted(functools.partial(_decode, module))
+        self.decode = _Jitted(functools.partial(_decode, module), static_argnames=("greedy",))
         self.mtp = _Jitted(functools.partial(_mtp, module))
 
 
@@ -126,13 +133,15 @@ def _forward(module: GLM5, params, cache: kvcache.KVCache, tokens, n_valid, sele
     return logits, hidden, kvcache.advance(cache, n_valid)
 
 
-def _decode(module: GLM5, params, cache: kvcache.KVCache, tokens, key, temperature, top_p, selection=None):
+def _decode(module: GLM5, params, cache: kvcache.KVCache, tokens, key, temperature, top_p, selection=None, *,
+            greedy: bool = False):
     """One token per session: ``tokens [B]`` -> (next tokens [B], their logits [B, V], cache). ``selection``:
-    optional int32[B, K] DSA selection override for benchmarks."""
+    optional int32[B, K] DSA selection override for benchmarks. ``greedy`` (static): the caller guarantees
+    temperature == 0, so only the argmax is compiled."""
     n_valid = jnp.ones(tokens.shape[:1], jnp.int32)
     sel = None if selection is None else selection[:, None, :]
     logits, _, cache = _forward(module, params, cache, tokens[:, None], n_valid, sel, all_logits=False)
-    return sample(logits, key, temperature, top_p), logits, cache
+    return sample(logits, key, temperature, top_p, greedy=greedy), logits, cache
 
 
 def _mtp(module: GLM5, params, cache: kvcache.KVCache, hidden, next_tokens, n_valid):

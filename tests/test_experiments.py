@@ -44,5 +44,10 @@ def test_profile_decode(tmp_path):
     assert res["per_scope_us_per_step"].get("resident_gather", 0) > 0
     assert off["busy_us_per_step"] > 0 and off["kernels_per_step"] > res["kernels_per_step"]
     assert off["idle_us_per_step"] >= 0 and off["idle_before_scope_us_per_step"]
+    # one step's kernels, in order, with offload's scopes among them (5 decode steps profiled: the middle one)
+    seq = off["middle_step_sequence"]
+    assert seq and {"offload_gather", "offload_fill"} <= {k[1] for k in seq}
+    assert all(k[2] in ("graph", "lone") and k[4] >= 0 and k[5] >= 0 for k in seq)
+    assert sum(k[4] for k in seq) < off["busy_us_per_step"] * 2
     assert {"busy", "idle"} <= set(report["offload_minus_resident_us_per_step"])
     assert (tmp_path / "decode_hlo_offload.txt").read_text().startswith("HloModule")
