@@ -68,6 +68,11 @@ def main(_):
                     for m, x in (("resident", r), ("offload", o))},
                 "offload_slowest_step_calls": sorted(
                     ((round(1e3 * t, 3), i + 1) for i, t in enumerate(o.decode_step_call_s)), reverse=True)[:6],
+                # The steps that also copied ring pages back, against the rest: what a copyback costs the host.
+                "offload_copyback_step_call_ms": [(round(1e3 * o.decode_step_call_s[i - 1], 3), i)
+                                                  for i in o.decode_copyback_steps],
+                "offload_other_step_call_ms_p50": 1e3 * float(np.median(
+                    [t for i, t in enumerate(o.decode_step_call_s, 1) if i not in o.decode_copyback_steps] or [0])),
                 "cache_stats": o.cache_stats,
             }
             pairs.append(pair)
@@ -78,7 +83,9 @@ def main(_):
                   f"{pair['offload_ttft_s']:.2f} s; host loop {r.decode_host_loop_s:.3f} / {o.decode_host_loop_s:.3f} "
                   f"s, step calls {r.decode_step_calls_s:.3f} / {o.decode_step_calls_s:.3f} s; call ms percentiles "
                   f"{pair['decode_step_call_ms_percentiles']}; slowest offload calls (ms, step) "
-                  f"{pair['offload_slowest_step_calls']}", flush=True)
+                  f"{pair['offload_slowest_step_calls']}; copyback step calls (ms, step) "
+                  f"{pair['offload_copyback_step_call_ms']} vs {pair['offload_other_step_call_ms_p50']:.2f} ms median "
+                  "otherwise", flush=True)
         results["workloads"][wl] = pairs
         if FLAGS.out:  # after every workload, so a run cut short still leaves what it measured
             with open(FLAGS.out, "w") as f:

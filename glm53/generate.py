@@ -37,6 +37,9 @@ class GenerateResult:
     decode_host_loop_s: float = 0.0
     decode_step_calls_s: float = 0.0
     decode_step_call_s: list[float] = dataclasses.field(default_factory=list)  # per step: spikes show stalls
+    # Offload: the decode steps (1-based, as in decode_step_call_s[step - 1]) after which ring pages were copied back
+    # to host memory; their calls include the copyback's.
+    decode_copyback_steps: list[int] = dataclasses.field(default_factory=list)
 
     def summary(self) -> str:
         return (f"time to first token {self.time_to_first_token_s * 1e3:.1f} ms | prefill "
@@ -180,6 +183,7 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     check_every = 1 if on_token is not None else 16
     ones = np.ones(B, np.int32)
     call_times: list[float] = []
+    copyback_steps: list[int] = []
     for i in range(1, max_new_tokens):
         if finished.all():
             break
@@ -194,7 +198,10 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
         step_key = key if greedy else jax.random.fold_in(key, i)
         tok, lg, kv = model.steps.decode(model.params, kv, tok, step_key, temp, tp, sel, greedy=greedy)
         if driver is not None:
+            rows_on_host = int(driver.host_len.sum())
             kv = driver.after_step(kv, ones)
+            if driver.host_len.sum() != rows_on_host:
+                copyback_steps.append(i)
         call_times.append(time.perf_counter() - t_call)
         out_tokens.append(tok)
         if return_logits:
@@ -230,7 +237,7 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
         decode_tokens_per_s=decoded / decode_time, decode_tokens_per_s_per_session=(n_steps - 1) / decode_time,
         prompt_lengths=lens, cache_stats=stats, text=text, cache=kv if keep_cache else None,
         decode_host_loop_s=t_loop - t_decode0, decode_step_calls_s=float(sum(call_times)),
-        decode_step_call_s=call_times)
+        decode_step_call_s=call_times, decode_copyback_steps=copyback_steps)
 
 
 def _checked_selection(sel, B: int, kv: kvcache.KVCache, cfg) -> jax.Array:

@@ -29,6 +29,9 @@ def test_offload_ab(tmp_path):
         p = pair["decode_step_call_ms_percentiles"][mode]
         assert 0 < p["p50"] <= p["p90"] <= p["p99"] <= p["max"]
     assert len(pair["offload_slowest_step_calls"]) == 6
+    # the decode's copybacks are accounted to steps (tiny: copyback_every=16; one step may copy a page per session)
+    assert 0 < len(pair["offload_copyback_step_call_ms"]) <= pair["cache_stats"]["decode"]["copybacks"]
+    assert pair["offload_other_step_call_ms_p50"] > 0
 
 
 def test_profile_decode(tmp_path):
