@@ -18,8 +18,10 @@ This is the article's final design ("let the GPU manage the hot cache directly")
   (``kernels_pallas.hot_gather``) reads ring and hot rows from device memory and misses straight from host memory,
   and returns them dequantised for attention and packed for the fill; the round's unique misses are installed into
   victim slots for *later* rounds (decode: ``finish_round``, batched over the layers at the end of the step;
-  prefill chunks: right after each layer's gather), their rows copied by ``kernels_pallas.fill_rows``, which
-  touches only the rows really filled. Visibility comes from data dependence: fills happen after the gather, so
+  prefill chunks: right after each layer's gather). The fill's bookkeeping (pins, victims, slot maps, clock,
+  counters) is ``kernels_pallas.fill_round``, one Pallas program per layer and session for decode rounds (in XLA it
+  was ~15 small kernels a step); its rows are copied by ``kernels_pallas.fill_rows``, which touches only the rows
+  really filled. Visibility comes from data dependence: fills happen after the gather, so
   slots filled this round are hit sources only next round, and duplicate misses of one round each read host
   memory. Victims are the first unpinned slots from ``clock`` onward in circular order, found with one cumsum
   over a window of slots (no pathological scan like the article's clock with reference bits). Prefill chunks are
@@ -44,7 +46,6 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 
 from glm53 import kv_formats
@@ -234,93 +235,27 @@ def finish_round(cache):
     return cache.replace(offload=st.replace(pending=None))
 
 
-def _layer_index(layers: list[int]):
-    """A static slice when the layers are consecutive (always, for the model's rounds): XLA updates a slice in
-    place with a dynamic-update-slice, where an index array makes a scatter (one of 12 us for the [layers,
-    sessions, 5] counter update, measured with experiments.profile_decode)."""
-    if layers == list(range(layers[0], layers[0] + len(layers))):
-        return slice(layers[0], layers[0] + len(layers))
-    return jnp.asarray(layers, jnp.int32)
-
-
 def _fill_layers(st: OffloadState, items: list, distinct: bool) -> OffloadState:
-    """Fill for the rounds in ``items`` (one per layer). ``distinct``: no position repeats within a round."""
+    """Fill for the rounds in ``items`` (one per layer). ``distinct``: no position repeats within a round.
+
+    The bookkeeping (pins, victims, slot maps, clock, counters) is ``kernels_pallas.fill_round``, one Pallas
+    program per layer and session on GPUs for decode rounds; the rows are then copied by ``fill_rows``, only the
+    ``n_fill`` real ones, from the gathers' own buffers."""
     from kernels_pallas import ops
-    from kernels_pallas.hot_gather import HOST, HOT
+    from kernels_pallas.fill_round import MAP_NAMES
 
-    layer_list = [p["layer"] for p in items]
-    layers = _layer_index(layer_list)
-    pos, source, slot, valid = (jnp.stack([p[k] for p in items]) for k in ("pos", "source", "slot", "valid"))
-    Lp, B, M = pos.shape
-    L, N = st.slot_of_position.shape[0], st.slot_of_position.shape[2]
+    layers = tuple(p["layer"] for p in items)
+    B, M = items[0]["pos"].shape
     H = st.hot_rows
-    F = min(M, H)  # most fills one round can make
-    # A round pins at most M slots (its hits), so the first M + F slots from the clock hold F unpinned ones.
-    W = min(H, M + F)
-    is_hit, is_miss = source == HOT, source == HOST
-    l_m = jnp.broadcast_to(jnp.asarray(layer_list, jnp.int32)[:, None, None], (Lp, B, M))
-    b_m = jnp.broadcast_to(jnp.arange(B)[None, :, None], (Lp, B, M))
-    this_round = st.rounds[layers] + 1  # [Lp, B]
-    pin_round = st.pin_round.at[l_m, b_m, jnp.where(is_hit, slot, H)].set(
-        jnp.broadcast_to(this_round[..., None], (Lp, B, M)), mode="drop")
-    clock = st.clock[layers]
-    slot_at = (clock[..., None] + jnp.arange(W, dtype=jnp.int32)) % H  # slots in circular order from the clock
-    free_at = jnp.take_along_axis(pin_round[layers], slot_at, axis=2) != this_round[..., None]
-
-    def per_session(pos, is_miss, valid, clock, slot_at, free_at, pos_of_slot):
-        wanted = is_miss & valid
-        if distinct:
-            first, order = wanted, jnp.arange(M, dtype=jnp.int32)
-        else:
-            key = jnp.where(wanted, pos, N)
-            order = jnp.argsort(key, stable=True).astype(jnp.int32)
-            skey = key[order]
-            first = (skey < N) & jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]])
-        # One cumsum ranks both the unique misses and the free slots (the second part is offset by the first's
-        # total): one scan kernel instead of two.
-        ranks = jnp.cumsum(jnp.concatenate([first, free_at]).astype(jnp.int32))
-        n_unique = ranks[M - 1]
-        n_free = ranks[-1] - n_unique
-        unique_entry = jnp.zeros((F,), jnp.int32).at[jnp.where(first, ranks[:M] - 1, F)].set(order, mode="drop")
-        victim_of_rank = jnp.full((F,), H, jnp.int32).at[
-            jnp.where(free_at, ranks[M:] - n_unique - 1, F)].set(slot_at, mode="drop")
-        n_fill = jnp.minimum(jnp.minimum(n_unique, n_free), F)
-        do = jnp.arange(F) < n_fill
-        victim = jnp.where(do, victim_of_rank, H)
-        new_pos = jnp.where(do, pos[unique_entry], N)
-        old_pos = jnp.where(do, pos_of_slot[jnp.minimum(victim, H - 1)], -1)
-        new_clock = jnp.where(n_fill > 0, (victim_of_rank[jnp.maximum(n_fill - 1, 0)] + 1) % H, clock)
-        return victim, unique_entry, new_pos, old_pos, new_clock, n_fill
-
-    per_layer = jax.vmap(jax.vmap(per_session))
-    victim, entry, new_pos, old_pos, new_clock, n_fill = per_layer(
-        pos, is_miss, valid, clock, slot_at, free_at, st.position_of_slot[layers])
-    # The evicted positions must be read before position_of_slot is updated in place. Left to itself XLA fused that
-    # read into the slot_of_position scatter, scheduled it after the update and so copied the whole map twice per
-    # step to keep the old values (seen in the compiled HLO); the barrier orders the read first, with no copy.
-    old_pos, pos_of_slot_before = lax.optimization_barrier((old_pos, st.position_of_slot))
-    # Every counter in one reduction (each separate one was a ~1-2 us kernel of 8 short rows).
-    evicted = jnp.pad(old_pos >= 0, ((0, 0), (0, 0), (0, M - F)))
-    indicators = jnp.stack([is_hit & valid, is_miss & valid, ~is_hit & ~is_miss & valid, evicted], axis=2)
-    tally = indicators.astype(jnp.int32).sum(-1)  # [Lp, B, 4]: hits, misses, ring reads, evictions
-    counts = jnp.concatenate([tally[..., :3], n_fill[..., None], tally[..., 3:]], axis=-1)
-    l_idx = jnp.broadcast_to(jnp.asarray(layer_list, jnp.int32)[:, None, None], victim.shape)
-    b_idx = jnp.broadcast_to(jnp.arange(B)[None, :, None], victim.shape)
-    # Evictions and fills in one scatter: evicted positions were hot and filled ones were not, so the two sets are
-    # disjoint and their order does not matter.
-    slot_of_position = st.slot_of_position.at[
-        jnp.concatenate([l_idx, l_idx], -1), jnp.concatenate([b_idx, b_idx], -1),
-        jnp.concatenate([jnp.where(old_pos >= 0, old_pos, N), new_pos], -1)].set(
-        jnp.concatenate([jnp.full_like(victim, -1), victim], -1), mode="drop")
-    position_of_slot = pos_of_slot_before.at[l_idx, b_idx, victim].set(new_pos, mode="drop")
-    # The rows: only the n_fill real ones are copied (a Pallas kernel on GPUs), from the gathers' own buffers.
+    maps, entry, victim, n_fill = ops.fill_round(
+        {n: getattr(st, n) for n in MAP_NAMES},
+        tuple({k: p[k] for k in ("pos", "source", "slot", "valid")} for p in items),
+        layers=layers, hot_rows=H, distinct=distinct)
     hot = ops.fill_rows({n: a.reshape(-1, a.shape[-1]) for n, a in st.hot.items()},
                         [{n: v.reshape(B * M, -1) for n, v in p["packed"].items()} for p in items],
-                        entry, victim, n_fill, layers=tuple(layer_list), sessions=B, hot_rows=H)
-    hot = {n: hot[n].reshape(L, B, H, -1) for n in st.hot}
-    return st.replace(slot_of_position=slot_of_position, position_of_slot=position_of_slot, hot=hot,
-                      pin_round=pin_round, rounds=st.rounds.at[layers].set(this_round),
-                      clock=st.clock.at[layers].set(new_clock), counters=st.counters.at[layers].add(counts))
+                        entry, victim, n_fill, layers=layers, sessions=B, hot_rows=H)
+    L = st.slot_of_position.shape[0]
+    return st.replace(hot={n: hot[n].reshape(L, B, H, -1) for n in st.hot}, **maps)
 
 
 # ----------------------------------------------------------------------------------------------------------------

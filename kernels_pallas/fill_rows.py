@@ -47,7 +47,9 @@ def _fill_kernel(entry_ref, victim_ref, n_fill_ref, *refs, layers: tuple, names:
             entry = entry_ref[i, b, pl.ds(j * block_rows, block_rows)]
             victim = victim_ref[i, b, pl.ds(j * block_rows, block_rows)]
             src = b * entries + jnp.where(mask, entry, 0)
-            dst = (layer * sessions + b) * hot_rows + jnp.where(mask, victim, 0)
+            # Masked-off rows point past the end: GPUs skip them anyway, but the Pallas interpreter writes every
+            # row (the old value where masked), which at an in-range dummy row could undo a real fill of it.
+            dst = jnp.where(mask, (layer * sessions + b) * hot_rows + victim, hot_out[0].shape[0])
             for p in range(n_planes):
                 width = hot_out[p].shape[1]
                 cols = jnp.arange(width, dtype=jnp.int32)[None, :]

@@ -38,8 +38,12 @@ def _load3(srcs, masks, row, cols, dtype):
     """The rows ``row`` at columns ``cols`` from whichever of the three sources each entry's mask selects."""
     value = None
     for src_ref, m in zip(srcs, masks):
-        # Masked-off lanes issue no memory access; their row index is pinned to 0 so addresses stay in range.
-        part = plgpu.load(src_ref.at[jnp.where(m, row, 0)[:, None], cols], mask=m[:, None], other=0)
+        # Masked-off lanes issue no memory access; their row index is pinned to 0 so addresses stay in range. Their
+        # value is never used (the select below takes each entry from its own source), so fp8 planes, for which the
+        # Triton lowering has no constant to fill them with, load without one.
+        fp8 = jnp.issubdtype(src_ref.dtype, jnp.floating) and jnp.finfo(src_ref.dtype).bits == 8
+        part = plgpu.load(src_ref.at[jnp.where(m, row, 0)[:, None], cols], mask=m[:, None],
+                          other=None if fp8 else 0)
         value = part if value is None else jnp.where(m[:, None], part, value)
     return value.astype(dtype)
 

@@ -21,6 +21,7 @@ _gather = importlib.import_module("kernels_pallas.gather_rows")
 _hot = importlib.import_module("kernels_pallas.hot_gather")
 _indexer = importlib.import_module("kernels_pallas.indexer_topk")
 _fill = importlib.import_module("kernels_pallas.fill_rows")
+_fill_round = importlib.import_module("kernels_pallas.fill_round")
 
 _FORCED: str | None = None
 GATHER_BLOCK_ROWS = 16
@@ -122,3 +123,12 @@ def fill_rows(hot: dict, rows: tuple, entry, victim, n_fill, *, layers: tuple, s
     fn = _fill.fill_rows if use_pallas else _fill.fill_rows_reference
     return fn(hot, tuple(rows), entry, victim, n_fill, layers=tuple(layers), sessions=sessions, hot_rows=hot_rows,
               block_rows=FILL_BLOCK_ROWS, interpret=interpret)
+
+
+def fill_round(maps: dict, rounds: tuple, *, layers: tuple, hot_rows: int, distinct: bool):
+    """The offload fill's bookkeeping for one round per layer: ``(maps, entry, victim, n_fill)`` (see
+    ``kernels_pallas.fill_round``). The kernel takes decode rounds; rounds with repeated positions (prefill chunks)
+    take the reference, whose deduplication needs a sort."""
+    use_pallas, interpret = _impl()
+    fn = _fill_round.fill_round if use_pallas and distinct else _fill_round.fill_round_reference
+    return fn(maps, tuple(rounds), layers=tuple(layers), hot_rows=hot_rows, distinct=distinct, interpret=interpret)

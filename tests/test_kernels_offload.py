@@ -1,5 +1,6 @@
 """The offload kernels (interpreted on CPU) == their pure-jnp references, bit for bit: the hot gather (ring / hot /
-host sources, dequantised and packed outputs) and the fill (only the first n_fill rows copied, in place)."""
+host sources, dequantised and packed outputs), the fill's bookkeeping (pins, victims, slot maps, clock, counters)
+and the fill's row copy (only the first n_fill rows copied, in place)."""
 
 import importlib
 
@@ -12,6 +13,7 @@ from glm53 import kv_formats as kvf
 
 hg = importlib.import_module("kernels_pallas.hot_gather")
 fr = importlib.import_module("kernels_pallas.fill_rows")
+frd = importlib.import_module("kernels_pallas.fill_round")
 
 
 def _planes(fmt, n, seed):
@@ -109,3 +111,94 @@ def test_fill_rows_validation():
     with pytest.raises(ValueError, match="row dicts"):
         fr.fill_rows_reference(hot, tuple(rows[:1]), entry, victim, n_fill, layers=(0, 1), sessions=2,
                                hot_rows=40, block_rows=8)
+
+
+def _round_case(seed, layers, B=2, L=4, H=48, N=200, M=40):
+    """Consistent maps (a bijection of occupied slots and hot positions per layer and session), pins stamped at
+    or before the current round, and one decode round per layer: distinct positions classified as the offload
+    classify would (ring above host_len, hit when hot, miss otherwise), some entries invalid."""
+    rng = np.random.default_rng(seed)
+    pos_of_slot = np.full((L, B, H), -1, np.int32)
+    slot_of_pos = np.full((L, B, N), -1, np.int32)
+    for l in range(L):
+        for b in range(B):
+            n = int(rng.integers(0, H + 1))
+            slots, positions = rng.choice(H, n, replace=False), rng.choice(N, n, replace=False)
+            pos_of_slot[l, b, slots], slot_of_pos[l, b, positions] = positions, slots
+    rounds_done = rng.integers(0, 50, (L, B)).astype(np.int32)
+    maps = dict(pin_round=rng.integers(0, rounds_done[..., None] + 1, (L, B, H)).astype(np.int32),
+                position_of_slot=pos_of_slot, slot_of_position=slot_of_pos, rounds=rounds_done,
+                clock=rng.integers(0, H, (L, B)).astype(np.int32),
+                counters=rng.integers(0, 1000, (L, B, 5)).astype(np.int32))
+    rounds = []
+    for l in layers:
+        pos = np.stack([rng.choice(N, M, replace=False) for _ in range(B)]).astype(np.int32)
+        host_len = rng.integers(N // 2, N + 1, B)
+        slot = np.take_along_axis(slot_of_pos[l], pos, axis=1)
+        source = np.where(pos >= host_len[:, None], hg.RING, np.where(slot >= 0, hg.HOT, hg.HOST)).astype(np.int32)
+        rounds.append(dict(pos=pos, source=source, slot=slot, valid=rng.random((B, M)) < 0.9))
+    return maps, rounds
+
+
+@pytest.mark.parametrize("layers,H,M", [((0, 1, 2, 3), 48, 40), ((1, 3), 200, 40), ((2,), 32, 30),
+                                        ((0, 1), 64, 64)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fill_round_matches_reference(layers, H, M, seed):
+    maps, rounds = _round_case(seed, layers, H=H, M=M)
+    kw = dict(layers=layers, hot_rows=H)
+    j = lambda: ({n: jnp.asarray(v) for n, v in maps.items()},
+                 tuple({k: jnp.asarray(v) for k, v in r.items()} for r in rounds))
+    got = frd.fill_round(*j(), interpret=True, **kw)
+    want = frd.fill_round_reference(*j(), **kw)
+    for n in frd.MAP_NAMES:
+        np.testing.assert_array_equal(np.asarray(got[0][n]), np.asarray(want[0][n]), err_msg=n)
+    for g, w, name in zip(got[1:], want[1:], ("entry", "victim", "n_fill")):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+
+    # Independently of both: what a fill must do.
+    new, entry, victim, n_fill = (np.asarray(x) if not isinstance(x, dict) else {k: np.asarray(v) for k, v in
+                                                                                 x.items()} for x in got)
+    F, W = frd.sizes(M, H)
+    for i, l in enumerate(layers):
+        for b in range(2):
+            r = {k: v[b] for k, v in rounds[i].items()}
+            hits, misses = r["source"] == hg.HOT, (r["source"] == hg.HOST) & r["valid"]
+            hit_slots = set(r["slot"][hits].tolist())
+            assert (new["pin_round"][l, b, list(hit_slots)] == maps["rounds"][l, b] + 1).all()
+            window = [(maps["clock"][l, b] + w) % H for w in range(W)]
+            free = [s for s in window if s not in hit_slots]
+            n = n_fill[i, b]
+            assert n == min(misses.sum(), len(free), F)
+            assert victim[i, b, :n].tolist() == free[:n]  # the first free slots in clock order
+            assert entry[i, b, :n].tolist() == np.nonzero(misses)[0][:n].tolist()  # misses in selection order
+            assert (victim[i, b, n:] == H).all() and (entry[i, b, n:] == 0).all()
+            # the maps stay a bijection and hold the new positions; hit slots keep theirs
+            occupied = np.nonzero(new["position_of_slot"][l, b] >= 0)[0]
+            assert (new["slot_of_position"][l, b, new["position_of_slot"][l, b, occupied]] == occupied).all()
+            assert (new["slot_of_position"][l, b] >= 0).sum() == len(occupied)
+            assert (new["position_of_slot"][l, b, victim[i, b, :n]] == r["pos"][entry[i, b, :n]]).all()
+            assert (new["position_of_slot"][l, b, list(hit_slots)] ==
+                    maps["position_of_slot"][l, b, list(hit_slots)]).all()
+            evicted = (maps["position_of_slot"][l, b, victim[i, b, :n]] >= 0).sum()
+            delta = new["counters"][l, b] - maps["counters"][l, b]
+            assert delta.tolist() == [(hits & r["valid"]).sum(), misses.sum(),
+                                      ((r["source"] == hg.RING) & r["valid"]).sum(), n, evicted]
+            assert new["rounds"][l, b] == maps["rounds"][l, b] + 1
+            assert new["clock"][l, b] == ((victim[i, b, n - 1] + 1) % H if n else maps["clock"][l, b])
+    untouched = [l for l in range(4) if l not in layers]
+    for n in frd.MAP_NAMES:
+        np.testing.assert_array_equal(new[n][untouched], maps[n][untouched])
+
+
+def test_fill_round_validation():
+    maps, rounds = _round_case(0, (0, 1))
+    j = {n: jnp.asarray(v) for n, v in maps.items()}
+    with pytest.raises(ValueError, match="one round per layer"):
+        frd.fill_round_reference(j, tuple(rounds[:1]), layers=(0, 1), hot_rows=48)
+    with pytest.raises(ValueError, match="hot_rows"):
+        frd.fill_round_reference(j, tuple(rounds), layers=(0, 1), hot_rows=40)
+    with pytest.raises(ValueError, match="distinct"):
+        frd.fill_round(j, tuple(rounds), layers=(0, 1), hot_rows=48, distinct=False, interpret=True)
+    with pytest.raises(ValueError, match="counters"):
+        frd.fill_round_reference({**j, "counters": j["counters"][..., :4]}, tuple(rounds), layers=(0, 1),
+                                 hot_rows=48)
