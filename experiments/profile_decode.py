@@ -54,7 +54,8 @@ def op_names_from_hlo(hlo_text: str) -> dict[str, str]:
 
 
 # Kernels whose names say where they come from (Pallas kernels are named by their pallas_call).
-KERNEL_SCOPES = (("hot_gather", "offload_gather"), ("gather_rows", "resident_gather"),
+KERNEL_SCOPES = (("hot_gather", "offload_gather"), ("fill_round", "offload_fill"), ("fill_rows", "offload_fill"),
+                 ("gather_rows", "resident_gather"),
                  ("indexer_scores", "self_attn/indexer"), ("topk", "self_attn/indexer"))
 
 
