@@ -51,6 +51,7 @@ def test_profile_decode(tmp_path):
     seq = off["middle_step_sequence"]
     assert seq and {"offload_gather", "offload_fill"} <= {k[1] for k in seq}
     assert all(k[2] in ("graph", "lone") and k[4] >= 0 and k[5] >= 0 for k in seq)
-    assert sum(k[4] for k in seq) < off["busy_us_per_step"] * 2
+    # one step, not the whole run: about a step's worth of kernels (copybacks between steps are not in it)
+    assert 0.5 * off["kernels_per_step"] <= len(seq) <= off["kernels_per_step"] + 1
     assert {"busy", "idle"} <= set(report["offload_minus_resident_us_per_step"])
     assert (tmp_path / "decode_hlo_offload.txt").read_text().startswith("HloModule")

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from glm53 import kv_formats as kvf
 
@@ -188,6 +190,35 @@ def test_fill_round_matches_reference(layers, H, M, seed):
     untouched = [l for l in range(4) if l not in layers]
     for n in frd.MAP_NAMES:
         np.testing.assert_array_equal(new[n][untouched], maps[n][untouched])
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**31 - 1), st.integers(1, 3), st.integers(1, 70), st.integers(1, 60),
+       st.sampled_from([(0,), (1, 2), (0, 1, 2, 3), (3, 1)]), st.floats(0.0, 1.0))
+def test_fill_round_matches_reference_random_sizes(seed, B, H, M, layers, occupancy):
+    """Any sizes: fewer slots than positions (F = H), windows covering the whole cache, empty and full caches,
+    several sessions, non-consecutive layers."""
+    N = max(M + 5, 2 * H)
+    maps, rounds = _round_case(seed, layers, B=B, H=H, N=N, M=M)
+    rng = np.random.default_rng(seed + 1)
+    maps["position_of_slot"][rng.random(maps["position_of_slot"].shape) > occupancy] = -1  # free some slots
+    sop = np.full_like(maps["slot_of_position"], -1)
+    for l, b, s in zip(*np.nonzero(maps["position_of_slot"] >= 0)):
+        sop[l, b, maps["position_of_slot"][l, b, s]] = s
+    maps["slot_of_position"] = sop
+    for i, l in enumerate(layers):  # reclassify against the thinned maps
+        r = rounds[i]
+        r["slot"] = np.take_along_axis(sop[l], r["pos"], axis=1)
+        r["source"] = np.where(r["source"] == hg.RING, hg.RING, np.where(r["slot"] >= 0, hg.HOT, hg.HOST))
+    kw = dict(layers=layers, hot_rows=H)
+    j = lambda: ({n: jnp.asarray(v) for n, v in maps.items()},
+                 tuple({k: jnp.asarray(v) for k, v in r.items()} for r in rounds))
+    got = frd.fill_round(*j(), interpret=True, **kw)
+    want = frd.fill_round_reference(*j(), **kw)
+    for n in frd.MAP_NAMES:
+        np.testing.assert_array_equal(np.asarray(got[0][n]), np.asarray(want[0][n]), err_msg=n)
+    for g, w in zip(got[1:], want[1:]):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def test_fill_round_validation():
