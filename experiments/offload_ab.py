@@ -31,6 +31,18 @@ def run_once(model, prompts, cc, new_tokens, workload, K, history, seed):
                           selection_override=workloads.selection(workload, K, history, seed))
 
 
+def summarise(pairs: list) -> dict:
+    """Across a workload's pairs: the loss of the pooled decode time (every pair's seconds per token added up, so
+    each pair weighs the same), its spread, and whether outputs matched in all of them. Pair-to-pair noise is
+    about +-1.5% on the H200 (and the order within a pair matters), so one pair decides nothing."""
+    losses = [p["offload_loss_pct"] for p in pairs]
+    resident_s = sum(1 / p["resident_decode_tok_s"] for p in pairs)
+    offload_s = sum(1 / p["offload_decode_tok_s"] for p in pairs)
+    return {"pairs": len(pairs), "pooled_loss_pct": 100 * (1 - resident_s / offload_s),
+            "loss_pct_min": min(losses), "loss_pct_median": float(np.median(losses)), "loss_pct_max": max(losses),
+            "all_identical": all(p["tokens_identical"] and p["logits_identical"] for p in pairs)}
+
+
 def main(_):
     c = FLAGS.config
     model, prompts, cc, K = workloads.setup(c)
@@ -87,6 +99,8 @@ def main(_):
                   f"{pair['offload_copyback_step_call_ms']} vs {pair['offload_other_step_call_ms_p50']:.2f} ms median "
                   "otherwise", flush=True)
         results["workloads"][wl] = pairs
+        results.setdefault("summary", {})[wl] = summary = summarise(pairs)
+        print(f"[{wl}] {summary}", flush=True)
         if FLAGS.out:  # after every workload, so a run cut short still leaves what it measured
             with open(FLAGS.out, "w") as f:
                 json.dump(results, f, indent=2, default=str)

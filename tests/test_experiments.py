@@ -20,7 +20,8 @@ def _run(module, *args):
 def test_offload_ab(tmp_path):
     out = tmp_path / "ab.json"
     _run("experiments.offload_ab", "--config.run.max_new_tokens=20", "--workloads=local99", f"--out={out}")
-    (pair,) = json.loads(out.read_text())["workloads"]["local99"]
+    report = json.loads(out.read_text())
+    (pair,) = report["workloads"]["local99"]
     assert pair["tokens_identical"] and pair["logits_identical"]
     assert pair["decode_hit_rate"] > 0.5 and pair["resident_decode_tok_s"] > 0 and pair["offload_decode_tok_s"] > 0
     for mode in ("resident", "offload"):
@@ -29,6 +30,10 @@ def test_offload_ab(tmp_path):
         p = pair["decode_step_call_ms_percentiles"][mode]
         assert 0 < p["p50"] <= p["p90"] <= p["p99"] <= p["max"]
     assert len(pair["offload_slowest_step_calls"]) == 6
+    summary = report["summary"]["local99"]
+    assert summary["pairs"] == 1 and summary["all_identical"]
+    assert summary["loss_pct_min"] == summary["loss_pct_median"] == summary["loss_pct_max"]
+    assert abs(summary["pooled_loss_pct"] - pair["offload_loss_pct"]) < 1e-9
     # the decode's copybacks are accounted to steps (tiny: copyback_every=16; one step may copy a page per session)
     assert 0 < len(pair["offload_copyback_step_call_ms"]) <= pair["cache_stats"]["decode"]["copybacks"]
     assert pair["offload_other_step_call_ms_p50"] > 0
