@@ -88,9 +88,9 @@ def _round_kernel(*refs, layers: tuple, sessions: int, hot_rows: int, positions:
                   padded: tuple, interpret: bool):
     """Program (i, b): the round of layer ``layers[i]``, session b.
 
-    Refs (all ANY): per layer i: pos, source, slot, valid ([B, Mp] int32); the six maps (aliased inputs, unused:
-    their outputs are the same buffers); outputs: the six maps, flat ([L * B * H], [L * B * H], [L * B * N],
-    [L * B], [L * B], [L * B * 5]), then entry and victim ([Lp * B * Fp]) and n_fill ([Lp * B]).
+    Refs (all ANY): per layer i: pos, source, slot ([B, Mp] int32), valid ([B, Mp] bool); the six maps (aliased
+    inputs, unused: their outputs are the same buffers); outputs: the six maps, flat ([L * B * H], [L * B * H],
+    [L * B * N], [L * B], [L * B], [L * B * 5]), then entry and victim ([Lp * B * Fp]) and n_fill ([Lp * B]).
     """
     Mp, Fp, Wp = padded
     H, B, N = hot_rows, sessions, capacity
@@ -112,7 +112,7 @@ def _round_kernel(*refs, layers: tuple, sessions: int, hot_rows: int, positions:
         m = jnp.arange(Mp, dtype=jnp.int32)
         src = src_ref[b, pl.ds(0, Mp)]
         slot = slot_ref[b, pl.ds(0, Mp)]
-        valid = valid_ref[b, pl.ds(0, Mp)] != 0
+        valid = valid_ref[b, pl.ds(0, Mp)]
         is_hit, is_miss = src == HOT, src == HOST
         # 1. pins: the slots this round read as hits
         _scatter(pin, lb * H + slot, jnp.full((Mp,), this_round, jnp.int32), is_hit)
@@ -136,8 +136,8 @@ def _round_kernel(*refs, layers: tuple, sessions: int, hot_rows: int, positions:
         # 4. install: maps, then the normalised entry / victim lists the row copy reads
         k = jnp.arange(Fp, dtype=jnp.int32)
         do = k < n_fill
-        entry = jnp.where(do, plgpu.load(entry_o.at[base + k], mask=do, other=0), 0)
-        victim = jnp.where(do, plgpu.load(victim_o.at[base + k], mask=do, other=0), H)
+        entry = plgpu.load(entry_o.at[base + k], mask=do, other=0)
+        victim = plgpu.load(victim_o.at[base + k], mask=do, other=H)
         safe_victim = jnp.where(do, victim, 0)
         new_pos = plgpu.load(pos_ref.at[b, entry], mask=do, other=0)
         old_pos = plgpu.load(pos_of_slot.at[lb * H + safe_victim], mask=do, other=-1)
@@ -190,9 +190,11 @@ def fill_round(maps: dict, rounds: tuple, *, layers: tuple, hot_rows: int, disti
     operands = []
     for r in rounds:
         for name in ("pos", "source", "slot", "valid"):
-            a = r[name].astype(jnp.int32)
-            # padded positions: no source, not valid (never hit, missed or counted)
-            operands.append(jnp.pad(a, ((0, 0), (0, Mp - M)), constant_values=-1 if name == "source" else 0))
+            # valid stays bool: converting it would be one more small kernel per layer and step
+            a = r[name].astype(bool if name == "valid" else jnp.int32)
+            if Mp != M:  # padded positions: no source, not valid (never hit, missed or counted)
+                a = jnp.pad(a, ((0, 0), (0, Mp - M)), constant_values=-1 if name == "source" else 0)
+            operands.append(a)
     first_map = len(operands)
     operands += [maps[n].reshape(-1) for n in MAP_NAMES]
     out_shape = [jax.ShapeDtypeStruct((maps[n].size,), jnp.int32) for n in MAP_NAMES]
