@@ -142,11 +142,9 @@ def _round_case(seed, layers, B=2, L=4, H=48, N=200, M=40):
     return maps, rounds
 
 
-@pytest.mark.parametrize("layers,H,M", [((0, 1, 2, 3), 48, 40), ((1, 3), 200, 40), ((2,), 32, 30),
-                                        ((0, 1), 64, 64)])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_fill_round_matches_reference(layers, H, M, seed):
-    maps, rounds = _round_case(seed, layers, H=H, M=M)
+def _fill_round_kernel_vs_reference(maps, rounds, layers, H):
+    """Run the kernel (interpreted) and the reference on the same numpy case; assert every output equal, bit for
+    bit. Returns the kernel's outputs."""
     kw = dict(layers=layers, hot_rows=H)
     j = lambda: ({n: jnp.asarray(v) for n, v in maps.items()},
                  tuple({k: jnp.asarray(v) for k, v in r.items()} for r in rounds))
@@ -156,6 +154,15 @@ def test_fill_round_matches_reference(layers, H, M, seed):
         np.testing.assert_array_equal(np.asarray(got[0][n]), np.asarray(want[0][n]), err_msg=n)
     for g, w, name in zip(got[1:], want[1:], ("entry", "victim", "n_fill")):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+    return got
+
+
+@pytest.mark.parametrize("layers,H,M", [((0, 1, 2, 3), 48, 40), ((1, 3), 200, 40), ((2,), 32, 30),
+                                        ((0, 1), 64, 64)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fill_round_matches_reference(layers, H, M, seed):
+    maps, rounds = _round_case(seed, layers, H=H, M=M)
+    got = _fill_round_kernel_vs_reference(maps, rounds, layers, H)
 
     # Independently of both: what a fill must do.
     new, entry, victim, n_fill = (np.asarray(x) if not isinstance(x, dict) else {k: np.asarray(v) for k, v in
@@ -210,15 +217,7 @@ def test_fill_round_matches_reference_random_sizes(seed, B, H, M, layers, occupa
         r = rounds[i]
         r["slot"] = np.take_along_axis(sop[l], r["pos"], axis=1)
         r["source"] = np.where(r["source"] == hg.RING, hg.RING, np.where(r["slot"] >= 0, hg.HOT, hg.HOST))
-    kw = dict(layers=layers, hot_rows=H)
-    j = lambda: ({n: jnp.asarray(v) for n, v in maps.items()},
-                 tuple({k: jnp.asarray(v) for k, v in r.items()} for r in rounds))
-    got = frd.fill_round(*j(), interpret=True, **kw)
-    want = frd.fill_round_reference(*j(), **kw)
-    for n in frd.MAP_NAMES:
-        np.testing.assert_array_equal(np.asarray(got[0][n]), np.asarray(want[0][n]), err_msg=n)
-    for g, w in zip(got[1:], want[1:]):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    _fill_round_kernel_vs_reference(maps, rounds, layers, H)
 
 
 def test_fill_round_validation():
