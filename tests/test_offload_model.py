@@ -94,6 +94,22 @@ def test_kernels_inside_the_model_match(model):
     np.testing.assert_allclose(ker.logits, ref.logits, rtol=1e-5, atol=1e-5)
 
 
+def test_offload_bit_identical_to_resident_with_the_kernels(model):
+    """The GPU path, interpreted: with every Pallas kernel (hot gather, fill_round, fill_rows, gather_rows, indexer)
+    in both modes, offload decode still gives resident's tokens and logits bit for bit, through decode fills that
+    evict."""
+    from kernels_pallas import ops
+
+    cc = CASES["q8g64-min-hot"][0]
+    model_k = glm53.from_config(CFG, seed=3, dtype="float32")  # fresh jit caches: retrace with the kernels
+    with ops.force_impl("pallas"):
+        # prompts longer than the 64 hot slots hold, so the hot cache is full when decode starts filling
+        res, off = run_both(model_k, cc, [100, 90], 12)
+    assert off.tokens == res.tokens
+    assert np.array_equal(off.logits, res.logits)
+    assert off.cache_stats["decode"]["evictions"] > 0 and off.cache_stats["decode"]["fills"] > 0
+
+
 def test_invalid_hot_rows_is_a_config_error(model):
     with pytest.raises(ConfigError, match="below what a round can pin"):
         glm53.generate(model, prompts([10]), max_new_tokens=2,
