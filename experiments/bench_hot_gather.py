@@ -7,6 +7,7 @@ host-read bandwidth measured in the same run.
 Every timed configuration is first checked bit-for-bit against the jnp reference.
 """
 
+import functools
 import json
 import time
 
@@ -20,12 +21,14 @@ from glm53.provenance import provenance
 import importlib
 
 hg = importlib.import_module("kernels_pallas.hot_gather")
+ops = importlib.import_module("kernels_pallas.ops")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_bool("tiny", False, "small sizes for a CPU smoke run")
 flags.DEFINE_string("kv_format", "q8g64", "row format")
 flags.DEFINE_integer("iters", 50, "timed calls per case (median reported)")
+flags.DEFINE_bool("sweep", False, "also time every (block_rows, num_warps) launch shape at all hits / all misses")
 
 
 def timeit(fn, varying, fixed, iters):
@@ -87,9 +90,9 @@ def main(_):
     if not on_gpu:  # the Pallas interpreter cannot read pinned_host operands (XLA gathers): smoke-test only
         host = host_on_device
 
-    def kernel(s, r, ring, hot, host):
+    def kernel(s, r, ring, hot, host, block_rows=ops.GATHER_BLOCK_ROWS, num_warps=ops.GATHER_NUM_WARPS):
         return hg.hot_gather(s, r, ring, hot, host, kv_format=fmt.name, out_dtype=jnp.bfloat16,
-                             interpret=interpret)
+                             block_rows=block_rows, num_warps=num_warps, interpret=interpret)
 
     reference = jax.jit(lambda *a: hg.hot_gather_reference(*a, kv_format=fmt.name, out_dtype=jnp.bfloat16))
 
@@ -137,6 +140,27 @@ def main(_):
     results["bulk_copy_GBps"] = n_hist * fmt.bytes_per_row / t_bulk / 1e9
     miss = results["cases"]["all_misses"]
     results["all_misses_fraction_of_zero_copy"] = miss["host_GBps"] / zero_copy
+    if FLAGS.sweep:
+        # Misses are latency-bound over PCIe at 2,048 rows: how many rows each program keeps in flight (block_rows,
+        # with more programs for fewer rows) and how many warps issue them decide the bandwidth reached.
+        sweep = []
+        miss_sets, hit_sets = inputs(0.0, M), inputs(1.0, M)
+        want = reference(*miss_sets[0], ring, hot, host_on_device)
+        for block_rows in (4, 8, 16, 32):
+            for num_warps in (1, 2, 4, 8):
+                fn = functools.partial(kernel, block_rows=block_rows, num_warps=num_warps)
+                got = fn(*miss_sets[0], ring, hot, host)
+                equal = all(np.array_equal(np.asarray(g), np.asarray(w))
+                            for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+                t_miss = timeit(fn, miss_sets, (ring, hot, host), FLAGS.iters)
+                t_hit = timeit(fn, hit_sets, (ring, hot, host), FLAGS.iters)
+                sweep.append({"block_rows": block_rows, "num_warps": num_warps, "bit_identical_to_reference": equal,
+                              "all_misses_ms": t_miss * 1e3, "all_hits_ms": t_hit * 1e3,
+                              "all_misses_host_GBps": M * fmt.bytes_per_row / t_miss / 1e9})
+                print(f"sweep block_rows={block_rows:>2} num_warps={num_warps}: misses {t_miss * 1e3:.4f} ms, "
+                      f"hits {t_hit * 1e3:.4f} ms, identical {equal}")
+        results["sweep"] = sweep
+        results["sweep_default"] = {"block_rows": ops.GATHER_BLOCK_ROWS, "num_warps": ops.GATHER_NUM_WARPS}
     results.update(provenance())
     print(f"{'case':<32}{'ms':>10}{'host GB/s':>12}  bit-identical")
     for name, c in results["cases"].items():

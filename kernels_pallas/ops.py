@@ -25,6 +25,7 @@ _fill_round = importlib.import_module("kernels_pallas.fill_round")
 
 _FORCED: str | None = None
 GATHER_BLOCK_ROWS = 16
+GATHER_NUM_WARPS = 4
 
 
 @contextlib.contextmanager
@@ -97,7 +98,7 @@ def hot_gather(source, row, ring: dict, hot: dict, host: dict, *, kv_format: str
         row = jnp.pad(row, (0, pad))
     kw = dict(kv_format=kv_format, out_dtype=out_dtype, block_rows=GATHER_BLOCK_ROWS)
     if use_pallas and not interpret:
-        latent, rope, packed = _hot.hot_gather(source, row, ring, hot, host, **kw)
+        latent, rope, packed = _hot.hot_gather(source, row, ring, hot, host, num_warps=GATHER_NUM_WARPS, **kw)
     else:
         # XLA (and the Pallas interpreter, which lowers to XLA gathers) cannot read pinned_host operands: bring the
         # host planes to the device first. On a CPU both memories are host RAM; GPUs take the kernel path above.
