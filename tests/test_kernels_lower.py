@@ -21,6 +21,7 @@ it = importlib.import_module("kernels_pallas.indexer_topk")
 hg = importlib.import_module("kernels_pallas.hot_gather")
 fr = importlib.import_module("kernels_pallas.fill_rows")
 frd = importlib.import_module("kernels_pallas.fill_round")
+ops = importlib.import_module("kernels_pallas.ops")
 
 S = jax.ShapeDtypeStruct
 I32 = jnp.int32
@@ -42,7 +43,9 @@ def _cases():
         S((1, 1, 32, 128), jnp.bfloat16), S((1, 1, 32), jnp.float32), S((1, N, 128), jnp.bfloat16), S((1, 1), I32))
     yield "topk_positions", functools.partial(it.topk_positions, k=K), (S((1, 1, N), jnp.float32),)
     for fmt in kvf.KV_FORMATS:
-        yield f"hot_gather_{fmt}", functools.partial(hg.hot_gather, kv_format=fmt, out_dtype=jnp.bfloat16), (
+        yield f"hot_gather_{fmt}", functools.partial(hg.hot_gather, kv_format=fmt, out_dtype=jnp.bfloat16,
+                                                          block_rows=ops.HOT_GATHER_BLOCK_ROWS,
+                                                          num_warps=ops.HOT_GATHER_NUM_WARPS), (
             S((K,), I32), S((K,), I32), _planes(fmt, L * 2048), _planes(fmt, L * H), _planes(fmt, 451584))
     layers = tuple(range(8))
     yield "fill_rows", functools.partial(fr.fill_rows, layers=layers, sessions=1, hot_rows=H), (
