@@ -29,6 +29,8 @@ flags.DEFINE_bool("tiny", False, "small sizes for a CPU smoke run")
 flags.DEFINE_string("kv_format", "q8g64", "row format")
 flags.DEFINE_integer("iters", 50, "timed calls per case (median reported)")
 flags.DEFINE_bool("sweep", False, "also time every (block_rows, num_warps) launch shape at all hits / all misses")
+flags.DEFINE_list("sweep_block_rows", ["4", "8", "16", "32"], "--sweep: rows per program")
+flags.DEFINE_list("sweep_num_warps", ["1", "2", "4", "8"], "--sweep: warps per program")
 
 
 def timeit(fn, varying, fixed, iters):
@@ -150,8 +152,8 @@ def main(_):
         sweep = []
         miss_sets, hit_sets = inputs(0.0, M), inputs(1.0, M)
         want = reference(*miss_sets[0], ring, hot, host_on_device)
-        for block_rows in (4, 8, 16, 32):
-            for num_warps in (1, 2, 4, 8):
+        for block_rows in map(int, FLAGS.sweep_block_rows):
+            for num_warps in map(int, FLAGS.sweep_num_warps):
                 fn = functools.partial(kernel, block_rows=block_rows, num_warps=num_warps)
                 got = fn(*miss_sets[0], ring, hot, host)
                 equal = all(np.array_equal(np.asarray(g), np.asarray(w))

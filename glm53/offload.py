@@ -28,7 +28,10 @@ This is the article's final design ("let the GPU manage the hot cache directly")
   rounds too, so the same rule warms the hot cache during prefill: at its end the slots hold the rows the last
   chunks' queries selected from host memory, the ones decode is most likely to select next.
 * **Batched copyback** (``Driver.after_step`` -> ``_copyback``): whenever a session has ``copyback_every`` rows in
-  the ring, those rows of all layers go to its next host page in one write per plane, in place (donated).
+  the ring, those rows of all layers go to its next host page in one write per plane, in place (donated). It is
+  its own small jitted call between steps, which only read the history. The two alternatives measured worse or no
+  better on the H200 (``experiments.bench_copyback``): threading the history through every step (donated and
+  returned) changed nothing, and making the copyback a static variant of the step cost ~49 ms per copyback.
 
 Resident and offload read the same packed bytes for every position (rows are packed once, when written), so their
 logits and tokens are bit-identical; the tests check it.

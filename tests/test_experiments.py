@@ -1,5 +1,5 @@
 """The offload experiments' entry points run end to end on the tiny config (CPU: timings meaningless, structure and
-output equality checked): the resident/offload A/B and the decode profiler."""
+output equality checked): the resident/offload A/B, the decode profiler and the kernel benchmarks."""
 
 import json
 import pathlib
@@ -61,3 +61,42 @@ def test_profile_decode(tmp_path):
     assert len(seq) < off["kernels_per_step"] * off["decode_steps_profiled"] / 2
     assert {"busy", "idle"} <= set(report["offload_minus_resident_us_per_step"])
     assert (tmp_path / "decode_hlo_offload.txt").read_text().startswith("HloModule")
+
+
+def _bench(module, *args):
+    p = subprocess.run([sys.executable, "-m", module, "--tiny", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def test_bench_hot_gather(tmp_path):
+    out = tmp_path / "hg.json"
+    _bench("experiments.bench_hot_gather", "--iters=1", "--sweep", "--sweep_block_rows=8", "--sweep_num_warps=2",
+           f"--out={out}")
+    report = json.loads(out.read_text())
+    for case in ("all_hits", "half_hits", "all_misses"):
+        assert report["cases"][case]["bit_identical_to_reference"], case
+    assert report["cases"]["all_hits"]["host_GBps"] == 0 and report["cases"]["all_misses"]["host_GBps"] > 0
+    (shape,) = report["sweep"]
+    assert (shape["block_rows"], shape["num_warps"]) == (8, 2) and shape["bit_identical_to_reference"]
+    assert report["zero_copy_GBps"] > 0 and report["all_misses_fraction_of_zero_copy"] > 0
+
+
+def test_bench_copyback(tmp_path):
+    out = tmp_path / "cb.json"
+    _bench("experiments.bench_copyback", "--steps=8", "--every=4", "--matmuls=1", "--repeats=1", f"--out={out}")
+    report = json.loads(out.read_text())
+    assert set(report["variants"]) == {"readonly", "threaded", "fused"}
+    for name, v in report["variants"].items():
+        # every variant wrote its pages into host memory, read back bit for bit, and the history stayed there
+        assert v["pages_read_back_identical_and_pinned_host"] and v["history_memory_kinds"] == ["pinned_host"], name
+        assert v["wall_with_ms"] > 0 and v["wall_without_ms"] > 0
+
+
+def test_bench_fill_round(tmp_path):
+    out = tmp_path / "fr.json"
+    _bench("experiments.bench_fill_round", "--num_warps=4", f"--out={out}")
+    report = json.loads(out.read_text())
+    (kernel,) = report["kernel"]
+    assert kernel["num_warps"] == 4 and kernel["bit_identical_to_reference"] and kernel["us"] > 0
+    assert report["reference_us"] > 0
