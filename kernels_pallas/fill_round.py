@@ -18,9 +18,9 @@ In XLA this was ~15 small kernels per decode step (cumsums, five scatters, stack
 of a 4.4 ms step on the H200, most of it per-kernel overhead (experiments.profile_decode at 39fb5e6). Here one
 program per (layer, session) does it all: 16.9 us per step in the decode profile (9a24c79), and 19.2 us against
 the reference's 32.4 us for 9 layers in ``experiments.bench_fill_round`` (num_warps 8; 4-32 warps time alike, so
-it is bound by the chain of dependent memory round trips below, not by lanes). Steps 1-2 and 3-4 communicate through memory (the pins written by some
-lanes are read by others; so are the rank-compacted entries and victims), hence the two block barriers; a program
-touches only its own (layer, session) state, so programs never race.
+it is bound by the chain of dependent memory round trips below, not by lanes). Steps 1-2 and 3-4 communicate
+through memory (the pins written by some lanes are read by others; so are the rank-compacted entries and victims),
+hence the two block barriers; a program touches only its own (layer, session) state, so programs never race.
 
 ``fill_round_reference`` is the same function in jnp, and also handles rounds whose positions may repeat (prefill
 chunks, ``distinct=False``: the first occurrence of each missed position is filled once); the kernel needs decode

@@ -28,7 +28,8 @@ def _planes(fmt, n, seed):
 
 @pytest.mark.parametrize("fmt", list(kvf.KV_FORMATS))
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
-def test_hot_gather_matches_reference(fmt, out_dtype):
+@pytest.mark.parametrize("block_rows", [4, 16])  # the model's launch shape, and one with several rows per source
+def test_hot_gather_matches_reference(fmt, out_dtype, block_rows):
     ring, hot, host = _planes(fmt, 16, 0), _planes(fmt, 32, 1), _planes(fmt, 96, 2)
     rng = np.random.default_rng(3)
     E = 48
@@ -39,8 +40,8 @@ def test_hot_gather_matches_reference(fmt, out_dtype):
     source[:4] = [hg.RING, hg.RING, hg.HOT, hg.HOST]
     row[5:9], source[5:9] = 7, hg.HOST  # duplicate misses
     args = (jnp.asarray(source), jnp.asarray(row), ring, hot, host)
-    got = hg.hot_gather(*args, kv_format=fmt, out_dtype=out_dtype, block_rows=16, interpret=True)
-    want = hg.hot_gather_reference(*args, kv_format=fmt, out_dtype=out_dtype, block_rows=16)
+    got = hg.hot_gather(*args, kv_format=fmt, out_dtype=out_dtype, block_rows=block_rows, interpret=True)
+    want = hg.hot_gather_reference(*args, kv_format=fmt, out_dtype=out_dtype, block_rows=block_rows)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert g.dtype == w.dtype and g.shape == w.shape
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
