@@ -21,7 +21,6 @@ from glm53.provenance import provenance
 import importlib
 
 hg = importlib.import_module("kernels_pallas.hot_gather")
-ops = importlib.import_module("kernels_pallas.ops")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "", "write the results JSON here")
@@ -92,7 +91,7 @@ def main(_):
     if not on_gpu:  # the Pallas interpreter cannot read pinned_host operands (XLA gathers): smoke-test only
         host = host_on_device
 
-    def kernel(s, r, ring, hot, host, block_rows=ops.HOT_GATHER_BLOCK_ROWS, num_warps=ops.HOT_GATHER_NUM_WARPS):
+    def kernel(s, r, ring, hot, host, block_rows=hg.DEFAULT_BLOCK_ROWS, num_warps=hg.DEFAULT_NUM_WARPS):
         return hg.hot_gather(s, r, ring, hot, host, kv_format=fmt.name, out_dtype=jnp.bfloat16,
                              block_rows=block_rows, num_warps=num_warps, interpret=interpret)
 
@@ -136,7 +135,7 @@ def main(_):
     # before), so a launch shape that is slow with many rows cannot lower the bar the 2,048-row case is judged by.
     sets_big = inputs(0.0, big, sets=2)
     t_big = min(timeit(functools.partial(kernel, block_rows=b, num_warps=w), sets_big, (ring, hot, host),
-                       max(5, FLAGS.iters // 5)) for b, w in {(ops.HOT_GATHER_BLOCK_ROWS, ops.HOT_GATHER_NUM_WARPS),
+                       max(5, FLAGS.iters // 5)) for b, w in {(hg.DEFAULT_BLOCK_ROWS, hg.DEFAULT_NUM_WARPS),
                                                               (16, 4)})
     zero_copy = big * fmt.bytes_per_row / t_big / 1e9
     bulk = jax.jit(lambda h: {k: jax.device_put(v, jax.memory.Space.Device) for k, v in h.items()})
@@ -166,8 +165,8 @@ def main(_):
                 print(f"sweep block_rows={block_rows:>2} num_warps={num_warps}: misses {t_miss * 1e3:.4f} ms, "
                       f"hits {t_hit * 1e3:.4f} ms, identical {equal}")
         results["sweep"] = sweep
-        results["sweep_default"] = {"block_rows": ops.HOT_GATHER_BLOCK_ROWS,
-                                    "num_warps": ops.HOT_GATHER_NUM_WARPS}
+        results["sweep_default"] = {"block_rows": hg.DEFAULT_BLOCK_ROWS,
+                                    "num_warps": hg.DEFAULT_NUM_WARPS}
     results.update(provenance())
     print(f"{'case':<32}{'ms':>10}{'host GB/s':>12}  bit-identical")
     for name, c in results["cases"].items():

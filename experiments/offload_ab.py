@@ -33,8 +33,9 @@ def run_once(model, prompts, cc, new_tokens, workload, K, history, seed):
 
 def summarise(pairs: list) -> dict:
     """Across a workload's pairs: the loss of the pooled decode time (every pair's seconds per token added up, so
-    each pair weighs the same), its spread, and whether outputs matched in all of them. Pair-to-pair noise is
-    about +-1.5% on the H200 (and the order within a pair matters), so one pair decides nothing."""
+    each pair weighs the same), its spread, and whether outputs matched in all of them. Pairs scatter by +-0.5 to
+    +-1.5% on the H200, with an occasional host-disturbed outlier (9% in offload_ab_50k_9a24c79.json), so one pair
+    decides nothing."""
     losses = [p["offload_loss_pct"] for p in pairs]
     resident_s = sum(1 / p["resident_decode_tok_s"] for p in pairs)
     offload_s = sum(1 / p["offload_decode_tok_s"] for p in pairs)

@@ -9,8 +9,8 @@ step, and attributes kernels to source code through the compiled HLO's ``op_name
 the ``jax.named_scope``s of ``glm53.offload``: ``offload_classify``, ``offload_gather``, ``offload_fill``, ...).
 ``span`` is the device timeline from the first to the last decode kernel per step; ``idle`` is the time in it when
 nothing ran, charged to the kernel that ended each gap (``idle_before_*``): launch gaps and waits on the host, which
-kernel sums alone would hide. The trace runs without the Python tracer, whose overhead would create gaps itself. Figures are device time, not a speed benchmark: use
-``experiments.offload_ab`` for tokens/s.
+kernel sums alone would hide. The trace runs without the Python tracer, whose overhead would create gaps itself.
+Figures are device time, not a speed benchmark: use ``experiments.offload_ab`` for tokens/s.
 """
 
 import collections

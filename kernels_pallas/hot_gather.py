@@ -28,6 +28,11 @@ from glm53 import kv_formats
 from glm53.kv_formats import KVFormat
 
 RING, HOT, HOST = 0, 1, 2
+# Launch shape: 4 rows per program and one warp, i.e. 512 programs for a 2,048-row round, which keeps the most host
+# rows in flight over PCIe. On the H200 2,048 misses took 40.0 us against 46.6 us at 16 rows x 4 warps, hits alike
+# (experiments/results/hot_gather_sweep.json, ``experiments.bench_hot_gather --sweep``).
+DEFAULT_BLOCK_ROWS = 4
+DEFAULT_NUM_WARPS = 1
 
 
 def _is_pow2(n: int) -> bool:
@@ -109,15 +114,12 @@ def _validate(source, row, ring, hot, host, block_rows, fmt: KVFormat):
 
 @functools.partial(jax.jit, static_argnames=("kv_format", "out_dtype", "block_rows", "num_warps", "interpret"))
 def hot_gather(source: jax.Array, row: jax.Array, ring: dict, hot: dict, host: dict, *, kv_format: str,
-               out_dtype=jnp.bfloat16, block_rows: int = 4, num_warps: int = 1,
+               out_dtype=jnp.bfloat16, block_rows: int = DEFAULT_BLOCK_ROWS,
+               num_warps: int = DEFAULT_NUM_WARPS,
                interpret: bool = False) -> tuple[jax.Array, jax.Array, dict]:
     """Gather entries ``e`` of ``source``/``row`` (``[E]``) from the flat ``[rows, W]`` planes of the ring, the
     hot cache and host memory (all in ``kv_format``). Returns ``(latent [E, 512], rope [E, 64], packed)``:
-    the rows dequantised to ``out_dtype`` and ``{plane: [E, W]}`` the same rows as stored.
-
-    The default launch shape (4 rows, one warp per program) keeps the most host rows in flight over PCIe: on the
-    H200 it served 2,048 misses in 40.0 us against 46.6 us at 16 rows x 4 warps, hits alike
-    (``experiments.bench_hot_gather --sweep``)."""
+    the rows dequantised to ``out_dtype`` and ``{plane: [E, W]}`` the same rows as stored."""
     fmt = kv_formats.get_format(kv_format)
     _validate(source, row, ring, hot, host, block_rows, fmt)
     names = tuple(sorted(ring))
@@ -141,7 +143,8 @@ def hot_gather(source: jax.Array, row: jax.Array, ring: dict, hot: dict, host: d
 
 
 def hot_gather_reference(source: jax.Array, row: jax.Array, ring: dict, hot: dict, host: dict, *, kv_format: str,
-                         out_dtype=jnp.bfloat16, block_rows: int = 4, num_warps: int = 1,
+                         out_dtype=jnp.bfloat16, block_rows: int = DEFAULT_BLOCK_ROWS,
+                         num_warps: int = DEFAULT_NUM_WARPS,
                          interpret: bool = False) -> tuple[jax.Array, jax.Array, dict]:
     """Pure-jnp reference with the same signature. ``host`` planes must be readable by XLA's gather here (device
     arrays; a caller holding ``pinned_host`` planes moves them first — the CPU fallback does)."""

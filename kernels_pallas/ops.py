@@ -25,11 +25,6 @@ _fill_round = importlib.import_module("kernels_pallas.fill_round")
 
 _FORCED: str | None = None
 GATHER_BLOCK_ROWS = 16
-# The hot gather's launch shape: 4 rows per program and one warp, i.e. 512 programs for a 2,048-row round, so more
-# host rows are in flight over PCIe at once. On the H200 (experiments/results/hot_gather_sweep.json) all misses took
-# 40.0 us against 46.6 us at the old 16 rows x 4 warps, and all hits the same 13.3 us. (The kernel's defaults.)
-HOT_GATHER_BLOCK_ROWS = 4
-HOT_GATHER_NUM_WARPS = 1
 
 
 @contextlib.contextmanager
@@ -96,13 +91,14 @@ def hot_gather(source, row, ring: dict, hot: dict, host: dict, *, kv_format: str
     [E, 64], packed {plane: [E, W]})``."""
     use_pallas, interpret = _impl()
     E = source.shape[0]
-    pad = (-E) % HOT_GATHER_BLOCK_ROWS
+    block_rows = _hot.DEFAULT_BLOCK_ROWS  # the kernel's launch shape (see there)
+    pad = (-E) % block_rows
     if pad:  # padded entries read ring row 0, which always exists, and are sliced off below
         source = jnp.pad(source, (0, pad))
         row = jnp.pad(row, (0, pad))
-    kw = dict(kv_format=kv_format, out_dtype=out_dtype, block_rows=HOT_GATHER_BLOCK_ROWS)
+    kw = dict(kv_format=kv_format, out_dtype=out_dtype, block_rows=block_rows)
     if use_pallas and not interpret:
-        latent, rope, packed = _hot.hot_gather(source, row, ring, hot, host, num_warps=HOT_GATHER_NUM_WARPS, **kw)
+        latent, rope, packed = _hot.hot_gather(source, row, ring, hot, host, **kw)
     else:
         # XLA (and the Pallas interpreter, which lowers to XLA gathers) cannot read pinned_host operands: bring the
         # host planes to the device first. On a CPU both memories are host RAM; GPUs take the kernel path above.

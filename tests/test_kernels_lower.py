@@ -21,7 +21,6 @@ it = importlib.import_module("kernels_pallas.indexer_topk")
 hg = importlib.import_module("kernels_pallas.hot_gather")
 fr = importlib.import_module("kernels_pallas.fill_rows")
 frd = importlib.import_module("kernels_pallas.fill_round")
-ops = importlib.import_module("kernels_pallas.ops")
 
 S = jax.ShapeDtypeStruct
 I32 = jnp.int32
@@ -44,8 +43,8 @@ def _cases():
     yield "topk_positions", functools.partial(it.topk_positions, k=K), (S((1, 1, N), jnp.float32),)
     for fmt in kvf.KV_FORMATS:
         yield f"hot_gather_{fmt}", functools.partial(hg.hot_gather, kv_format=fmt, out_dtype=jnp.bfloat16,
-                                                          block_rows=ops.HOT_GATHER_BLOCK_ROWS,
-                                                          num_warps=ops.HOT_GATHER_NUM_WARPS), (
+                                                          block_rows=hg.DEFAULT_BLOCK_ROWS,
+                                                          num_warps=hg.DEFAULT_NUM_WARPS), (
             S((K,), I32), S((K,), I32), _planes(fmt, L * 2048), _planes(fmt, L * H), _planes(fmt, 451584))
     layers = tuple(range(8))
     yield "fill_rows", functools.partial(fr.fill_rows, layers=layers, sessions=1, hot_rows=H), (
