@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from glm53 import kv_formats
+from kernels_pallas import kv_formats
 from glm53.provenance import provenance
 
 hg = importlib.import_module("kernels_pallas.hot_gather")

@@ -5,7 +5,7 @@ Layout (B sessions, L cache layers = main layers + MTP layers, N = capacity rows
     lengths        int32[B]                 rows of history each session has (logical length)
     mtp_lengths    int32[B]                 rows the MTP layer has (it runs one position behind the main model)
     history[p]     resident: [L, B, N, W_p] on the accelerator; offload: the host page pool [pages*L*P, W_p] in
-                   pinned_host memory. MLA rows as planes p in {"latent", "scale", "rope"} (glm53.kv_formats)
+                   pinned_host memory. MLA rows as planes p in {"latent", "scale", "rope"} (kernels_pallas.kv_formats)
     index_keys     [Lf, B, N, index_dim]    DSA indexer keys, only for layers with a "full" indexer (always on the
                                             accelerator: every step scores all of them)
     offload        OffloadState | None      hot cache, slot maps, ring, counters (mode="offload"; glm53.offload)
@@ -22,7 +22,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from glm53 import kv_formats
+from kernels_pallas import kv_formats
 from glm53.config import CacheConfig, ModelConfig, round_up
 
 

@@ -265,7 +265,7 @@ class CacheConfig:
     """
 
     mode: str = "resident"
-    kv_format: str = "bf16"  # f32 | bf16 | q8g64 | fp8g128 (glm53.kv_formats)
+    kv_format: str = "bf16"  # f32 | bf16 | q8g64 | fp8g128 (kernels_pallas.kv_formats)
     max_len: int = 0  # rows of history per session the cache is built for; 0 = prompt + new tokens, rounded up
     prefill_chunk: int = 256  # tokens per prefill step: bounds transient device memory of prefill
     hot_rows: int = 32768  # offload: hot-cache slots per layer and session
@@ -282,7 +282,7 @@ class CacheConfig:
         self.validate()
 
     def validate(self) -> None:
-        from glm53 import kv_formats  # local import: kv_formats has no config dependency, avoids a cycle
+        from kernels_pallas import kv_formats  # local import: kv_formats has no config dependency, avoids a cycle
 
         _require(self.mode in CACHE_MODES, f"cache mode {self.mode!r} unknown; choose one of {CACHE_MODES}")
         kv_formats.get_format(self.kv_format)

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm53 import kv_formats
+from kernels_pallas import kv_formats
 from glm53.config import CacheConfig, ConfigError, ModelConfig
 
 COUNTERS = ("hits", "misses", "ring_reads", "fills", "evictions")

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm53 import kv_formats
+from kernels_pallas import kv_formats
 from glm53.provenance import provenance
 from kernels_pallas.gather_rows import gather_rows, gather_rows_reference
 from kernels_pallas.indexer_topk import (

@@ -3,7 +3,7 @@
 Layout follows jax/experimental/pallas/ops/gpu: kernel body, wrapper, public op,
 pure-jnp reference with the same signature.
 
-The cache planes (see ``glm53.kv_formats``) and the positions are passed with
+The cache planes (see ``kernels_pallas.kv_formats``) and the positions are passed with
 ``memory_space=pl.ANY``: the kernel gets raw pointers and reads only the selected
 rows straight from wherever the arrays live. That is what lets the same kernel
 read ``pinned_host`` planes zero-copy over PCIe on the GPU (h200-probe.md); a
@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from glm53 import kv_formats
-from glm53.kv_formats import KVFormat
+from kernels_pallas import kv_formats
+from kernels_pallas.kv_formats import KVFormat
 
 
 def _is_pow2(n: int) -> bool:
@@ -119,7 +119,7 @@ def gather_rows(
     """Gathers ``planes[*][first_plane + s, positions[s, m]]`` and dequantises to ``out_dtype``.
 
     Args:
-      planes: dict of ``[P, N, W]`` planes in ``kv_format`` (see glm53.kv_formats), P >= first_plane + S. The
+      planes: dict of ``[P, N, W]`` planes in ``kv_format`` (see kernels_pallas.kv_formats), P >= first_plane + S. The
         offset lets a caller pass every layer's planes stacked ([L*B, N, W], a free reshape) and read one layer's
         rows in place: a sliced operand would make XLA copy that layer's whole history before the custom call.
       positions: int32[S, M], each in [0, N); M a multiple of ``block_rows``.

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from glm53 import kv_formats
-from glm53.kv_formats import KVFormat
+from kernels_pallas import kv_formats
+from kernels_pallas.kv_formats import KVFormat
 
 RING, HOT, HOST = 0, 1, 2
 # Launch shape: 4 rows per program and one warp, i.e. 512 programs for a 2,048-row round, which keeps the most host

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm53 import kv_formats as kvf
+from kernels_pallas import kv_formats as kvf
 from kernels_pallas import gather_rows, gather_rows_reference
 
 INTERPRET = True

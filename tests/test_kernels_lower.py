@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 from jax import export
 
-from glm53 import kv_formats as kvf
+from kernels_pallas import kv_formats as kvf
 
 gr = importlib.import_module("kernels_pallas.gather_rows")
 it = importlib.import_module("kernels_pallas.indexer_topk")

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from glm53 import kv_formats as kvf
+from kernels_pallas import kv_formats as kvf
 
 hg = importlib.import_module("kernels_pallas.hot_gather")
 fr = importlib.import_module("kernels_pallas.fill_rows")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from glm53 import kv_formats as kvf
+from kernels_pallas import kv_formats as kvf
 
 QUANTISED = ["q8g64", "fp8g128"]
 

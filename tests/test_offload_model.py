@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import glm53
+import kernels_pallas.kv_formats
 from glm53.config import CacheConfig, ConfigError, ModelConfig
 
 CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
@@ -62,7 +63,7 @@ def test_offload_bit_identical_to_resident(model, case):
     assert stats is not None and res.cache_stats is None
     total_lookups = stats["hits"] + stats["misses"] + stats["ring_reads"]
     assert total_lookups > 0 and stats["misses"] > 0 and stats["hits"] > 0
-    assert stats["bytes_from_host"] == stats["misses"] * glm53.kv_formats.get_format(cc.kv_format).bytes_per_row
+    assert stats["bytes_from_host"] == stats["misses"] * kernels_pallas.kv_formats.get_format(cc.kv_format).bytes_per_row
     assert stats["copybacks"] == sum((n + new - 1) // cc.copyback_every for n in lengths)
     if case == "q8g64-min-hot":
         assert stats["evictions"] > 0  # the hot cache really turned over

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from glm53 import cache as kvcache
-from glm53 import kv_formats, offload
+from kernels_pallas import kv_formats, offload
 from glm53.config import CacheConfig, ConfigError, ModelConfig
 
 B, N, T, K = 2, 256, 4, 16  # sessions, capacity rows, tokens per round, selected rows per token
