@@ -57,8 +57,7 @@ def get_config() -> ml_collections.ConfigDict:
         prefill_chunk=1024,  # tokens per prefill step (power of two)
         hot_rows=32768,  # offload: hot-cache slots per layer and session
         copyback_every=64,  # offload: rows per batched ring -> host copy
-        ring_rows=0,  # offload: ring rows, at least (raised to a power of 2 >= prefill_chunk + copyback)
-        page_rows=0,  # capacity growth unit; 0 = copyback_every
+        ring_rows=0,  # offload: ring rows, at least (raised to a power of two holding a page + a chunk)
     ))
     c.run = ml_collections.ConfigDict(dict(
         prompt_len=8192,  # random prompt tokens per session (--config.run.prompt_len=50000 for the long run)
@@ -69,5 +68,7 @@ def get_config() -> ml_collections.ConfigDict:
         seed=0,  # prompt and sampling seed
         output_json="",  # write the measured figures here (experiments/results/...)
         compare_resident=False,  # also decode with a resident cache and check tokens + logits are identical
+        mtp=0,  # MTP speculative decoding depth (0-3; the model's one MTP module applied recursively)
+        accept_override=-1,  # benchmarks: accept this many drafts per step whatever they are (-1: off)
     ))
     return c

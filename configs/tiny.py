@@ -38,8 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
         prefill_chunk=64,  # tokens per prefill step (power of two)
         hot_rows=256,  # offload: hot-cache slots per layer (>= index_topk + ring rows, a power of two)
         copyback_every=16,  # offload: rows per batched ring -> host copy
-        ring_rows=0,  # offload: ring rows, at least (raised to a power of 2 >= prefill_chunk + copyback)
-        page_rows=0,  # capacity growth unit; 0 = copyback_every
+        ring_rows=0,  # offload: ring rows, at least (raised to a power of two holding a page + a chunk)
     ))
     c.run = ml_collections.ConfigDict(dict(
         prompt_len=200,  # random prompt tokens per session
@@ -50,5 +49,7 @@ def get_config() -> ml_collections.ConfigDict:
         seed=0,  # prompt and sampling seed
         output_json="",  # write the measured figures here (experiments/results/...)
         compare_resident=False,  # also decode with a resident cache and check tokens + logits are identical
+        mtp=0,  # MTP speculative decoding depth (0-3; the model's one MTP module applied recursively)
+        accept_override=-1,  # benchmarks: accept this many drafts per step whatever they are (-1: off)
     ))
     return c

@@ -64,13 +64,14 @@ def main(_):
     layers = tuple(range(L))
     fresh = lambda: {n: jnp.asarray(v) for n, v in maps_np.items()}
     rounds = tuple({k: jnp.asarray(v) for k, v in r.items()} for r in rounds_np)
+    lane_slot, lane_active = jnp.zeros((1,), jnp.int32), jnp.ones((1,), bool)  # one session in slot 0
 
     def timed(fn):
         @jax.jit
         def loop(maps, rounds):
             def body(_, carry):
                 maps, acc = carry
-                maps, entry, victim, n_fill = fn(maps, rounds)
+                maps, entry, victim, n_fill = fn(maps, rounds, lane_slot, lane_active)
                 return maps, acc + n_fill.sum() + entry[..., 0].sum() + victim[..., 0].sum()
             return jax.lax.fori_loop(0, iters, body, (maps, jnp.int32(0)))
 
@@ -84,18 +85,19 @@ def main(_):
             times.append(time.perf_counter() - t)
         return float(np.median(times)) / iters * 1e6
 
-    want = frd.fill_round_reference(fresh(), rounds, layers=layers, hot_rows=H)
+    want = frd.fill_round_reference(fresh(), rounds, lane_slot, lane_active, layers=layers, hot_rows=H)
     results = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                "layers": L, "hot_rows": H, "capacity": N, "positions_per_round": M, "miss_rate": FLAGS.miss_rate,
-               "reference_us": timed(lambda m, r: frd.fill_round_reference(m, r, layers=layers, hot_rows=H)),
+               "reference_us": timed(lambda m, r, s, a: frd.fill_round_reference(m, r, s, a, layers=layers,
+                                                                                  hot_rows=H)),
                "kernel": []}
     print(f"reference: {results['reference_us']:.2f} us per fill of {L} layers")
     for nw in map(int, FLAGS.num_warps):
         kw = dict(layers=layers, hot_rows=H, num_warps=nw, interpret=not on_gpu)
-        got = frd.fill_round(fresh(), rounds, **kw)
+        got = frd.fill_round(fresh(), rounds, lane_slot, lane_active, **kw)
         equal = all(np.array_equal(np.asarray(g), np.asarray(w))
                     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
-        us = timed(lambda m, r: frd.fill_round(m, r, **kw))
+        us = timed(lambda m, r, s, a: frd.fill_round(m, r, s, a, **kw))
         results["kernel"].append({"num_warps": nw, "us": us, "bit_identical_to_reference": equal})
         print(f"kernel num_warps={nw:>2}: {us:.2f} us, identical {equal}")
     results.update(provenance())

@@ -126,7 +126,8 @@ def main(_):
     res_planes = {k: v[None] for k, v in host_on_device.items()}
 
     def resident(pos, planes):
-        return gather_rows(planes, pos[None], kv_format=fmt.name, out_dtype=jnp.bfloat16, interpret=interpret)
+        return gather_rows(planes, jnp.zeros((1,), jnp.int32), pos[None], kv_format=fmt.name,
+                           out_dtype=jnp.bfloat16, interpret=interpret)
 
     t_res = timeit(resident, [(r,) for _, r in sets], (res_planes,), FLAGS.iters)
     results["cases"]["resident_gather_rows_dequant"] = {"ms": t_res * 1e3}

@@ -35,7 +35,8 @@ def build_model(config) -> glm53.Model:
 def figures(result: glm53.GenerateResult) -> dict:
     return {"time_to_first_token_s": result.time_to_first_token_s, "prefill_tokens_per_s": result.prefill_tokens_per_s,
             "decode_tokens_per_s": result.decode_tokens_per_s,
-            "decode_tokens_per_s_per_session": result.decode_tokens_per_s_per_session}
+            "decode_tokens_per_s_per_session": result.decode_tokens_per_s_per_session,
+            "compile_s": result.compile_s, "mtp": result.mtp, "mtp_acceptance": result.mtp_acceptance}
 
 
 def print_cache_stats(stats: dict, indent: str = "  ") -> None:
@@ -55,7 +56,7 @@ def print_cache_stats(stats: dict, indent: str = "  ") -> None:
             cells = []
             for k in names:
                 x = per_layer[k][l] if l < len(per_layer[k]) else ""
-                cells.append(f"{x:.4f}" if isinstance(x, float) else str(x))
+                cells.append(f"{x:.4f}" if isinstance(x, float) else "-" if x is None else str(x))
             print(f"{indent}{l:>5} " + " ".join(f"{c:>{width}}" for c in cells))
 
 
@@ -67,11 +68,12 @@ def main(argv):
     print(model)
     rng = np.random.default_rng(run.seed)
     prompts = [rng.integers(0, model.config.vocab_size, run.prompt_len).tolist() for _ in range(run.batch)]
-    kw = dict(temperature=run.temperature, top_p=run.top_p, seed=run.seed)
+    kw = dict(temperature=run.temperature, top_p=run.top_p, seed=run.seed, mtp=run.mtp,
+              accept_override=None if run.accept_override < 0 else run.accept_override)
 
     # One cache capacity for the warm-up and the timed run, so they share every compiled shape; the warm-up decodes
     # past a copyback boundary so offload's one-page copyback is compiled too.
-    capacity = max(model.cache_config.max_len, run.prompt_len + run.max_new_tokens)
+    capacity = max(model.cache_config.max_len, run.prompt_len + run.max_new_tokens + run.mtp)
     warm_tokens = min(run.max_new_tokens, model.cache_config.copyback_every + 2)
 
     def timed(mode):
@@ -88,6 +90,8 @@ def main(argv):
     for b, toks in enumerate(result.tokens):
         print(f"session {b}: {toks[:32]}{' ...' if len(toks) > 32 else ''}")
     print(f"[{mode}] {result.summary()}")
+    if result.compile_s > 0.05:
+        print(f"  ({result.compile_s:.2f} s of the run was compilation the warm-up did not cover)")
     if result.cache_stats is not None:
         print("cache stats:")
         print_cache_stats(result.cache_stats)

@@ -37,8 +37,9 @@ flags.DEFINE_list("modes", ["resident", "offload"], "cache modes to profile")
 flags.DEFINE_integer("top", 40, "kernels listed per mode")
 
 # The cache's own scopes (glm53.cache / glm53.offload) name a kernel first; otherwise the Flax module path does.
-CACHE_SCOPES = ("offload_classify", "offload_gather", "offload_unpack", "offload_ring_write", "offload_fill",
-                "resident_gather", "resident_write")
+CACHE_SCOPES = ("offload_copyback", "offload_classify", "offload_gather", "offload_bulk_read", "offload_ring_write",
+                "offload_fill", "resident_gather", "resident_write")
+DECODE_MODULE = "jit_decode"  # glm53.steps names each compiled step jit_<step>
 
 
 def op_names_from_hlo(hlo_text: str) -> dict[str, str]:
@@ -55,7 +56,7 @@ def op_names_from_hlo(hlo_text: str) -> dict[str, str]:
 
 # Kernels whose names say where they come from (Pallas kernels are named by their pallas_call).
 KERNEL_SCOPES = (("hot_gather", "offload_gather"), ("fill_round", "offload_fill"), ("fill_rows", "offload_fill"),
-                 ("gather_rows", "resident_gather"),
+                 ("copy_blocks", "offload_copyback"), ("gather_rows", "resident_gather"),
                  ("indexer_scores", "self_attn/indexer"), ("topk", "self_attn/indexer"))
 
 
@@ -107,7 +108,7 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
     per_kernel = collections.defaultdict(lambda: [0, 0.0, "", ""])
     per_scope = collections.Counter()
     per_module = collections.Counter()
-    decode = [e for e in events if str(e[3].get("hlo_module", "")).startswith("jit__decode")]
+    decode = [e for e in events if str(e[3].get("hlo_module", "")).startswith(DECODE_MODULE)]
     starts = [e[1] for e in decode]
     ends = [e[1] + e[2] for e in decode]
     t0, t1 = (min(starts), max(ends)) if decode else (0, 0)
@@ -122,8 +123,8 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
     for name, start, dur, stats in sorted(events, key=lambda e: e[1]):
         module = str(stats.get("hlo_module", ""))
         per_module[module] += dur
-        # The decode step, and the copybacks that happen between decode steps (not prefill's).
-        if not (module.startswith("jit__decode") or ("copyback" in module and t0 <= start <= t1)):
+        # The decode step (its copyback of host pages runs inside it, first).
+        if not module.startswith(DECODE_MODULE):
             continue
         hlo_op = str(stats.get("hlo_op", ""))
         scope, op_name = kernel_scope(name, hlo_op, module, op_names)
@@ -178,7 +179,7 @@ def step_sequence(events, op_names: dict, decode_steps: int) -> list:
     """The kernels of the middle decode step in start order: [kernel, scope, "graph" or "lone", start us (from the
     step's first kernel), duration us, idle us before it]. Steps are told apart by their first kernel, which every
     step runs the same number of times."""
-    decode = sorted((e for e in events if str(e[3].get("hlo_module", "")).startswith("jit__decode")),
+    decode = sorted((e for e in events if str(e[3].get("hlo_module", "")).startswith(DECODE_MODULE)),
                     key=lambda e: e[1])
     if not decode or decode_steps < 1:
         return []
@@ -216,13 +217,16 @@ def main(_):
                                   keep_cache=keep_cache)
 
         warm = run(keep_cache=True)  # compile every shape
-        # The decode step's HLO, from arguments shaped like a decode call's.
-        B = c.run.batch
+        # The decode step's HLO, from arguments shaped like a decode call's (generate below runs greedy).
+        e = warm.engine
+        lanes, B = e._lanes(e.sessions)
         sel = jnp.zeros((B, K), jnp.int32) if FLAGS.workload == "local99" else None
-        hlo = model.steps.decode.compiled_text(model.params, warm.cache, jnp.zeros((B,), jnp.int32),
-                                               jax.random.fold_in(jax.random.key(0), 1), jnp.float32(0),
-                                               jnp.float32(1), sel, greedy=True)  # generate below runs greedy
-        del warm
+        copy_pages = glm53.offload.copy_pages_for(mc, 1) if mode == "offload" else 0
+        hlo = model.steps.lower("decode", model.params, e.cache, lanes, jnp.zeros((B,), jnp.int32),
+                                jnp.ones((B,), jnp.int32), jnp.int32(0), jnp.float32(0), jnp.float32(1),
+                                e._stop_ids(None), sel, greedy=True, kernels=e.kernels,
+                                copy_pages=copy_pages).compile().as_text()
+        del warm, e
         logdir = tempfile.mkdtemp()
         # No Python tracer and the lightest host tracer: the trace's own host overhead would otherwise slow dispatch
         # enough to leave the device idle between kernels that normally run back to back.

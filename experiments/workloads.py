@@ -16,7 +16,7 @@ def setup(c):
     prompts = [rng.integers(0, model.config.vocab_size, c.run.prompt_len).tolist() for _ in range(c.run.batch)]
     total = c.run.prompt_len + c.run.max_new_tokens
     cc = cc.replace(max_len=total)
-    K = min(model.config.index_topk, glm53.cache.capacity_for(cc, total))
+    K = min(model.config.index_topk, glm53.cache.capacity_for(total, cc))
     return model, prompts, cc, K
 
 
@@ -38,6 +38,33 @@ def local99(K: int, history: int, seed: int, churn: float = 0.01):
         n_new = max(1, int(round(churn * K)))
         idx = rng.choice(K, n_new, replace=False)
         chosen[idx] = rng.integers(0, history, n_new)
+        while history >= K and len(np.unique(chosen)) < K:  # selections hold distinct positions, as the indexer's do
+            dup = np.setdiff1d(np.arange(K), np.unique(chosen, return_index=True)[1])
+            chosen[dup] = rng.integers(0, history, len(dup))
         return np.broadcast_to(np.sort(chosen), (len(positions), K)).astype(np.int32)
+
+    return override
+
+
+def local99_sessions(K: int, history: int, seed: int, sessions: int, churn: float = 0.01):
+    """``local99`` for several sessions at once: each session (row) keeps its own set of K history positions,
+    replacing ``churn`` of them every step."""
+    rngs = [np.random.default_rng(seed * 1000 + b) for b in range(sessions)]
+    chosen = [r.choice(history, K, replace=history < K) for r in rngs]
+
+    def override(step: int, positions: np.ndarray) -> np.ndarray:
+        n_new = max(1, int(round(churn * K)))
+        out = np.empty((len(positions), K), np.int32)
+        for b in range(len(positions)):
+            r, c = rngs[b % sessions], chosen[b % sessions]
+            idx = r.choice(K, n_new, replace=False)
+            fresh = r.integers(0, history, n_new)
+            c[idx] = fresh
+            # distinct positions: redraw the (rare) duplicates among the K
+            while history >= K and len(np.unique(c)) < K:
+                dup = np.setdiff1d(np.arange(K), np.unique(c, return_index=True)[1])
+                c[dup] = r.integers(0, history, len(dup))
+            out[b] = np.sort(c)
+        return out
 
     return override

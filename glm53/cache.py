@@ -1,17 +1,30 @@
 """The KV cache as data: one pytree passed into and returned from every jitted step (and donated).
 
-Layout (B sessions, L cache layers = main layers + MTP layers, N = capacity rows per session):
+Two implementations of one interface: ``ResidentCache`` (below: every row on the accelerator) and
+``glm53.offload.OffloadCache`` (history in host memory, a hot cache on the accelerator). The engine chooses one
+where it builds the cache; the model and the steps only call the interface, so they never see a mode:
 
-    lengths        int32[B]                 rows of history each session has (logical length)
-    mtp_lengths    int32[B]                 rows the MTP layer has (it runs one position behind the main model)
-    history[p]     resident: [L, B, N, W_p] on the accelerator; offload: the host page pool [pages*L*P, W_p] in
-                   pinned_host memory. MLA rows as planes p in {"latent", "scale", "rope"} (kernels_pallas.kv_formats)
-    index_keys     [Lf, B, N, index_dim]    DSA indexer keys, only for layers with a "full" indexer (always on the
-                                            accelerator: every step scores all of them)
-    offload        OffloadState | None      hot cache, slot maps, ring, counters (mode="offload"; glm53.offload)
+    begin_step(step)                          work due before a step reads anything (offload: page copyback)
+    write_rows(layer, latent, rope, step)     store a step's new MLA rows (packed into kv_format here, once)
+    write_index_keys(layer, keys, step)       store a step's new DSA indexer keys
+    index_keys_for(layer, step)               (key planes, plane of each lane) for the indexer kernel
+    gather_rows(layer, selected, valid, step) the rows a step's tokens attend to -> (latent, rope, cache, round)
+    finish_step(rounds, step)                 work after every layer has read (offload: the batched hot fill)
+    clear_slot / copy_slot / truncate_slot    session lifecycle between steps (open, fork, rollback)
 
-The model never looks at the layout: it calls ``write_rows``, ``write_index_keys`` and ``gather_rows`` below, which
-is where the two modes differ.
+Layout (S session slots, L cache layers = main layers + MTP layer, N rows per slot, B lanes in a step):
+
+    sessions.lengths      int32[S]     rows of history in the cache (main layers)
+    sessions.mtp_lengths  int32[S]     rows the MTP layer holds: it runs one position behind (its row i pairs the
+                                       hidden state at i with the token at i + 1, which exists one step later)
+    sessions.hidden       f32[S, Hd]   final-normed hidden state at position lengths - 1 (the MTP module's input
+                                       and the logits of the next token), exactly the model dtype's values
+    index_keys            [Lf, S, N, D] DSA indexer keys of the layers with a "full" indexer
+    resident history      {plane: [L, S, N, W]} MLA rows as kv_format planes (kernels_pallas.kv_formats)
+
+A step works on B *lanes*; lane b is slot ``lanes.slot[b]``. Inactive lanes are padding (batches are bucketed to a
+few sizes) and must change nothing: every per-slot write goes through ``Lanes.write_slot``, which sends inactive
+lanes to the out-of-range index S, and scatters run with ``mode="drop"``.
 """
 
 from __future__ import annotations
@@ -22,25 +35,56 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import kv_formats
 from glm53.config import CacheConfig, ModelConfig, round_up
+from kernels_pallas import kv_formats, ops
+
+Array = jax.Array
 
 
 @flax.struct.dataclass
-class KVCache:
-    lengths: jax.Array
-    mtp_lengths: jax.Array
-    history: dict[str, jax.Array]
-    index_keys: jax.Array
-    offload: Any = None
-    kv_format: str = flax.struct.field(pytree_node=False, default="bf16")
-    mode: str = flax.struct.field(pytree_node=False, default="resident")
-    # cache layer -> row of index_keys (-1 for layers whose indexer is "shared")
-    key_slot_of_layer: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
+class Lanes:
+    slot: Array  # int32[B]: the session slot each lane of a step works on
+    active: Array  # bool[B]: inactive lanes are padding and write nothing
 
     @property
-    def batch(self) -> int:
-        return int(self.lengths.shape[0])
+    def size(self) -> int:
+        return int(self.slot.shape[0])
+
+    def write_slot(self, num_slots: int) -> Array:
+        """Slot index for per-slot scatters: inactive lanes point past the end (dropped)."""
+        return jnp.where(self.active, self.slot, num_slots)
+
+
+@flax.struct.dataclass
+class Sessions:
+    lengths: Array  # int32[S]
+    mtp_lengths: Array  # int32[S]
+    hidden: Array  # f32[S, Hd]
+
+
+@flax.struct.dataclass
+class Round:
+    """One layer's reads of one step (offload): what the fill at the end of the step needs. Resident: None."""
+    pos: Array  # int32[B, M] selected positions
+    source: Array  # int32[B, M] ring / hot / host
+    slot: Array  # int32[B, M] hot slot of hits
+    valid: Array  # bool[B, M] entries attention uses
+    packed: dict  # plane -> [B, M, W] the rows as stored (copied into victim slots)
+    layer: int = flax.struct.field(pytree_node=False, default=0)
+
+
+class CacheBase:
+    """What both cache types share: sessions, indexer keys, lane bookkeeping. Subclasses are flax dataclasses
+    with the fields ``sessions``, ``index_keys``, ``kv_format`` and ``key_slot_of_layer``."""
+
+    sessions: Sessions
+    index_keys: Array
+    kv_format: str
+    key_slot_of_layer: tuple
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.index_keys.shape[1])
 
     @property
     def capacity(self) -> int:
@@ -50,117 +94,199 @@ class KVCache:
     def num_layers(self) -> int:
         return len(self.key_slot_of_layer)
 
+    @property
+    def fmt(self) -> kv_formats.KVFormat:
+        return kv_formats.get_format(self.kv_format)
+
+    # ---- inside a step ----
+    def write_index_keys(self, layer: int, keys: Array, step) -> "CacheBase":
+        """``keys [B, T, D]`` of one layer at ``step.write_positions`` (padding and inactive lanes dropped)."""
+        ks = self.key_slot_of_layer[layer]
+        assert ks >= 0, f"layer {layer} has a shared indexer and caches no keys"
+        slot = step.lanes.write_slot(self.num_slots)
+        new = self.index_keys.at[ks, slot[:, None], step.write_positions].set(
+            keys.astype(self.index_keys.dtype), mode="drop")
+        return self.replace(index_keys=new)
+
+    def index_keys_for(self, layer: int, step) -> tuple[Array, Array]:
+        """All key planes ``[Lf * S, N, D]`` (a free reshape: slicing one layer or slot out would copy it) and the
+        plane of each lane."""
+        ks = self.key_slot_of_layer[layer]
+        planes = self.index_keys.reshape(-1, *self.index_keys.shape[2:])
+        return planes, (ks * self.num_slots + step.lanes.slot).astype(jnp.int32)
+
+    def with_sessions(self, **kw) -> "CacheBase":
+        return self.replace(sessions=self.sessions.replace(**kw))
+
+    def advance(self, step, n_commit: Array, hidden_last: Array, mtp_end: Array | None) -> "CacheBase":
+        """After a step: ``n_commit [B]`` rows of each lane are final; ``hidden_last [B, Hd]`` is the hidden state
+        of the last of them; the MTP layer holds rows below ``mtp_end [B]`` (None: no MTP layer)."""
+        S = self.num_slots
+        slot = jnp.where(step.lanes.active & (n_commit > 0), step.lanes.slot, S)
+        s = self.sessions
+        lengths = s.lengths.at[slot].add(n_commit.astype(jnp.int32), mode="drop")
+        hidden = s.hidden.at[slot].set(hidden_last.astype(s.hidden.dtype), mode="drop")
+        mtp_lengths = s.mtp_lengths
+        if mtp_end is not None:
+            mtp_lengths = mtp_lengths.at[slot].max(mtp_end.astype(jnp.int32), mode="drop")
+        return self.with_sessions(lengths=lengths, hidden=hidden, mtp_lengths=mtp_lengths)
+
+    def committed(self) -> Array:
+        """int32[S]: rows final in every layer (the MTP layer lags the main layers by one)."""
+        if self._has_mtp_layer:
+            return jnp.minimum(self.sessions.lengths, self.sessions.mtp_lengths)
+        return self.sessions.lengths
+
+    # ---- between steps: session lifecycle (each jitted by glm53.steps with the cache donated) ----
+    def _clear_common(self, slot: Array) -> dict:
+        s = self.sessions
+        return dict(sessions=Sessions(lengths=s.lengths.at[slot].set(0), mtp_lengths=s.mtp_lengths.at[slot].set(0),
+                                      hidden=s.hidden.at[slot].set(0.0)))
+
+    def _copy_common(self, src: Array, dst: Array) -> dict:
+        s = self.sessions
+        return dict(sessions=Sessions(lengths=s.lengths.at[dst].set(s.lengths[src]),
+                                      mtp_lengths=s.mtp_lengths.at[dst].set(s.mtp_lengths[src]),
+                                      hidden=s.hidden.at[dst].set(s.hidden[src])),
+                    index_keys=self.index_keys.at[:, dst].set(self.index_keys[:, src]))
+
+    def _truncate_common(self, slot: Array, length: Array, mtp_length: Array) -> dict:
+        s = self.sessions
+        return dict(sessions=s.replace(lengths=s.lengths.at[slot].set(length),
+                                       mtp_lengths=s.mtp_lengths.at[slot].set(mtp_length)))
+
     def nbytes(self) -> dict[str, int]:
-        """Actual bytes of the arrays the cache holds, by part (allocation, not logical length)."""
-        out = {"history": sum(int(a.nbytes) for a in self.history.values()),
-               "index_keys": int(self.index_keys.nbytes)}
-        if self.offload is not None:
-            out.update(self.offload.nbytes())
+        """Bytes of every array the cache holds, by part and memory kind (allocation, not logical length)."""
+        out: dict[str, int] = {}
+        for path, leaf in jax.tree_util.tree_leaves_with_path(self):
+            part = str(getattr(path[0], "name", path[0]))
+            out[part] = out.get(part, 0) + int(leaf.nbytes)
         return out
 
 
-def capacity_for(cache_config: CacheConfig, needed_rows: int) -> int:
-    """Rows per session to allocate: ``max_len`` if set, else what the run needs, rounded up to whole pages."""
-    rows = cache_config.max_len or needed_rows
-    if rows < needed_rows:
-        raise ValueError(f"cache.max_len={cache_config.max_len} rows cannot hold the {needed_rows} positions this "
-                         "run needs (prompt + new tokens); raise cache.max_len or shorten the run")
-    # Whole pages, and a multiple of the indexer kernel's 128-key blocks (both powers of two).
-    return round_up(max(rows, 1), max(cache_config.page_size, 128))
+@flax.struct.dataclass
+class ResidentCache(CacheBase):
+    """Every row of every session on the accelerator: the baseline offload must match bit for bit."""
+
+    sessions: Sessions
+    index_keys: Array
+    history: dict  # plane -> [L, S, N, W]
+    kv_format: str = flax.struct.field(pytree_node=False, default="bf16")
+    key_slot_of_layer: tuple = flax.struct.field(pytree_node=False, default=())
+    _has_mtp_layer: bool = flax.struct.field(pytree_node=False, default=False)
+
+    mode = "resident"
+
+    def begin_step(self, step) -> "ResidentCache":
+        return self
+
+    def write_rows(self, layer: int, latent: Array, rope: Array, step) -> "ResidentCache":
+        """Rows are packed into kv_format here, once, so every later read (resident, hit, miss or ring) sees the
+        same bytes: that is what makes offload bit-identical to resident."""
+        with jax.named_scope("resident_write"):
+            planes = kv_formats.pack(self.fmt, latent, rope)
+            slot = step.lanes.write_slot(self.num_slots)
+            history = {n: h.at[layer, slot[:, None], step.write_positions].set(planes[n].astype(h.dtype),
+                                                                                 mode="drop")
+                       for n, h in self.history.items()}
+        return self.replace(history=history)
+
+    def gather_rows(self, layer: int, selected: Array, valid: Array, step, dtype):
+        """Dequantised rows at ``selected [B, T, K]``: ``(latent [B,T,K,512], rope [B,T,K,64], cache, None)``."""
+        del valid
+        B, T, K = selected.shape
+        # All layers' and slots' planes as [L*S, N, W] (a free reshape) and each lane's plane: slicing out a layer
+        # would make XLA copy its whole history before the kernel, on every layer of every step.
+        planes = {n: p.reshape(-1, *p.shape[2:]) for n, p in self.history.items()}
+        plane_of_lane = (layer * self.num_slots + step.lanes.slot).astype(jnp.int32)
+        with jax.named_scope("resident_gather"):
+            latent, rope = ops.gather_rows(planes, plane_of_lane, selected.reshape(B, T * K),
+                                           kv_format=self.kv_format, out_dtype=dtype, impl=step.kernels)
+        return latent.reshape(B, T, K, -1), rope.reshape(B, T, K, -1), self, None
+
+    def finish_step(self, rounds, step) -> "ResidentCache":
+        return self
+
+    # ---- lifecycle ----
+    def clear_slot(self, slot: Array) -> "ResidentCache":
+        return self.replace(**self._clear_common(slot))
+
+    def copy_slot(self, src: Array, dst: Array) -> "ResidentCache":
+        history = {n: h.at[:, dst].set(h[:, src]) for n, h in self.history.items()}
+        return self.replace(history=history, **self._copy_common(src, dst))
+
+    def truncate_slot(self, slot: Array, length: Array, mtp_length: Array) -> "ResidentCache":
+        """Rollback: rows at and past the new lengths are simply beyond them (causal masks never reach them, and
+        the next step overwrites them)."""
+        return self.replace(**self._truncate_common(slot, length, mtp_length))
+
+    def read_slot_rows(self, slot: Array, kernels: str) -> dict:
+        """Every row of one slot, ``{plane: [L, N, W]}`` on the device (for save)."""
+        del kernels
+        return {n: h[:, slot] for n, h in self.history.items()}
+
+    def write_slot_rows(self, slot: Array, rows: dict, length: Array, mtp_length: Array, kernels: str):
+        """Restore: rows ``{plane: [L, N, W]}`` (valid below the lengths) into a cleared slot."""
+        del kernels
+        history = {n: h.at[:, slot].set(rows[n].astype(h.dtype)) for n, h in self.history.items()}
+        return self.replace(history=history)
 
 
-def init_cache(cfg: ModelConfig, cache_config: CacheConfig, batch: int, capacity: int, dtype) -> KVCache:
-    """An empty cache for ``batch`` sessions of ``capacity`` rows each (resident layout; offload converts it)."""
-    fmt = kv_formats.get_format(cache_config.kv_format)
-    L = cfg.num_cache_layers
-    history = {name: jnp.zeros(shape, dt) for name, (shape, dt) in fmt.plane_shapes(L, batch, capacity).items()}
+def capacity_for(rows: int, cache_config: CacheConfig) -> int:
+    """Rows per slot to allocate for ``rows`` positions: whole pages, and a multiple of the indexer kernel's
+    128-key blocks (both powers of two)."""
+    return round_up(max(rows, 1), max(cache_config.copyback_every, 128))
+
+
+def key_slots(cfg: ModelConfig) -> tuple[int, ...]:
+    """Cache layer -> row of index_keys (-1 for layers whose indexer is "shared")."""
     full = cfg.full_indexer_layers
-    slots = tuple(full.index(l) if l in full else -1 for l in range(L))
-    index_keys = jnp.zeros((len(full), batch, capacity, cfg.index_head_dim), dtype)
-    cache = KVCache(lengths=jnp.zeros((batch,), jnp.int32), mtp_lengths=jnp.zeros((batch,), jnp.int32),
-                    history=history, index_keys=index_keys, kv_format=fmt.name, mode="resident",
-                    key_slot_of_layer=slots)
-    return commit(cache)
+    return tuple(full.index(l) if l in full else -1 for l in range(cfg.num_cache_layers))
 
 
-def commit(tree):
-    """Place every array explicitly on the default device (committed), as jitted steps return them: a fresh cache
-    and one returned by a step then share one jit signature, so nothing recompiles after the first step."""
-    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.tree_util.tree_map(lambda x: jax.device_put(x, dev), tree)
+def init_sessions(cfg: ModelConfig, slots: int) -> Sessions:
+    return Sessions(lengths=jnp.zeros((slots,), jnp.int32), mtp_lengths=jnp.zeros((slots,), jnp.int32),
+                    hidden=jnp.zeros((slots, cfg.hidden_size), jnp.float32))
 
 
-def _scatter_rows(plane: jax.Array, layer: int, values: jax.Array, positions: jax.Array) -> jax.Array:
-    """plane[layer, b, positions[b, t]] = values[b, t]; positions >= capacity are dropped (padding tokens)."""
-    B = values.shape[0]
-    b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], positions.shape)
-    return plane.at[layer, b_idx, positions].set(values.astype(plane.dtype), mode="drop")
+def init_index_keys(cfg: ModelConfig, slots: int, capacity: int, dtype) -> Array:
+    return jnp.zeros((len(cfg.full_indexer_layers), slots, capacity, cfg.index_head_dim), dtype)
 
 
-def write_rows(cache: KVCache, layer: int, latent: jax.Array, rope: jax.Array, positions: jax.Array) -> KVCache:
-    """Store the new MLA rows of one layer (``latent [B,T,kv_lora]``, ``rope [B,T,rope]`` at ``positions [B,T]``).
-
-    Rows are packed into the cache's kv_format here, once, so every later read (hit, miss, ring or resident) sees
-    the same bytes: that is what makes offload bit-identical to resident.
-    """
-    if cache.mode == "offload":
-        from glm53 import offload
-        return offload.write_rows(cache, layer, latent, rope, positions)
-    with jax.named_scope("resident_write"):
-        planes = kv_formats.pack(kv_formats.get_format(cache.kv_format), latent, rope)
-        history = {name: _scatter_rows(cache.history[name], layer, planes[name], positions)
-                   for name in cache.history}
-    return cache.replace(history=history)
+def init_resident(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, dtype, device=None) -> ResidentCache:
+    fmt = kv_formats.get_format(cc.kv_format)
+    L = cfg.num_cache_layers
+    history = {n: jnp.zeros(shape, dt) for n, (shape, dt) in fmt.plane_shapes(L, slots, capacity).items()}
+    cache = ResidentCache(sessions=init_sessions(cfg, slots), index_keys=init_index_keys(cfg, slots, capacity, dtype),
+                          history=history, kv_format=fmt.name, key_slot_of_layer=key_slots(cfg),
+                          _has_mtp_layer=bool(cfg.num_nextn_predict_layers))
+    return place(cache, device)
 
 
-def write_index_keys(cache: KVCache, layer: int, keys: jax.Array, positions: jax.Array) -> KVCache:
-    slot = cache.key_slot_of_layer[layer]
-    assert slot >= 0, f"layer {layer} has a shared indexer and caches no keys"
-    return cache.replace(index_keys=_scatter_rows(cache.index_keys, slot, keys, positions))
+def place(tree, device=None):
+    """Commit every array to the device (device memory): a fresh cache and one returned by a step then share one
+    jit signature, so nothing recompiles after the first step. Arrays already in pinned_host memory stay there."""
+    device = device or jax.devices()[0]
+
+    def put(x):
+        kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+        return jax.device_put(x, jax.sharding.SingleDeviceSharding(device, memory_kind=kind or "device"))
+
+    return jax.tree_util.tree_map(put, tree)
 
 
-def layer_index_keys(cache: KVCache, layer: int) -> jax.Array:
-    return cache.index_keys[cache.key_slot_of_layer[layer]]
+def shardings(tree) -> Any:
+    """The placement of every array of a pytree (a jitted step's ``out_shardings`` for the cache it returns)."""
+    return jax.tree_util.tree_map(lambda x: x.sharding, tree)
 
 
-def gather_rows(cache: KVCache, layer: int, selected: jax.Array, valid: jax.Array,
-                dtype) -> tuple[jax.Array, jax.Array, KVCache]:
-    """Dequantised rows at ``selected [B, T, K]`` positions of one layer: ``(latent [B,T,K,kv_lora],
-    rope [B,T,K,rope], cache)``. ``valid [B, T, K]`` marks the entries attention will use (real tokens, causal):
-    offload mode counts and caches only those; it reads hits, misses and the recent ring and updates the hot
-    cache."""
-    if cache.mode == "offload":
-        from glm53 import offload
-        return offload.gather_rows(cache, layer, selected, valid, dtype)
-    from kernels_pallas import ops
-    B, T, K = selected.shape
-    # All layers' planes as [L*B, N, W] (a free reshape) and this layer's offset: slicing out the layer instead would
-    # make XLA copy its whole history before the kernel, on every layer of every step.
-    planes = {name: p.reshape(-1, *p.shape[2:]) for name, p in cache.history.items()}
-    with jax.named_scope("resident_gather"):
-        latent, rope = ops.gather_rows(planes, selected.reshape(B, T * K), kv_format=cache.kv_format,
-                                       out_dtype=dtype, first_plane=layer * B)
-    return latent.reshape(B, T, K, -1), rope.reshape(B, T, K, -1), cache
-
-
-def advance(cache: KVCache, n_valid: jax.Array) -> KVCache:
-    return cache.replace(lengths=cache.lengths + n_valid.astype(jnp.int32))
-
-
-def advance_mtp(cache: KVCache, n_valid: jax.Array) -> KVCache:
-    return cache.replace(mtp_lengths=cache.mtp_lengths + n_valid.astype(jnp.int32))
-
-
-def describe(cache: KVCache) -> str:
+def describe(cache) -> str:
     """A short human-readable summary of the cache pytree (shapes, dtypes, memory kinds)."""
-    lines = [f"KVCache(mode={cache.mode}, kv_format={cache.kv_format}, sessions={cache.batch}, "
+    lines = [f"{type(cache).__name__}(kv_format={cache.kv_format}, slots={cache.num_slots}, "
              f"capacity={cache.capacity} rows, layers={cache.num_layers})"]
 
     def kind(a):
-        try:
-            return a.sharding.memory_kind
-        except Exception:  # tracers / numpy
-            return "?"
+        return getattr(getattr(a, "sharding", None), "memory_kind", "?")
 
     for path, leaf in jax.tree_util.tree_leaves_with_path(cache):
         name = jax.tree_util.keystr(path)

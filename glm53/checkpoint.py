@@ -1,8 +1,10 @@
-"""Checkpoint I/O: HF-format safetensors in (``from_pretrained``), orbax native layout out and in (``save``/``load``),
-and random initialisation (``from_config``)."""
+"""Checkpoint I/O as plain functions of configs and parameter pytrees: HF-format safetensors in (``read_hf``), the
+native orbax layout out and in (``write_native`` / ``read_native``). ``glm53.models`` builds ``Model`` objects from
+them (``from_pretrained``, ``load``, ``Model.save``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -12,8 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from glm53.config import CacheConfig, ModelConfig
-from glm53.engine import Model, init_params, param_shapes, resolve_dtype
+from glm53.config import CacheConfig, ConfigError, ModelConfig
+from glm53.params import param_shapes, resolve_dtype
+from glm53.tokenizer import Tokenizer
 
 NATIVE_META = "glm53.json"
 NATIVE_FORMAT_VERSION = 1
@@ -123,9 +126,8 @@ def _dequant_fp8_block(w: jax.Array, scale_inv: jax.Array, dtype) -> jax.Array:
     return (w.astype(jnp.float32) * s).astype(dtype)
 
 
-def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None,
-                    cache_config: CacheConfig | None = None) -> Model:
-    """Load an HF-format GLM-5 (``glm_moe_dsa``) directory: ``config.json`` plus ``model.safetensors`` or shards
+def read_hf(path: str, dtype) -> tuple[ModelConfig, Any, Tokenizer | None]:
+    """Read an HF-format GLM-5 (``glm_moe_dsa``) directory: ``config.json`` plus ``model.safetensors`` or shards
     with ``model.safetensors.index.json``; per-expert tensor names (``mlp.experts.E.gate_proj.weight``) as published
     and as transformers' ``save_pretrained`` writes them, or fused ``mlp.experts.gate_up_proj``.
 
@@ -133,8 +135,6 @@ def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None
     layer), so the model is never held twice. A ``tokenizer.json`` beside the weights is attached.
     """
     from safetensors import safe_open
-
-    from glm53.tokenizer import Tokenizer
 
     dtype = resolve_dtype(dtype)
     cfg_path = os.path.join(path, "config.json")
@@ -149,6 +149,8 @@ def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None
         cfg = ModelConfig.from_hf(hf_cfg)
     except KeyError as e:
         raise CheckpointError(f"{cfg_path} lacks the field {e.args[0]!r}") from e
+    except (ConfigError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{cfg_path} does not describe a model glm53 can run: {e}") from e
     expected = {k: v for k, v in flatten_dict(param_shapes(cfg, dtype)).items()}
     loaded: dict[tuple[str, ...], jax.Array] = {}
     experts: dict[tuple[str, ...], dict[int, jax.Array]] = {}
@@ -165,6 +167,7 @@ def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None
                                   "config.json describe these weights?")
         if path_ in loaded:
             raise CheckpointError(f"tensor {name} appears twice in the checkpoint")
+        _check_finite(arr, name)
         loaded[path_] = arr.astype(want.dtype)
 
     for file in _weight_files(path):
@@ -234,33 +237,25 @@ def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None
     missing = sorted("/".join(p) for p in expected if p not in loaded)
     if missing:
         raise CheckpointError(f"{len(missing)} parameters missing from the checkpoint: {missing[:10]}")
-    if kv_format is not None:
-        cache_config = (cache_config or CacheConfig()).replace(kv_format=kv_format)
     tok_path = os.path.join(path, "tokenizer.json")
     tokenizer = Tokenizer.from_file(tok_path) if os.path.exists(tok_path) else None
-    model = Model(cfg, unflatten_dict(loaded), dtype, cache_config=cache_config, tokenizer=tokenizer)
-    return model
+    return cfg, unflatten_dict(loaded), tokenizer
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# from_config
-# ----------------------------------------------------------------------------------------------------------------
-def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype="bfloat16",
-                cache_config: CacheConfig | None = None) -> Model:
-    """A randomly initialised model (normal(0, initializer_range) matrices, unit norms) for research/benchmarks.
-    ``config``: a ``ModelConfig``, or a mapping/ConfigDict of its fields."""
-    if not isinstance(config, ModelConfig):
-        if hasattr(config, "to_dict"):
-            config = config.to_dict()
-        config = ModelConfig.from_config_dict(config)
-    dtype = resolve_dtype(dtype)
-    return Model(config, init_params(config, dtype, seed), dtype, cache_config=cache_config)
+def _check_finite(arr, name: str) -> None:
+    """Corrupted tensor bytes load without complaint and surface much later as non-finite logits: refuse them
+    here, naming the tensor."""
+    if jnp.issubdtype(arr.dtype, jnp.floating) and not bool(jnp.isfinite(arr).all()):
+        bad = int(jnp.size(arr) - jnp.isfinite(arr).sum())
+        raise CheckpointError(f"tensor {name} holds {bad} non-finite values (NaN or inf): the checkpoint file is "
+                              "corrupted or was written from a diverged model")
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # native (orbax) save / load
 # ----------------------------------------------------------------------------------------------------------------
-def save(model: Model, directory: str) -> None:
+def write_native(directory: str, cfg: ModelConfig, params, dtype, cache_config: CacheConfig,
+                 tokenizer: Tokenizer | None) -> None:
     """Write ``directory/glm53.json`` (configs) and ``directory/params`` (orbax); tokenizer.json if attached."""
     import orbax.checkpoint as ocp
 
@@ -270,34 +265,42 @@ def save(model: Model, directory: str) -> None:
     if os.path.exists(params_dir):
         raise FileExistsError(f"{params_dir} exists; save into a new directory")
     ckptr = ocp.StandardCheckpointer()
-    ckptr.save(params_dir, model.params)
+    ckptr.save(params_dir, params)
     ckptr.wait_until_finished()
-    meta = {"format": "glm53", "version": NATIVE_FORMAT_VERSION, "model_config": model.config.to_hf(),
-            "dtype": jnp.dtype(model.dtype).name, "cache_config": dict(model.cache_config.__dict__)}
+    meta = {"format": "glm53", "version": NATIVE_FORMAT_VERSION, "model_config": cfg.to_hf(),
+            "dtype": jnp.dtype(dtype).name, "cache_config": dataclasses.asdict(cache_config)}
     with open(os.path.join(directory, NATIVE_META), "w") as f:
         json.dump(meta, f, indent=2)
-    if model.tokenizer is not None:
-        model.tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    if tokenizer is not None:
+        tokenizer.save(os.path.join(directory, "tokenizer.json"))
 
 
-def load(directory: str, *, dtype=None) -> Model:
-    """Read a directory written by ``Model.save``. The parameter tree is checked against the config's."""
+def read_native(directory: str, dtype=None) -> tuple[ModelConfig, Any, Any, CacheConfig | None, Tokenizer | None]:
+    """Read a directory written by ``write_native``: (config, params, dtype, cache config, tokenizer). The parameter
+    tree is checked against the config's."""
     import orbax.checkpoint as ocp
-
-    from glm53.tokenizer import Tokenizer
 
     directory = os.path.abspath(directory)
     meta_path = os.path.join(directory, NATIVE_META)
     if not os.path.exists(meta_path):
         raise CheckpointError(f"{directory} has no {NATIVE_META}: not a glm53 checkpoint (HF directories load "
                               "with glm53.from_pretrained)")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    if meta.get("format") != "glm53" or meta.get("version") != NATIVE_FORMAT_VERSION:
-        raise CheckpointError(f"{meta_path}: format {meta.get('format')!r} version {meta.get('version')!r}, "
-                              f"expected glm53 version {NATIVE_FORMAT_VERSION}")
-    cfg = ModelConfig.from_hf(meta["model_config"])
-    saved_dtype = resolve_dtype(meta["dtype"])
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{meta_path} is not valid JSON (a corrupted or truncated glm53 checkpoint): {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != "glm53" or meta.get("version") != NATIVE_FORMAT_VERSION:
+        got = (meta.get("format"), meta.get("version")) if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{meta_path}: format/version {got}, expected glm53 version {NATIVE_FORMAT_VERSION}")
+    try:
+        cfg = ModelConfig.from_hf(meta["model_config"])
+        saved_dtype = resolve_dtype(meta["dtype"])
+        # Fields of earlier versions that no longer exist (the pool is sized by the Engine now) are dropped.
+        cc = {k: v for k, v in meta.get("cache_config", {}).items() if k not in ("page_rows", "host_pool_rows")}
+        cache_config = CacheConfig.from_config_dict(cc) if "cache_config" in meta else None
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{meta_path} is incomplete or inconsistent: {type(e).__name__}: {e}") from e
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev),
                                     param_shapes(cfg, saved_dtype))
@@ -305,11 +308,12 @@ def load(directory: str, *, dtype=None) -> Model:
         params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), target)
     except Exception as e:  # orbax raises several types for missing/mismatched arrays
         raise CheckpointError(f"cannot restore parameters from {directory}/params: {e}") from e
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        _check_finite(leaf, "params" + jax.tree_util.keystr(path))
     dtype = resolve_dtype(dtype) if dtype is not None else saved_dtype
     if dtype != saved_dtype:
         shapes = param_shapes(cfg, dtype)
         params = jax.tree_util.tree_map(lambda p, s: p.astype(s.dtype), params, shapes)
     tok_path = os.path.join(directory, "tokenizer.json")
     tokenizer = Tokenizer.from_file(tok_path) if os.path.exists(tok_path) else None
-    cache_config = CacheConfig(**meta["cache_config"]) if "cache_config" in meta else None
-    return Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer)
+    return cfg, params, dtype, cache_config, tokenizer

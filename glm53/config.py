@@ -11,6 +11,8 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from kernels_pallas import kv_formats
+
 # The cache modes an engine can run in: everything on the accelerator, or history in host memory + hot cache.
 CACHE_MODES = ("resident", "offload")
 
@@ -261,56 +263,47 @@ class CacheConfig:
     """Where the MLA history lives and how it is stored.
 
     ``mode="resident"`` keeps every row on the accelerator. ``mode="offload"`` keeps the history in host memory
-    (``pinned_host``) and a bounded hot cache of ``hot_rows`` slots per layer on the accelerator.
+    (``pinned_host``) and a bounded hot cache of ``hot_rows`` slots per layer and session on the accelerator.
+    Sizes that only make sense for one mode are checked where that mode's cache is built
+    (``glm53.offload.validate``).
     """
 
     mode: str = "resident"
     kv_format: str = "bf16"  # f32 | bf16 | q8g64 | fp8g128 (kernels_pallas.kv_formats)
-    max_len: int = 0  # rows of history per session the cache is built for; 0 = prompt + new tokens, rounded up
-    prefill_chunk: int = 256  # tokens per prefill step: bounds transient device memory of prefill
+    # Rows of history per session slot. 0: an Engine uses the model's max_position_embeddings; generate() sizes it
+    # to the run (longest prompt + new tokens + MTP depth).
+    max_len: int = 0
+    prefill_chunk: int = 256  # tokens per prefill / append step: bounds the transient device memory of a step
     hot_rows: int = 32768  # offload: hot-cache slots per layer and session
-    copyback_every: int = 64  # offload: rows per batched copy of the recent ring into host memory
-    # offload: recent-ring rows, at least; the ring is raised to a power of two >= prefill_chunk + copyback_every so
-    # a whole prefill chunk fits before its pages are copied back (glm53.offload.ring_rows_for)
+    # offload: rows per host page; a page (all layers) is written to host memory in one copy once its rows are final
+    copyback_every: int = 64
+    # offload: recent-ring rows, at least; raised to a power of two that holds a page plus one step's new rows
+    # (glm53.offload.ring_rows_for)
     ring_rows: int = 0
-    page_rows: int = 0  # rows per capacity page (growth unit); 0 = copyback_every
-    # offload: rows of host memory in the page pool, shared by the cache's sessions; 0 = every session's full
-    # capacity. Smaller pools admit sessions by the pages they actually fill (a full pool is a clear error).
-    host_pool_rows: int = 0
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> None:
-        from kernels_pallas import kv_formats  # local import: kv_formats has no config dependency, avoids a cycle
-
         _require(self.mode in CACHE_MODES, f"cache mode {self.mode!r} unknown; choose one of {CACHE_MODES}")
         kv_formats.get_format(self.kv_format)
-        _require(self.max_len >= 0, f"max_len must be >= 0, got {self.max_len}")
+        _require(isinstance(self.max_len, int) and self.max_len >= 0, f"max_len must be an int >= 0, got "
+                 f"{self.max_len!r}")
         _require(self.prefill_chunk >= 1 and (self.prefill_chunk & (self.prefill_chunk - 1)) == 0,
                  f"prefill_chunk={self.prefill_chunk} must be a power of two")
-        _require(self.copyback_every >= 1 and (self.copyback_every & (self.copyback_every - 1)) == 0,
-                 f"copyback_every={self.copyback_every} must be a power of two")
+        _require(self.copyback_every >= 4 and (self.copyback_every & (self.copyback_every - 1)) == 0,
+                 f"copyback_every={self.copyback_every} must be a power of two >= 4")
         _require(self.ring_rows == 0 or (self.ring_rows >= self.copyback_every
                                          and self.ring_rows % self.copyback_every == 0),
                  f"ring_rows={self.ring_rows} must be a multiple of copyback_every={self.copyback_every}")
         _require(self.hot_rows >= 1, f"hot_rows must be >= 1, got {self.hot_rows}")
-        _require(self.host_pool_rows >= 0, f"host_pool_rows must be >= 0, got {self.host_pool_rows}")
-
-    @property
-    def ring_size(self) -> int:
-        return self.ring_rows or 2 * self.copyback_every
-
-    @property
-    def page_size(self) -> int:
-        return self.page_rows or self.copyback_every
 
     @classmethod
     def from_config_dict(cls, cfg: Mapping[str, Any]) -> "CacheConfig":
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(cfg.keys()) - fields)
         if unknown:
-            raise ConfigError(f"unknown cache config fields {unknown}")
+            raise ConfigError(f"unknown cache config fields {unknown}; known: {sorted(fields)}")
         return cls(**dict(cfg))
 
     def replace(self, **kw) -> "CacheConfig":

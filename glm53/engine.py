@@ -1,188 +1,1023 @@
-"""``Model``: a module, its parameters and its jitted steps, with the public entry points research scripts use."""
+"""``Engine``: many long-lived sessions decoding against one cache pytree.
+
+The engine's state is the cache pytree (``glm53.cache`` / ``glm53.offload``: every per-session array has a
+leading axis of ``max_sessions`` slots) plus a small host-side session table that mirrors what each step did, so
+scheduling needs no device reads. Sessions join and leave between steps; a step runs the sessions it is given as
+*lanes* of a bucketed batch (powers of two up to ``max_sessions``, and ``max_sessions``), so what compiles is one
+executable per (step kind, bucket, tokens per lane):
+
+    chunk    (prefill / append)  bucket 1, T = prefill_chunk or the next power of two above a shorter input;
+                                 offload: a bulk and a read-only variant (``glm53.offload``)
+    decode                       each bucket, T = 1
+    verify   (MTP depth D)       each bucket, T = D + 1; draft: each bucket
+    lifecycle                    one each (clear, copy, truncate, pages, flush, read, write, settle)
+
+A session's history is ``tokens``; the cache holds rows for the first ``processed`` of them. After a generate the
+last sampled token is *pending* (emitted, not yet processed): the next append or generate processes it first.
+
+Memory is counted as allocated, not as used: the cache's per-slot arrays exist for ``max_sessions`` slots from the
+start (a device slot is taken or free), and offload's host pool is allocated once and handed out in pages. Every
+operation that needs slots, pages or capacity checks all of it before it changes anything (``AdmissionError``).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import collections
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
-from glm53 import cache as kvcache
-from glm53.config import CacheConfig, ModelConfig
-from glm53.model import GLM5, Step
-from glm53.steps import Steps
+from glm53 import memory, offload, session_io
+from glm53.cache import Lanes, capacity_for, init_resident
+from glm53.config import CacheConfig, ConfigError
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "f32": jnp.float32, "bf16": jnp.bfloat16}
-
-
-def resolve_dtype(dtype) -> Any:
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} unknown; choose one of {sorted(DTYPES)}")
-        return DTYPES[dtype]
-    dt = jnp.dtype(dtype)
-    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"dtype {dt} unsupported; use float32 or bfloat16")
-    return dt.type
+MAX_MTP_DEPTH = 3
+KERNEL_IMPLS = ("auto", "pallas", "reference")
 
 
-def _dummy_inputs(cfg: ModelConfig, dtype):
-    cache = kvcache.init_cache(cfg, CacheConfig(kv_format="f32"), 1, 128, dtype)
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    step = Step(positions=jnp.zeros((1, 1), jnp.int32), write_positions=jnp.zeros((1, 1), jnp.int32),
-                cos=jnp.ones((1, 1, cfg.qk_rope_head_dim // 2), dtype),
-                sin=jnp.zeros((1, 1, cfg.qk_rope_head_dim // 2), dtype))
-    return tokens, step, cache
+class AdmissionError(RuntimeError):
+    """An operation refused because it would exceed what the engine has (session slots, host pages, rows per
+    slot, a budget). Nothing was changed: every session is as it was."""
 
 
-def _init_all(module: GLM5, key, tokens, step, cache):
-    """Create every parameter (main layers and MTP) by running each method once."""
-    cfg = module.cfg
-
-    def run(m, tokens, step, cache):
-        hidden, cache = m(tokens, step, cache)
-        m.logits(hidden)
-        if cfg.num_nextn_predict_layers:
-            m.mtp(hidden, tokens, step, cache)
-
-    return module.init(key, tokens, step, cache, method=run)["params"]
+# ----------------------------------------------------------------------------------------------------------------
+# Compilation time: JAX reports tracing, lowering and compiling durations through jax.monitoring.
+# ----------------------------------------------------------------------------------------------------------------
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_compile_seconds = [0.0]
 
 
-def param_shapes(cfg: ModelConfig, dtype) -> Any:
-    """The parameter pytree as ShapeDtypeStructs, without allocating anything."""
-    module = GLM5(cfg, dtype)
-    return jax.eval_shape(lambda: _init_all(module, jax.random.key(0), *_dummy_inputs(cfg, dtype)))
+def _on_duration(name: str, seconds: float, **_) -> None:
+    if name in _COMPILE_EVENTS:
+        _compile_seconds[0] += seconds
 
 
-_ONES = ("weight", "k_norm_weight")  # RMSNorm / LayerNorm scales
-_ZEROS = ("k_norm_bias", "e_score_correction_bias")
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 
-def init_params(cfg: ModelConfig, dtype, seed: int = 0) -> Any:
-    """Random parameters: normal(0, initializer_range) matrices, unit norm scales, zero biases (as transformers
-    initialises GLM-5). Filled leaf by leaf from the shapes, so the model itself is never compiled for this."""
-    from flax.traverse_util import flatten_dict, unflatten_dict
-
-    flat = flatten_dict(param_shapes(cfg, dtype))
-    paths = sorted(flat)
-
-    @jax.jit
-    def make(key):
-        out = {}
-        for i, path in enumerate(paths):
-            s = flat[path]
-            if path[-1] in _ONES:
-                out[path] = jnp.ones(s.shape, s.dtype)
-            elif path[-1] in _ZEROS:
-                out[path] = jnp.zeros(s.shape, s.dtype)
-            else:
-                k = jax.random.fold_in(key, i)
-                out[path] = (cfg.initializer_range * jax.random.normal(k, s.shape, jnp.float32)).astype(s.dtype)
-        return out
-
-    return unflatten_dict(make(jax.random.key(seed)))
+def compile_seconds() -> float:
+    """Seconds this process has spent tracing, lowering and compiling (all of JAX, not only glm53)."""
+    return _compile_seconds[0]
 
 
-class Model:
-    """GLM-5 weights plus the jitted steps that run them.
+def check_sampling(mtp, temperature, top_p, seed, accept_override, *, has_mtp: bool) -> None:
+    """Refuse sampling settings that cannot work, before anything runs."""
+    if isinstance(mtp, bool) or not isinstance(mtp, (int, np.integer)) or not 0 <= mtp <= MAX_MTP_DEPTH:
+        raise ValueError(f"mtp must be an int depth in [0, {MAX_MTP_DEPTH}], got {mtp!r}")
+    if mtp and not has_mtp:
+        raise ValueError("mtp > 0 needs an MTP module, and this model has none (num_nextn_predict_layers=0)")
+    for name, v in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) or not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite number, got {v!r}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 31:
+        raise ValueError(f"seed must be an int in [0, 2**31), got {seed!r}")
+    if accept_override is not None:
+        if not mtp or isinstance(accept_override, bool) or not isinstance(accept_override, (int, np.integer)) \
+                or not 0 <= accept_override <= mtp:
+            raise ValueError(f"accept_override must be an int in [0, mtp={mtp}] (and needs mtp > 0), got "
+                             f"{accept_override!r}")
 
-    ``forward(token_ids)`` gives the logits of a whole sequence; ``glm53.generate`` decodes; ``draft`` runs the MTP
-    module; ``save`` writes an orbax checkpoint that ``glm53.load`` reads.
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host-side records
+# ----------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Session:
+    sid: int
+    slot: int
+    tokens: list  # the whole history: prompt, appended and generated token ids
+    processed: int = 0  # rows in the cache (== device lengths[slot])
+    mtp_processed: int = 0  # rows of the MTP layer (== device mtp_lengths[slot])
+    host_rows: int = 0  # offload: rows in host pages (== device host_len[slot])
+    hidden_valid: bool = False  # the stored hidden state is that of position processed - 1
+    pages: list = dataclasses.field(default_factory=list)  # offload: pool page of each logical page (-1: none)
+    sampler: dict = dataclasses.field(default_factory=lambda: {"seed": 0, "temperature": 0.0, "top_p": 1.0})
+    generated: int = 0
+    mtp_proposed: list = dataclasses.field(default_factory=lambda: [0] * MAX_MTP_DEPTH)
+    mtp_accepted: list = dataclasses.field(default_factory=lambda: [0] * MAX_MTP_DEPTH)
+
+    @property
+    def pending(self) -> list:
+        return self.tokens[self.processed:]
+
+
+@dataclasses.dataclass
+class RunReport:
+    """What the last ``Engine.generate`` measured (timings are host wall clock around device work)."""
+    sids: list
+    tokens: dict  # sid -> generated ids
+    logits: dict | None  # sid -> float32 [n, V] when return_logits
+    first_token_s: float  # until every session's first new token was on the host (includes any compilation)
+    decode_s: float  # after that, until the last token was on the host
+    decode_tokens: int  # tokens generated after each session's first
+    steps: int  # decode / verify steps dispatched
+    step_call_s: list  # host time of each step's call (spikes show stalls)
+    host_loop_s: float  # the decode loop's host time up to its last dispatch
+    compile_s: float  # tracing + compilation inside this call
+    bucket: int
+    mtp: int
+    copyback_steps: list  # steps (1-based) whose copyback wrote host pages
+    mtp_proposed: list  # per draft position: drafts verified
+    mtp_accepted: list  # per draft position: drafts the verify accepted (the model's real acceptance)
+    mtp_committed: list  # per draft position: drafts committed (forced ones included, after clamping to max / stop)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def acceptance(self) -> list:
+        return [a / p if p else None for a, p in zip(self.mtp_accepted, self.mtp_proposed)]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Engine
+# ----------------------------------------------------------------------------------------------------------------
+class Engine:
+    """Sessions of one model on one accelerator.
+
+    ``Engine(model, cache=CacheConfig(...), max_sessions=8, host_budget_bytes=None, device_budget_bytes=None)``;
+    ``sid = open(ids)``, ``append(sid, ids)``, ``generate({sid: n, ...}, mtp=0, ...)``, ``rollback(sid, n)``,
+    ``fork(sid)``, ``save(sid, dir)`` / ``restore(dir)``, ``close(sid)``, ``memory_report()``, ``stats(sid)``.
+    Token ids may be lists, numpy / JAX arrays, or strings when the model has a tokenizer.
+
+    ``host_budget_bytes`` sizes offload's host page pool (default: every slot's full capacity);
+    ``device_budget_bytes`` is checked against the cache, the parameters and the largest transient buffer when the
+    engine is built. ``kernels`` picks the Pallas kernels or their jnp references (``"auto"``: kernels on GPUs).
     """
 
-    def __init__(self, config: ModelConfig, params: Any, dtype=jnp.bfloat16, *,
-                 cache_config: CacheConfig | None = None, tokenizer=None):
-        self.config = config
-        self.dtype = resolve_dtype(dtype)
-        self.params = params
-        self.cache_config = cache_config or CacheConfig(kv_format="f32" if self.dtype == jnp.float32 else "bf16")
-        if self.cache_config.mode == "offload":  # sizes that cannot work fail here, before any run
-            from glm53 import offload
-            offload.validate(config, self.cache_config)
-        self.tokenizer = tokenizer
-        self.module = GLM5(config, self.dtype)
-        self.steps = Steps(self.module)
+    def __init__(self, model, cache: CacheConfig | str | None = None, *, max_sessions: int = 1,
+                 host_budget_bytes: int | None = None, device_budget_bytes: int | None = None,
+                 kernels: str = "auto"):
+        if isinstance(cache, str):
+            cache = model.cache_config.replace(mode=cache)
+        cc = cache or model.cache_config
+        if not isinstance(cc, CacheConfig):
+            raise TypeError(f"cache must be a glm53.CacheConfig or 'resident' / 'offload', got {type(cc).__name__}")
+        if not isinstance(max_sessions, (int, np.integer)) or isinstance(max_sessions, bool) or max_sessions < 1:
+            raise ConfigError(f"max_sessions must be an int >= 1, got {max_sessions!r}")
+        if kernels not in KERNEL_IMPLS:
+            raise ConfigError(f"kernels={kernels!r} unknown; choose one of {KERNEL_IMPLS}")
+        self.model = model
+        self.cfg = model.config
+        self.cache_config = cc
+        self.kernels = kernels
+        self.max_sessions = int(max_sessions)
+        self.offload = cc.mode == "offload"
+        if self.offload:
+            offload.validate(self.cfg, cc)
+        rows = cc.max_len or self.cfg.max_position_embeddings
+        if rows > self.cfg.max_position_embeddings:
+            raise ConfigError(f"cache.max_len={rows} exceeds the model's max_position_embeddings="
+                              f"{self.cfg.max_position_embeddings}")
+        self.capacity = capacity_for(rows, cc)
+        self.max_rows = min(rows, self.capacity)
+        self.page_rows = cc.copyback_every
+        self.pages_per_slot = self.capacity // self.page_rows
+        self.topk = min(self.cfg.index_topk, self.capacity)
+        self.buckets = sorted({1 << i for i in range(max(self.max_sessions - 1, 0).bit_length())
+                               if (1 << i) < self.max_sessions} | {self.max_sessions})
+        self.chunk = cc.prefill_chunk
+        if self.offload:
+            page_bytes = offload.page_bytes(self.cfg, cc)
+            if host_budget_bytes is None:
+                pool_pages = self.max_sessions * self.pages_per_slot
+            else:
+                pool_pages = int(host_budget_bytes) // page_bytes
+                if pool_pages < 1:
+                    raise ConfigError(f"host_budget_bytes={host_budget_bytes} holds no page of {page_bytes} bytes "
+                                      f"({cc.copyback_every} rows x {self.cfg.num_cache_layers} layers)")
+            self.pool_pages = pool_pages
+            self.page_bytes = page_bytes
+        else:
+            self.pool_pages = 0
+            self.page_bytes = 0
+        # The device budget is checked on the configuration, before anything is allocated.
+        need = self._device_need()
+        if device_budget_bytes is not None and need["total"] > device_budget_bytes:
+            raise AdmissionError(
+                f"the engine needs {need['total']:,} device bytes, more than device_budget_bytes="
+                f"{device_budget_bytes:,}: cache {need['cache']:,} ({self.max_sessions} slots x {self.capacity} rows), "
+                f"parameters {need['params']:,}, largest transient buffer {need['transient']:,}; lower "
+                "max_sessions, cache.max_len or (offload) cache.hot_rows")
+        self.device_budget_bytes = device_budget_bytes
+        self.host_budget_bytes = host_budget_bytes
+        self.cache = self._build()
+        self._free_slots = list(range(self.max_sessions))
+        self._free_pages = collections.deque(range(self.pool_pages))
+        self._refs = np.zeros(self.pool_pages, np.int64)
+        self._sessions: dict[int, Session] = {}
+        self._next_sid = 0
+        self.last_run: RunReport | None = None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # construction and accounting
+    # ------------------------------------------------------------------------------------------------------------
+    def _build(self):
+        if self.offload:
+            return offload.init_offload(self.cfg, self.cache_config, self.max_sessions, self.capacity,
+                                        self.pool_pages, self.model.dtype)
+        return init_resident(self.cfg, self.cache_config, self.max_sessions, self.capacity, self.model.dtype)
+
+    def _device_need(self) -> dict:
+        parts = memory.cache_bytes(self.cfg, self.cache_config, self.max_sessions, self.capacity, self.pool_pages,
+                                   self.model.dtype)
+        cache = sum(parts["device"].values())
+        params = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.model.params))
+        return {"cache": cache, "params": params, "transient": self.transient_bytes(),
+                "total": cache + params + self.transient_bytes()}
+
+    def transient_bytes(self) -> int:
+        """The largest buffer a step creates beside the cache that grows with the history: offload's bulk read of
+        one layer's history for a prefill / append chunk (one lane)."""
+        if not self.offload:
+            return 0
+        from kernels_pallas import kv_formats
+        return self.capacity * kv_formats.get_format(self.cache_config.kv_format).bytes_per_row
 
     def __repr__(self):
-        return (f"Model({self.config.num_hidden_layers} layers, hidden {self.config.hidden_size}, "
-                f"{self.num_params() / 1e6:.1f}M params, dtype {jnp.dtype(self.dtype).name}, "
-                f"cache {self.cache_config.mode}/{self.cache_config.kv_format})")
+        return (f"Engine({self.cache_config.mode}/{self.cache_config.kv_format}, {len(self._sessions)}/"
+                f"{self.max_sessions} sessions, {self.capacity} rows per slot"
+                + (f", {len(self._free_pages)}/{self.pool_pages} free host pages" if self.offload else "") + ")")
 
-    def num_params(self) -> int:
-        return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(self.params))
+    # ------------------------------------------------------------------------------------------------------------
+    # inputs
+    # ------------------------------------------------------------------------------------------------------------
+    def _ids(self, ids, what: str) -> list:
+        """Token ids from a list, a numpy / JAX array or a string (with the model's tokenizer), checked."""
+        if isinstance(ids, str):
+            if self.model.tokenizer is None:
+                raise ValueError(f"{what} is a string but the model has no tokenizer attached "
+                                 "(glm53.Tokenizer.from_file(...), or from_pretrained on a directory with "
+                                 "tokenizer.json)")
+            ids = self.model.tokenizer.encode(ids)
+        return self.model.check_tokens(ids, what).tolist()
 
-    # ---- validation shared by every entry point ----
-    def check_tokens(self, ids, what: str = "prompt") -> np.ndarray:
-        arr = np.asarray(ids)
-        if arr.ndim != 1:
-            raise ValueError(f"{what} must be a 1-D sequence of token ids, got shape {arr.shape}")
-        if arr.size == 0:
-            raise ValueError(f"{what} is empty: at least one token is needed")
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(f"{what} must hold integer token ids, got dtype {arr.dtype}")
-        bad = (arr < 0) | (arr >= self.config.vocab_size)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"{what} has token id {int(arr[i])} at index {i}, outside the vocabulary "
-                             f"[0, {self.config.vocab_size})")
-        return arr.astype(np.int32)
+    def _session(self, sid) -> Session:
+        if isinstance(sid, bool) or not isinstance(sid, (int, np.integer)):
+            raise TypeError(f"session id must be an int, got {type(sid).__name__}")
+        s = self._sessions.get(int(sid))
+        if s is None:
+            raise KeyError(f"no open session {sid} (open: {sorted(self._sessions)})")
+        return s
 
-    def check_length(self, total: int, what: str) -> None:
-        if total > self.config.max_position_embeddings:
-            raise ValueError(f"{what} needs {total} positions but the model has max_position_embeddings="
-                             f"{self.config.max_position_embeddings}")
+    @property
+    def sessions(self) -> list[int]:
+        return sorted(self._sessions)
 
-    def new_cache(self, batch: int, capacity_rows: int, cache_config: CacheConfig | None = None) -> kvcache.KVCache:
-        cc = cache_config or self.cache_config
-        if cc.mode == "offload":
-            from glm53 import offload
-            offload.validate(self.config, cc)
-        capacity = kvcache.capacity_for(cc, capacity_rows)
-        cache = kvcache.init_cache(self.config, cc, batch, capacity, self.dtype)
-        if cc.mode == "offload":
-            from glm53 import offload
-            cache = offload.to_offload(cache, self.config, cc)
-        return cache
+    def tokens(self, sid) -> list[int]:
+        """The session's history: every token id it holds (the last one may not be processed yet)."""
+        return list(self._session(sid).tokens)
 
-    # ---- public API ----
-    def forward(self, token_ids, *, cache_config: CacheConfig | None = None, progress: bool = False) -> np.ndarray:
-        """Float32 logits ``[T, vocab]`` of every position of one sequence (the chunked prefill path)."""
-        from glm53.generate import prefill
+    # ------------------------------------------------------------------------------------------------------------
+    # slots and pages (host-side allocation; the device sees page tables)
+    # ------------------------------------------------------------------------------------------------------------
+    def _check_rows(self, rows: int, what: str) -> None:
+        if rows > self.max_rows:
+            raise AdmissionError(f"{what} needs {rows} rows but a session slot holds {self.max_rows} "
+                                 f"(cache.max_len); nothing was changed")
 
-        ids = self.check_tokens(token_ids, "token_ids")
-        self.check_length(len(ids), "forward")
-        cache = self.new_cache(1, len(ids), cache_config)
-        driver = None
-        if cache.mode == "offload":
-            from glm53 import offload
-            driver = offload.Driver(cache)
-        logits, _, _ = prefill(self, cache, [ids], all_logits=True, progress=progress,
-                               chunk=(cache_config or self.cache_config).prefill_chunk, driver=driver)
-        return np.asarray(logits[0][: len(ids)], np.float32)
+    def _pages_needed(self, s: Session | None, rows: int) -> int:
+        """New pool pages a session needs so that every logical page below ``rows`` has one."""
+        if not self.offload:
+            return 0
+        have = s.pages if s is not None else []
+        want = _ceil_div(rows, self.page_rows)
+        return sum(1 for k in range(want) if k >= len(have) or have[k] < 0)
 
-    def draft(self, token_ids) -> np.ndarray:
-        """MTP draft logits of one sequence: row i predicts token i+2 from the main model's hidden state at i and
-        token i+1. Returns float32 ``[T-1, vocab]``."""
-        if not self.config.num_nextn_predict_layers:
-            raise ValueError("this model has no MTP module (num_nextn_predict_layers=0)")
-        from glm53.generate import prefill
+    def _admit(self, slots: int, pages: int, what: str) -> None:
+        if slots > len(self._free_slots):
+            raise AdmissionError(f"{what} needs {slots} session slot(s) but {len(self._free_slots)} of "
+                                 f"{self.max_sessions} are free; close a session or build the engine with more "
+                                 "max_sessions. Nothing was changed")
+        if pages > len(self._free_pages):
+            raise AdmissionError(
+                f"{what} needs {pages} host pages ({pages * self.page_bytes:,} bytes) but {len(self._free_pages)} of "
+                f"{self.pool_pages} are free (host pool {self.pool_pages * self.page_bytes:,} bytes); close or roll "
+                "back sessions, or raise host_budget_bytes. Nothing was changed")
 
-        ids = self.check_tokens(token_ids, "token_ids")
-        if len(ids) < 2:
-            raise ValueError("draft needs at least 2 tokens (a position and its next token)")
-        self.check_length(len(ids), "draft")
-        # Resident: in offload mode the MTP layer runs one position behind the copyback of its pages, which is
-        # the speculative-decoding engine's job to schedule.
-        cache = self.new_cache(1, len(ids), self.cache_config.replace(mode="resident"))
-        _, hidden, cache = prefill(self, cache, [ids], all_logits=False, return_hidden=True,
-                                   chunk=self.cache_config.prefill_chunk)
-        T = len(ids) - 1
-        h = hidden[:, :T]
-        nxt = jnp.asarray(ids[1:], jnp.int32)[None]
-        logits, _, cache = self.steps.mtp(self.params, cache, h, nxt, jnp.asarray([T], jnp.int32))
-        return np.asarray(logits[0], np.float32)
+    def _assign_pages(self, s: Session, rows: int) -> bool:
+        """Give ``s`` a pool page for every logical page below ``rows`` (admission checked before). Returns
+        whether the page table changed."""
+        if not self.offload:
+            return False
+        want = _ceil_div(rows, self.page_rows)
+        changed = False
+        while len(s.pages) < want:
+            s.pages.append(-1)
+        for k in range(want):
+            if s.pages[k] < 0:
+                p = self._free_pages.popleft()
+                self._refs[p] += 1
+                s.pages[k] = p
+                changed = True
+        return changed
 
-    def save(self, directory: str) -> None:
-        from glm53 import checkpoint
-        checkpoint.save(self, directory)
+    def _release_pages(self, s: Session, first: int) -> bool:
+        """Drop ``s``'s references to its pages from logical page ``first`` on; a page nobody references goes back
+        to the pool."""
+        changed = False
+        for k in range(first, len(s.pages)):
+            p = s.pages[k]
+            if p >= 0:
+                self._refs[p] -= 1
+                if self._refs[p] == 0:
+                    self._free_pages.append(p)
+                changed = True
+        del s.pages[first:]
+        return changed
+
+    def _push_pages(self, s: Session) -> None:
+        row = np.full(self.pages_per_slot, -1, np.int32)
+        row[: len(s.pages)] = s.pages
+        self._run("set_pages", self.cache, jnp.int32(s.slot), jnp.asarray(row))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # running steps
+    # ------------------------------------------------------------------------------------------------------------
+    def _run(self, name: str, *args, **kw):
+        """Run a lifecycle step on the cache (donated) and keep the new cache."""
+        self.cache, out = self.model.steps(name, *args, **kw)
+        return out
+
+    def _lanes(self, slots: list) -> tuple[Lanes, int]:
+        bucket = next(b for b in self.buckets if b >= len(slots))
+        slot = np.zeros(bucket, np.int32)
+        slot[: len(slots)] = slots
+        active = np.zeros(bucket, bool)
+        active[: len(slots)] = True
+        return Lanes(slot=jnp.asarray(slot), active=jnp.asarray(active)), bucket
+
+    def _chunk_steps(self, s: Session, ids: list, *, outputs: str | None = None, progress: bool = False):
+        """Process ``ids`` (the session's unprocessed tokens) in chunk steps; returns the chunks' outputs."""
+        n = len(ids)
+        C = min(self.chunk, _next_pow2(n))
+        lanes, _ = self._lanes([s.slot])
+        pages = offload.copy_pages_for(self.cache_config, C) if self.offload else 0
+        outs = []
+        n_chunks = _ceil_div(n, C)
+        for i in tqdm(range(n_chunks), desc="prefill", unit="chunk", disable=not progress or n_chunks < 2,
+                      leave=False):
+            part = ids[i * C:(i + 1) * C]
+            toks = np.zeros((1, C), np.int32)
+            toks[0, : len(part)] = part
+            committed = min(s.processed, s.mtp_processed) if self._has_mtp else s.processed
+            # Bulk when the chunk's selections could touch more rows than the whole host history holds.
+            bulk = self.offload and C * self.topk >= (committed // self.page_rows) * self.page_rows
+            self.cache, out = self.model.steps(
+                "chunk", self.model.params, self.cache, lanes, jnp.asarray(toks),
+                jnp.asarray([len(part)], jnp.int32), outputs=outputs or "none", kernels=self.kernels, bulk=bulk,
+                copy_pages=pages)
+            start = s.processed
+            s.processed += len(part)
+            if self._has_mtp:
+                s.mtp_processed = max(s.mtp_processed, start - 1 + len(part))
+            s.hidden_valid = True
+            if outputs:
+                outs.append(out)
+        self._settle([s])
+        return outs
+
+    @property
+    def _has_mtp(self) -> bool:
+        return bool(self.cfg.num_nextn_predict_layers)
+
+    def _committed(self, s: Session) -> int:
+        return min(s.processed, s.mtp_processed) if self._has_mtp else s.processed
+
+    def _settle(self, sessions: list) -> None:
+        """Offload: write every final page of these sessions to host memory (a call of its own), so between API
+        calls host memory holds every complete page and the ring at most one."""
+        if not self.offload:
+            return
+        due = [s for s in sessions if self._committed(s) // self.page_rows * self.page_rows > s.host_rows]
+        if not due:
+            return
+        for group in self._groups(due):
+            lanes, _ = self._lanes([s.slot for s in group])
+            pages = max(_ceil_div(self._committed(s) - s.host_rows, self.page_rows) for s in group)
+            self._run("settle", self.cache, lanes, pages=_next_pow2(pages), kernels=self.kernels)
+        for s in due:
+            s.host_rows = self._committed(s) // self.page_rows * self.page_rows
+
+    def _groups(self, sessions: list) -> list:
+        big = self.buckets[-1]
+        return [sessions[i:i + big] for i in range(0, len(sessions), big)]
+
+    # ------------------------------------------------------------------------------------------------------------
+    # public API: lifecycle
+    # ------------------------------------------------------------------------------------------------------------
+    def open(self, prompt, *, progress: bool = False) -> int:
+        """A new session holding ``prompt`` (processed now: prefill). Returns its id."""
+        ids = self._ids(prompt, "prompt")
+        self._check_rows(len(ids), f"a prompt of {len(ids)} tokens")
+        self._admit(1, self._pages_needed(None, len(ids)), f"open (a prompt of {len(ids)} tokens)")
+        s = self._new_session(ids)
+        try:
+            self._chunk_steps(s, ids, progress=progress)
+        except BaseException:
+            self._drop(s)
+            raise
+        return s.sid
+
+    def _new_session(self, ids: list) -> Session:
+        slot = self._free_slots.pop(0)
+        s = Session(sid=self._next_sid, slot=slot, tokens=list(ids))
+        self._next_sid += 1
+        self._sessions[s.sid] = s
+        self._run("clear_slot", self.cache, jnp.int32(slot))
+        if self._assign_pages(s, len(ids)):
+            self._push_pages(s)
+        return s
+
+    def _drop(self, s: Session) -> None:
+        self._release_pages(s, 0)
+        self._sessions.pop(s.sid, None)
+        self._free_slots.append(s.slot)
+        self._free_slots.sort()
+
+    def append(self, sid, token_ids, *, progress: bool = False) -> None:
+        """Add ``token_ids`` to the session's history and process them (and a pending generated token) now."""
+        s = self._session(sid)
+        ids = self._ids(token_ids, "token_ids")
+        rows = len(s.tokens) + len(ids)
+        self._check_rows(rows, f"append of {len(ids)} tokens to session {sid} ({len(s.tokens)} tokens)")
+        self._admit(0, self._pages_needed(s, rows), f"append of {len(ids)} tokens to session {sid}")
+        if self._assign_pages(s, rows):
+            self._push_pages(s)
+        s.tokens.extend(ids)
+        self._chunk_steps(s, s.tokens[s.processed:], progress=progress)
+
+    def close(self, sid) -> None:
+        """End a session: its slot is free again and its host pages go back to the pool (shared ones when their
+        last holder closes)."""
+        self._drop(self._session(sid))
+
+    def fork(self, sid, *, share_pages: bool = True) -> int:
+        """A new session with the same history. Offload: the parent's host pages are shared (they are immutable
+        once written); the ring, the hot cache and the indexer keys are copied on the device. ``share_pages=False``
+        copies the host pages instead (benchmarks that need every session's history in its own host memory)."""
+        s = self._session(sid)
+        shared = s.host_rows // self.page_rows if self.offload else 0  # complete pages in host memory
+        self._admit(1, 0 if share_pages else shared, f"fork of session {sid}")
+        slot = self._free_slots.pop(0)
+        child = dataclasses.replace(s, sid=self._next_sid, slot=slot, tokens=list(s.tokens), pages=[],
+                                    sampler=dict(s.sampler), generated=0, mtp_proposed=[0] * MAX_MTP_DEPTH,
+                                    mtp_accepted=[0] * MAX_MTP_DEPTH)
+        self._next_sid += 1
+        self._run("copy_slot", self.cache, jnp.int32(s.slot), jnp.int32(slot))
+        if self.offload:
+            if share_pages:
+                child.pages = list(s.pages[:shared])
+                for p in child.pages:
+                    self._refs[p] += 1
+            elif shared:
+                self._assign_pages(child, shared * self.page_rows)
+                src = jnp.asarray(s.pages[:shared], jnp.int32)
+                buf = self.model.steps.read_pages(self.cache, src, kernels=self.kernels)
+                self._run("write_pages", self.cache, buf, jnp.asarray(child.pages, jnp.int32), kernels=self.kernels)
+            self._push_pages(child)
+        self._sessions[child.sid] = child
+        return child.sid
+
+    def rollback(self, sid, n_tokens: int) -> None:
+        """Remove the last ``n_tokens`` tokens of the session's history (at least one token stays). Rows past the
+        new end are rolled out of the cache; offload: host pages past it are released (shared ones only lose this
+        session's reference) and the page holding the new end comes back into the ring."""
+        s = self._session(sid)
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)):
+            raise TypeError(f"n_tokens must be an int, got {type(n_tokens).__name__}")
+        if not 1 <= n_tokens < len(s.tokens):
+            raise ValueError(f"rollback of {n_tokens} tokens: session {sid} holds {len(s.tokens)}; roll back between "
+                             f"1 and {len(s.tokens) - 1} (one token must stay)")
+        m = len(s.tokens) - int(n_tokens)
+        del s.tokens[m:]
+        if m >= s.processed:
+            return  # only the pending token went: the cache is untouched
+        # The hidden state of position m - 1 is not stored anywhere: token m - 1 becomes pending again.
+        new = m - 1
+        s.processed = new
+        s.mtp_processed = min(s.mtp_processed, new)
+        s.hidden_valid = False
+        self._run("truncate_slot", self.cache, jnp.int32(s.slot), jnp.int32(new), jnp.int32(s.mtp_processed),
+                  kernels=self.kernels)
+        if self.offload:
+            host = min(s.host_rows, self._committed(s) // self.page_rows * self.page_rows)
+            s.host_rows = host
+            if self._release_pages(s, host // self.page_rows):
+                self._push_pages(s)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # public API: generate
+    # ------------------------------------------------------------------------------------------------------------
+    def generate(self, requests: Mapping[int, int], *, mtp: int = 0, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0, on_token: Callable[[int, int, int], None] | None = None,
+                 stop_tokens=None, return_logits: bool = False, progress: bool = False,
+                 selection_override: Callable[[int, np.ndarray], np.ndarray] | None = None,
+                 accept_override: int | None = None) -> dict[int, list[int]]:
+        """Generate ``requests[sid]`` new tokens for each session, all of them decoding together in one jitted
+        step per token (sessions of any lengths). Returns ``{sid: [new ids]}``; ``self.last_run`` holds what was
+        measured.
+
+        ``mtp``: MTP speculative decoding depth (0-3): D drafts per step from the model's MTP module, verified in
+        one step of D + 1 rows; greedy output is the same as without MTP. ``temperature == 0`` is greedy;
+        ``top_p`` the nucleus mass; draws depend only on ``seed`` and the token's position, so a session's
+        output does not depend on which sessions decode beside it. ``on_token(sid, i, token)`` is called for every
+        new token (the host reads each step's tokens one step later, so the device never waits for it).
+        ``stop_tokens`` (default: the model's eos ids) end a session's generation (the stop token is included).
+        Benchmarks only: ``selection_override(step, positions [B]) -> [B, K]`` replaces the DSA selection
+        (positions may lag one step behind under MTP); ``accept_override`` accepts that many drafts per step
+        whatever they are."""
+        reqs = self._check_generate(requests, mtp, temperature, top_p, seed, accept_override)
+        sessions = [self._session(sid) for sid in reqs]
+        stop = self._stop_ids(stop_tokens)
+        for s in sessions:  # positions it can write: its tokens, the new ones, the last step's drafts
+            self._check_rows(len(s.tokens) + reqs[s.sid] + mtp,
+                             f"generate of {reqs[s.sid]} tokens (MTP depth {mtp}) for session {s.sid} "
+                             f"({len(s.tokens)} tokens)")
+        rows = {s.sid: len(s.tokens) + reqs[s.sid] for s in sessions}  # rows that can become final
+        self._admit(0, sum(self._pages_needed(s, rows[s.sid]) for s in sessions),
+                    f"generate for sessions {list(reqs)}")
+        for s in sessions:
+            if self._assign_pages(s, rows[s.sid]):
+                self._push_pages(s)
+            s.sampler = {"seed": int(seed), "temperature": float(temperature), "top_p": float(top_p)}
+        run = _Run(self, sessions, reqs, mtp=mtp, greedy=float(temperature) == 0.0, seed=int(seed),
+                   temperature=float(temperature), top_p=float(top_p), stop=stop, on_token=on_token,
+                   return_logits=return_logits, progress=progress, selection_override=selection_override,
+                   accept_override=accept_override)
+        try:
+            run.execute()
+        finally:
+            self._settle(sessions)
+            for s in sessions:  # pages reserved for rows that were not generated go back
+                keep = _ceil_div(len(s.tokens), self.page_rows)
+                if self.offload and len(s.pages) > keep and self._release_pages(s, keep):
+                    self._push_pages(s)
+        self.last_run = run.report()
+        return {s.sid: list(run.out[s.sid]) for s in sessions}
+
+    def _check_generate(self, requests, mtp, temperature, top_p, seed, accept_override) -> dict[int, int]:
+        if not isinstance(requests, Mapping) or not requests:
+            raise TypeError("requests must be a non-empty dict {session id: max_new_tokens}")
+        out = {}
+        for sid, n in requests.items():
+            self._session(sid)
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+                raise TypeError(f"max_new_tokens for session {sid} must be an int, got {n!r}")
+            if n < 1:
+                raise ValueError(f"max_new_tokens for session {sid} must be >= 1, got {n}")
+            out[int(sid)] = int(n)
+        check_sampling(mtp, temperature, top_p, seed, accept_override, has_mtp=self._has_mtp)
+        return out
+
+    def _stop_ids(self, stop_tokens) -> jax.Array:
+        if stop_tokens is None:
+            eos = self.cfg.eos_token_id
+            stop_tokens = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+        ids = sorted({int(t) for t in stop_tokens})
+        for t in ids:
+            if not 0 <= t < self.cfg.vocab_size:
+                raise ValueError(f"stop token {t} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        # -1 never matches a token; a fixed length keeps one compiled shape per step.
+        padded = np.full(max(8, _next_pow2(len(ids))), -1, np.int32)
+        padded[: len(ids)] = ids
+        return jnp.asarray(padded)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # public API: save / restore
+    # ------------------------------------------------------------------------------------------------------------
+    def fingerprint(self) -> dict:
+        """What a saved session must match to be restored here: the model (config, dtype, a digest of its
+        parameters) and the row format."""
+        return {"model_config": self.cfg.to_hf(), "dtype": jnp.dtype(self.model.dtype).name,
+                "params_digest": self.model.params_digest(), "kv_format": self.cache_config.kv_format}
+
+    def save(self, sid, directory: str) -> str:
+        """Save a session to ``directory`` (atomic; a later save to the same directory replaces it). The flush
+        barrier comes first: the partial ring page is written to host memory and the write waited for, then the
+        rows in host memory are checked against the logical length. The save holds the history rows, indexer keys,
+        lengths, the MTP hidden state, the tokens and the sampler settings; not the hot cache: a restored session
+        starts cold. Returns the version directory written."""
+        s = self._session(sid)
+        if self.offload:
+            self._admit(0, self._pages_needed(s, s.processed), f"save of session {sid} (its partial page)")
+            if self._assign_pages(s, s.processed):
+                self._push_pages(s)
+            self._run("flush_slot", self.cache, jnp.int32(s.slot), kernels=self.kernels)
+        data = self.model.steps.read_slot(self.cache, jnp.int32(s.slot), kernels=self.kernels)
+        data = jax.device_get(data)  # waits for the flush and the reads: an enqueued copy is not a completed one
+        if int(data["length"]) != s.processed or (self._has_mtp and int(data["mtp_length"]) != s.mtp_processed):
+            raise RuntimeError(f"session {sid}: the device holds {int(data['length'])} rows ({int(data['mtp_length'])} "
+                               f"MTP rows) but the engine counted {s.processed} ({s.mtp_processed}): refusing to save "
+                               "an inconsistent session")
+        n = s.processed
+        arrays = {"rows": {k: np.asarray(v[:, :n]) for k, v in data["rows"].items()},
+                  "index_keys": np.asarray(data["index_keys"][:, :n]),
+                  "hidden": np.asarray(data["hidden"])}
+        meta = {"fingerprint": self.fingerprint(), "tokens": list(map(int, s.tokens)), "processed": n,
+                "mtp_processed": s.mtp_processed, "hidden_valid": s.hidden_valid, "sampler": dict(s.sampler),
+                "generated": s.generated}
+        return session_io.write(directory, arrays, meta)
+
+    def restore(self, directory: str) -> int:
+        """A new session from a save (made by this or any engine of the same model and kv_format, in either cache
+        mode, with any hot_rows). Returns its id; it continues exactly as the saved session would have."""
+        meta, arrays = session_io.read(directory)
+        self._check_fingerprint(meta.get("fingerprint", {}), directory)
+        try:
+            tokens = [int(t) for t in meta["tokens"]]
+            n, n_mtp = int(meta["processed"]), int(meta["mtp_processed"])
+            rows_saved = arrays["rows"]
+            keys_saved, hidden = arrays["index_keys"], arrays["hidden"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise session_io.SessionFileError(f"{directory}: the save lacks {e}: it is corrupted") from e
+        from kernels_pallas import kv_formats
+        L = self.cfg.num_cache_layers
+        planes = kv_formats.get_format(self.cache_config.kv_format).plane_shapes(L, n)
+        for name, (shape, dt) in planes.items():
+            got = rows_saved.get(name)
+            if got is None or tuple(got.shape) != shape or got.dtype != dt:
+                raise session_io.SessionFileError(
+                    f"{directory}: row plane {name!r} is {None if got is None else (got.dtype, got.shape)}, expected "
+                    f"{dt}{shape}: the save is corrupted")
+        if not 0 < n <= len(tokens) or n_mtp > n or len(tokens) - n > 1:
+            raise session_io.SessionFileError(f"{directory}: inconsistent lengths (processed {n}, MTP {n_mtp}, "
+                                              f"{len(tokens)} tokens): the save is corrupted")
+        self.model.check_tokens(tokens, f"the tokens saved in {directory}")
+        self._check_rows(len(tokens) + 1, f"restore of a session of {len(tokens)} tokens")
+        self._admit(1, self._pages_needed(None, n), f"restore of a session of {len(tokens)} tokens")
+        s = self._new_session([])
+        s.tokens = tokens
+        try:
+            if self._assign_pages(s, n):
+                self._push_pages(s)
+            N = self.capacity
+            rows = {k: jnp.asarray(np.pad(v, ((0, 0), (0, N - n), (0, 0)))) for k, v in rows_saved.items()}
+            keys = jnp.asarray(np.pad(keys_saved, ((0, 0), (0, N - n), (0, 0))))
+            self._run("write_slot", self.cache, jnp.int32(s.slot), rows, keys, jnp.asarray(hidden),
+                      jnp.int32(n), jnp.int32(n_mtp), kernels=self.kernels)
+        except BaseException:
+            self._drop(s)
+            raise
+        s.processed, s.mtp_processed = n, n_mtp
+        s.host_rows = self._committed(s) // self.page_rows * self.page_rows if self.offload else 0
+        s.hidden_valid = bool(meta.get("hidden_valid", True))
+        s.sampler = dict(meta.get("sampler", s.sampler))
+        s.generated = int(meta.get("generated", 0))
+        return s.sid
+
+    def _check_fingerprint(self, saved: dict, directory: str) -> None:
+        mine = self.fingerprint()
+        diffs = []
+        for key in ("kv_format", "dtype"):
+            if saved.get(key) != mine[key]:
+                diffs.append(f"{key}: saved {saved.get(key)!r}, engine {mine[key]!r}")
+        if saved.get("model_config") != mine["model_config"]:
+            a, b = saved.get("model_config") or {}, mine["model_config"]
+            fields = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            diffs.append("model config fields " + ", ".join(f"{k} (saved {a.get(k)!r}, engine {b.get(k)!r})"
+                                                             for k in fields[:6]))
+        elif saved.get("params_digest") != mine["params_digest"]:
+            diffs.append("model parameters (same config, different weights)")
+        if diffs:
+            raise session_io.SessionFileError(f"{directory} was saved by an incompatible engine: " + "; ".join(diffs))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # public API: accounting
+    # ------------------------------------------------------------------------------------------------------------
+    def memory_report(self) -> dict:
+        """Bytes allocated, per session and in total, on the device and in host memory: counted from the arrays
+        the cache really holds (a session's device bytes are its slot's share of every per-slot array, allocated
+        whether or not the slot is full; its host bytes are the pages it holds, a page shared by k sessions counted
+        1/k to each)."""
+        leaves = jax.tree_util.tree_leaves(self.cache)
+        device = sum(int(x.nbytes) for x in leaves if x.sharding.memory_kind != "pinned_host")
+        host = sum(int(x.nbytes) for x in leaves if x.sharding.memory_kind == "pinned_host")
+        per_slot_device = device // self.max_sessions
+        sessions = {}
+        for sid, s in sorted(self._sessions.items()):
+            pages = [p for p in s.pages if p >= 0]
+            shared = sum(1 for p in pages if self._refs[p] > 1)
+            sessions[sid] = {
+                "slot": s.slot, "tokens": len(s.tokens), "rows": s.processed, "device_bytes": per_slot_device,
+                "host_pages": len(pages), "shared_pages": shared,
+                "host_bytes": int(sum(self.page_bytes / self._refs[p] for p in pages)),
+                "host_rows_written": s.host_rows}
+        used_pages = int((self._refs > 0).sum()) if self.offload else 0
+        return {
+            "mode": self.cache_config.mode, "kv_format": self.cache_config.kv_format,
+            "device": {"cache_bytes": device, "per_slot_bytes": per_slot_device,
+                       "params_bytes": sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.model.params)),
+                       "transient_bytes": self.transient_bytes(), "budget_bytes": self.device_budget_bytes,
+                       "slots": self.max_sessions, "free_slots": len(self._free_slots)},
+            "host": {"pool_bytes": host, "page_bytes": self.page_bytes, "pages": self.pool_pages,
+                     "used_pages": used_pages, "free_pages": len(self._free_pages),
+                     "used_bytes": used_pages * self.page_bytes, "budget_bytes": self.host_budget_bytes},
+            "sessions": sessions,
+        }
+
+    def stats(self, sid) -> dict:
+        """Counters of one session: tokens, MTP acceptance per draft position, and (offload) hits, misses, fills,
+        evictions and the bytes moved between host and device, per layer and in total."""
+        s = self._session(sid)
+        out = {"tokens": len(s.tokens), "processed": s.processed, "generated": s.generated,
+               "mtp_proposed": list(s.mtp_proposed), "mtp_accepted": list(s.mtp_accepted),
+               "mtp_acceptance": [a / p if p else None for a, p in zip(s.mtp_accepted, s.mtp_proposed)]}
+        if self.offload:
+            out.update(offload.slot_stats(self.cache, s.slot))
+            out["host_rows"] = s.host_rows
+            unassigned = int(np.asarray(self.cache.unassigned)[s.slot])
+            if unassigned:
+                raise RuntimeError(f"session {sid}: {unassigned} pages came due with no host page assigned (an engine "
+                                   "bug: their rows stayed in the ring)")
+        return out
+
+    # ------------------------------------------------------------------------------------------------------------
+    # helpers for Model.forward / Model.draft
+    # ------------------------------------------------------------------------------------------------------------
+    def forward_outputs(self, ids: list, outputs: str, progress: bool = False) -> tuple[int, list]:
+        """Open a session on ``ids`` and return (its id, the chunk steps' outputs)."""
+        self._check_rows(len(ids), f"a sequence of {len(ids)} tokens")
+        self._admit(1, self._pages_needed(None, len(ids)), "forward")
+        s = self._new_session(ids)
+        return s.sid, self._chunk_steps(s, ids, outputs=outputs, progress=progress)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One generate call
+# ----------------------------------------------------------------------------------------------------------------
+class _Run:
+    """The decode loop of one ``Engine.generate``: dispatch steps ahead of the device and read each step's small
+    outputs one step later (the device always has the next step queued; the host learns lengths, acceptances and
+    stops with a lag of one step)."""
+
+    LAG = 1
+
+    def __init__(self, engine: Engine, sessions: list, reqs: dict, *, mtp, greedy, seed, temperature, top_p, stop,
+                 on_token, return_logits, progress, selection_override, accept_override):
+        self.e = engine
+        self.sessions = sessions
+        self.reqs = reqs
+        self.mtp, self.greedy = mtp, greedy
+        self.seed = jnp.int32(seed)
+        self.temperature, self.top_p = jnp.float32(temperature), jnp.float32(top_p)
+        self.stop = stop
+        self.on_token = on_token
+        self.return_logits = return_logits
+        self.progress = progress
+        self.selection_override = selection_override
+        self.accept_override = accept_override
+        self.lanes, self.bucket = engine._lanes([s.slot for s in sessions])
+        self.out = {s.sid: [] for s in sessions}
+        self.logits = {s.sid: [] for s in sessions} if return_logits else None
+        self.remaining = np.zeros(self.bucket, np.int64)
+        self.remaining[: len(sessions)] = [reqs[s.sid] for s in sessions]
+        self.call_s: list[float] = []
+        self.copyback_steps: list[int] = []
+        self.proposed = [0] * MAX_MTP_DEPTH
+        self.accepted = [0] * MAX_MTP_DEPTH
+        self.committed = [0] * MAX_MTP_DEPTH
+        self.steps = 0
+        self.t_first = self.t_end = self.t0 = self.t_loop = 0.0
+        self.compile0 = compile_seconds()
+        self.decode_tokens = 0
+        self.bar = None
+
+    # ---- emission ----
+    def _emit(self, b: int, tokens, logits=None) -> None:
+        s = self.sessions[b]
+        for i, t in enumerate(tokens):
+            t = int(t)
+            if self.on_token is not None:
+                self.on_token(s.sid, len(self.out[s.sid]), t)
+            self.out[s.sid].append(t)
+            s.tokens.append(t)
+            s.generated += 1
+            if self.logits is not None and logits is not None:
+                self.logits[s.sid].append(np.asarray(logits[i], np.float32))
+        if self.bar is not None:
+            self.bar.update(len(tokens))
+
+    def _pending(self) -> np.ndarray:
+        p = np.zeros(self.bucket, np.int32)
+        for b, s in enumerate(self.sessions):
+            p[b] = s.tokens[s.processed] if s.pending else 0
+        return p
+
+    def _selection(self, inflight: int):
+        """The benchmark's DSA selection for the next step. Query positions: exact for decode (each step in flight
+        adds one row to an active lane); under MTP they may lag by the steps in flight."""
+        if self.selection_override is None:
+            return None
+        pos = np.array([s.processed + (inflight if self.remaining[b] > inflight else 0)
+                        for b, s in enumerate(self.sessions)], np.int64)
+        sel = np.asarray(self.selection_override(self.steps + 1, pos))
+        K = self.e.topk
+        n = len(self.sessions)
+        if sel.shape != (n, K) or not np.issubdtype(sel.dtype, np.integer):
+            raise ValueError(f"selection_override must return int [{n}, {K}] positions, got {sel.dtype} {sel.shape}")
+        if (sel < 0).any() or (sel >= self.e.capacity).any():
+            raise ValueError(f"selection_override returned positions outside [0, {self.e.capacity})")
+        if any(len(np.unique(r)) != K for r in sel):
+            raise ValueError("selection_override must return distinct positions in each row")
+        full = np.zeros((self.bucket, K), np.int32)
+        full[:n] = sel
+        return jnp.asarray(full)
+
+    # ---- the loop ----
+    def execute(self) -> None:
+        e = self.e
+        self.t0 = time.perf_counter()
+        if self.progress:
+            self.bar = tqdm(total=int(self.remaining.sum()), desc="decode", unit="tok", leave=False)
+        try:
+            self._first_tokens()
+            self.t_first = time.perf_counter()
+            if self.mtp:
+                self._mtp_loop()
+            else:
+                self._decode_loop()
+            self.t_end = time.perf_counter()
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+        del e
+
+    def _first_tokens(self) -> None:
+        """Every session gets a pending token: sessions whose history ends with a processed token sample it from
+        their stored hidden state (it is a new token)."""
+        e = self.e
+        need = [b for b, s in enumerate(self.sessions) if not s.pending]
+        if not need:
+            return
+        lanes, _ = e._lanes([self.sessions[b].slot for b in need])
+        tok, logits = e.model.steps.sample_first(e.model.params, e.cache, lanes, self.seed, self.temperature,
+                                                 self.top_p, greedy=self.greedy)
+        tok, logits = np.asarray(tok), (np.asarray(logits) if self.return_logits else None)
+        stops = set(np.asarray(self.stop).tolist()) - {-1}
+        for i, b in enumerate(need):
+            self._emit(b, [tok[i]], None if logits is None else logits[i:i + 1])
+            self.remaining[b] -= 1
+            if int(tok[i]) in stops:
+                self.remaining[b] = 0
+
+    def _dispatch_ok(self, inflight: collections.deque, absorb, tokens_per_step: int) -> bool:
+        """Whether to dispatch another step. The host knows each lane's remaining count as of the last step it
+        read; each step in flight emits between 1 and ``tokens_per_step`` tokens per active lane. Dispatch when some
+        lane surely still needs a step; stop when none can; in between (only near the end) read the steps in
+        flight first, so no step is dispatched for nothing."""
+        while True:
+            n = len(inflight)
+            if not (self.remaining - n > 0).any():
+                return False
+            if (self.remaining - n * tokens_per_step > 0).any() or not n:
+                return True
+            while inflight:
+                absorb(*inflight.popleft())
+
+    def _copybacks(self, before: list, after: list) -> None:
+        """Pages that became final in a step are written at the start of the next one."""
+        P = self.e.page_rows
+        if any(a // P > b // P for a, b in zip(after, before)):
+            self.copyback_steps.append(self.steps + 1)
+
+    def _decode_loop(self) -> None:
+        e = self.e
+        pages = offload.copy_pages_for(e.cache_config, 1) if e.offload else 0
+        tokens = jnp.asarray(self._pending())
+        remaining = jnp.asarray(self.remaining.astype(np.int32))
+        inflight: collections.deque = collections.deque()
+        t_loop0 = time.perf_counter()
+        while self._dispatch_ok(inflight, self._absorb_decode, 1):
+            sel = self._selection(len(inflight))
+            t = time.perf_counter()
+            rem_in = remaining
+            e.cache, (tokens, logits, remaining) = e.model.steps(
+                "decode", e.model.params, e.cache, self.lanes, tokens, remaining, self.seed, self.temperature,
+                self.top_p, self.stop, sel, greedy=self.greedy, kernels=e.kernels, copy_pages=pages)
+            self.call_s.append(time.perf_counter() - t)
+            self.steps += 1
+            inflight.append((tokens, remaining, logits if self.return_logits else None, rem_in))
+            if len(inflight) > self.LAG:
+                self._absorb_decode(*inflight.popleft())
+        self.t_loop = time.perf_counter() - t_loop0
+        while inflight:
+            self._absorb_decode(*inflight.popleft())
+
+    def _absorb_decode(self, tokens, remaining, logits, remaining_in) -> None:
+        """``remaining_in``: what the step was given (the device's own count): a lane was active iff it was > 0."""
+        tokens, remaining, remaining_in = np.asarray(tokens), np.asarray(remaining), np.asarray(remaining_in)
+        logits = None if logits is None else np.asarray(logits)
+        before = [self.e._committed(s) for s in self.sessions]
+        for b, s in enumerate(self.sessions):
+            if remaining_in[b] > 0:  # the lane was active: it processed its pending token and sampled one
+                s.processed += 1
+                if self.e._has_mtp:
+                    s.mtp_processed = max(s.mtp_processed, s.processed - 1)
+                s.hidden_valid = True
+                self._emit(b, [tokens[b]], None if logits is None else logits[b:b + 1])
+                self.decode_tokens += 1
+        self.remaining = remaining.astype(np.int64)
+        self._copybacks(before, [self.e._committed(s) for s in self.sessions])
+
+    def _mtp_loop(self) -> None:
+        e = self.e
+        pages = offload.copy_pages_for(e.cache_config, self.mtp + 1) if e.offload else 0
+        # A session rolled back into its past has no stored hidden state for its pending token's predecessor:
+        # one plain decode step first gives it one.
+        stale = [b for b, s in enumerate(self.sessions) if not s.hidden_valid and self.remaining[b] > 0]
+        if stale:
+            rem = np.zeros(self.bucket, np.int32)
+            rem[stale] = self.remaining[stale]
+            before = self.remaining.copy()
+            e.cache, (tok, logits, rem_after) = e.model.steps(
+                "decode", e.model.params, e.cache, self.lanes, jnp.asarray(self._pending()), jnp.asarray(rem),
+                self.seed, self.temperature, self.top_p, self.stop, self._selection(0), greedy=self.greedy,
+                kernels=e.kernels, copy_pages=pages)
+            self.steps += 1
+            mask = np.zeros(self.bucket, bool)
+            mask[stale] = True
+            before_rem = np.where(mask, before, 0)
+            rem_after = np.asarray(rem_after)
+            self._absorb_decode(tok, np.where(mask, rem_after, self.remaining), logits if self.return_logits
+                                else None, before_rem)
+        pending = jnp.asarray(self._pending())
+        e.cache, (drafts, draft_p) = e.model.steps(
+            "draft", e.model.params, e.cache, self.lanes, pending, self.seed, self.temperature, self.top_p,
+            depth=self.mtp, greedy=self.greedy, kernels=e.kernels)
+        remaining = jnp.asarray(self.remaining.astype(np.int32))
+        inflight: collections.deque = collections.deque()
+        t_loop0 = time.perf_counter()
+        while self._dispatch_ok(inflight, self._absorb_verify, self.mtp + 1):
+            sel = self._selection(len(inflight))
+            t = time.perf_counter()
+            e.cache, outs = e.model.steps(
+                "verify", e.model.params, e.cache, self.lanes, pending, drafts, draft_p, remaining, self.seed,
+                self.temperature, self.top_p, self.stop, sel, greedy=self.greedy,
+                accept_override=self.accept_override, kernels=e.kernels, copy_pages=pages)
+            emitted, n_emit, logits, pending, drafts, draft_p, remaining, accepted = outs
+            self.call_s.append(time.perf_counter() - t)
+            self.steps += 1
+            inflight.append((emitted, n_emit, remaining, accepted, logits if self.return_logits else None))
+            if len(inflight) > self.LAG:
+                self._absorb_verify(*inflight.popleft())
+        self.t_loop = time.perf_counter() - t_loop0
+        while inflight:
+            self._absorb_verify(*inflight.popleft())
+
+    def _absorb_verify(self, emitted, n_emit, remaining, accepted, logits) -> None:
+        emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
+        remaining, accepted = np.asarray(remaining), np.asarray(accepted)
+        logits = None if logits is None else np.asarray(logits)
+        before = [self.e._committed(s) for s in self.sessions]
+        for b, s in enumerate(self.sessions):
+            n = int(n_emit[b])
+            if n == 0:
+                continue
+            s.processed += n
+            if self.e._has_mtp:
+                s.mtp_processed = max(s.mtp_processed, s.processed - 1)
+            s.hidden_valid = True
+            self._emit(b, emitted[b, :n].tolist(), None if logits is None else logits[b, :n])
+            self.decode_tokens += n
+            for j in range(self.mtp):
+                self.proposed[j] += 1
+                self.accepted[j] += int(accepted[b] > j)
+                self.committed[j] += int(n - 1 > j)
+                s.mtp_proposed[j] += 1
+                s.mtp_accepted[j] += int(accepted[b] > j)
+        self.remaining = remaining.astype(np.int64)
+        self._copybacks(before, [self.e._committed(s) for s in self.sessions])
+
+    def report(self) -> RunReport:
+        logits = None
+        if self.logits is not None:
+            logits = {sid: (np.stack(v) if v else np.zeros((0, self.e.cfg.vocab_size), np.float32))
+                      for sid, v in self.logits.items()}
+        return RunReport(
+            sids=[s.sid for s in self.sessions], tokens={k: list(v) for k, v in self.out.items()}, logits=logits,
+            first_token_s=self.t_first - self.t0, decode_s=max(self.t_end - self.t_first, 0.0),
+            decode_tokens=self.decode_tokens, steps=self.steps, step_call_s=list(self.call_s),
+            host_loop_s=self.t_loop, compile_s=compile_seconds() - self.compile0, bucket=self.bucket, mtp=self.mtp,
+            copyback_steps=list(self.copyback_steps), mtp_proposed=self.proposed[: self.mtp],
+            mtp_accepted=self.accepted[: self.mtp], mtp_committed=self.committed[: self.mtp])

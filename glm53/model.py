@@ -9,8 +9,10 @@ comment says so:
 - Top-k ties are broken by one fixed rule everywhere: the earlier position wins (``kernels_pallas.indexer_topk``).
 - MoE experts run as sorted ragged matmuls (``jax.lax.ragged_dot``) instead of a loop over experts.
 
-Every layer call takes a ``Step`` (positions of the tokens being processed) and the ``KVCache`` pytree and returns the
-new cache; ``glm53.cache`` decides where rows live (resident or offload), so this file is the same for both.
+Every layer call takes a ``Step`` (positions of the tokens being processed, the session slot of each lane) and the
+cache pytree and returns the new cache plus what the layer read (a ``Round``, for the offload fill at the end of the
+step); the cache type decides where rows live (``glm53.cache`` / ``glm53.offload``), so this file is the same for
+both.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm53 import cache as kvcache
+from glm53.cache import Lanes
 from glm53.config import ModelConfig
 from kernels_pallas import ops
 
@@ -37,22 +39,37 @@ F32 = jnp.float32
 @flax.struct.dataclass
 class Step:
     positions: Array  # int32[B, T] absolute position of each token
-    write_positions: Array  # int32[B, T] = positions for real tokens, capacity (dropped) for padding
+    write_positions: Array  # int32[B, T] = positions for rows the step writes, capacity (dropped) otherwise
     cos: Array  # [B, T, rope/2] in the compute dtype
     sin: Array
+    lanes: Lanes  # the session slot of each lane; inactive lanes are padding
     # Benchmarks may dictate the DSA selection (int32[B, T, K]) to control locality. The indexer still runs and its
     # result is merged with a traced select, so XLA cannot drop it: the cost of a step is unchanged.
     selection: Array | None = None
+    # What the step is compiled for (static): the kernel implementation ("auto" | "pallas" | "reference", see
+    # kernels_pallas.ops), whether its rounds fill the offload hot cache (decode, verify), whether they read the
+    # history in bulk (prefill / large append chunks), how often one position can repeat in a layer's round (verify
+    # rows, MTP drafts), and how many pages per lane its offload copyback may write first.
+    kernels: str = flax.struct.field(pytree_node=False, default="auto")
+    fill: bool = flax.struct.field(pytree_node=False, default=False)
+    bulk: bool = flax.struct.field(pytree_node=False, default=False)
+    repeats: int = flax.struct.field(pytree_node=False, default=1)
+    copy_pages: int = flax.struct.field(pytree_node=False, default=0)
 
 
-def make_step(start: Array, n_valid: Array, T: int, capacity: int, cfg: ModelConfig, dtype,
-              selection: Array | None = None) -> Step:
-    """Positions ``start[b] + t`` for ``t < T``; tokens ``t >= n_valid[b]`` are padding and write nothing."""
+def make_step(start: Array, n_valid: Array, T: int, capacity: int, cfg: ModelConfig, dtype, lanes: Lanes, *,
+              write_mask: Array | None = None, selection: Array | None = None, **static) -> Step:
+    """Positions ``start[b] + t`` for ``t < T``. Tokens ``t >= n_valid[b]``, tokens of inactive lanes and tokens where
+    ``write_mask`` is False write nothing."""
     t = jnp.arange(T, dtype=jnp.int32)[None, :]
     positions = start[:, None].astype(jnp.int32) + t
-    write_positions = jnp.where(t < n_valid[:, None], positions, capacity)
+    writes = (t < n_valid[:, None]) & lanes.active[:, None] & (positions >= 0)
+    if write_mask is not None:
+        writes = writes & write_mask
+    write_positions = jnp.where(writes, positions, capacity)
     cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta, dtype)
-    return Step(positions=positions, write_positions=write_positions, cos=cos, sin=sin, selection=selection)
+    return Step(positions=positions, write_positions=write_positions, cos=cos, sin=sin, lanes=lanes,
+                selection=selection, **static)
 
 
 def rope_cos_sin(positions: Array, dim: int, theta: float, dtype) -> tuple[Array, Array]:
@@ -133,22 +150,27 @@ class Indexer(nn.Module):
         # The reference keeps weights_proj in float32 (_keep_in_fp32_modules) and feeds it float32 activations.
         self.weights_proj = self.param("weights_proj", _normal(c), (c.hidden_size, c.index_n_heads), F32)
 
-    def __call__(self, x: Array, q_resid: Array, step: Step, cache: kvcache.KVCache):
+    def keys(self, x: Array, step: Step) -> Array:
+        """The indexer keys ``[B, T, index_head_dim]`` of the tokens ``x`` (what the cache stores)."""
+        r = self.cfg.qk_rope_head_dim
+        k = layer_norm(self.wk(x), self.k_norm_weight, self.k_norm_bias, 1e-6)
+        # The indexer puts its rope dims first (MLA puts them last).
+        return jnp.concatenate([apply_rope_interleaved(k[..., :r], step.cos, step.sin), k[..., r:]], axis=-1)
+
+    def __call__(self, x: Array, q_resid: Array, step: Step, cache):
         c = self.cfg
         B, T, _ = x.shape
         r = c.qk_rope_head_dim
         q = self.wq_b(q_resid).reshape(B, T, c.index_n_heads, c.index_head_dim)
-        k = layer_norm(self.wk(x), self.k_norm_weight, self.k_norm_bias, 1e-6)
-        # The indexer puts its rope dims first (MLA puts them last).
         q = jnp.concatenate([apply_rope_interleaved(q[..., :r], step.cos[:, :, None], step.sin[:, :, None]),
                              q[..., r:]], axis=-1)
-        k = jnp.concatenate([apply_rope_interleaved(k[..., :r], step.cos, step.sin), k[..., r:]], axis=-1)
-        cache = kvcache.write_index_keys(cache, self.layer, k, step.write_positions)
-        keys = kvcache.layer_index_keys(cache, self.layer)
+        cache = cache.write_index_keys(self.layer, self.keys(x, step), step)
+        key_planes, key_plane = cache.index_keys_for(self.layer, step)
         weights = jnp.dot(x.astype(F32), self.weights_proj) * (c.index_n_heads ** -0.5)
-        scores = ops.indexer_scores(q, weights, keys, step.positions, softmax_scale=c.index_head_dim ** -0.5)
-        k_sel = min(c.index_topk, keys.shape[1])
-        topk = ops.topk_positions(scores, k_sel)
+        scores = ops.indexer_scores(q, weights, key_planes, key_plane, step.positions,
+                                    softmax_scale=c.index_head_dim ** -0.5, impl=step.kernels)
+        k_sel = min(c.index_topk, cache.capacity)
+        topk = ops.topk_positions(scores, k_sel, impl=step.kernels)
         if step.selection is not None:
             if step.selection.shape != topk.shape:
                 raise ValueError(f"selection override has shape {step.selection.shape}, the indexer selects "
@@ -176,7 +198,23 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(h * c.v_head_dim, c.hidden_size, c, self.dtype)
         self.indexer = Indexer(c, self.layer, self.dtype) if c.layer_indexer_type(self.layer) == "full" else None
 
-    def __call__(self, x: Array, step: Step, cache: kvcache.KVCache, prev_topk: Array | None):
+    def _kv(self, x: Array, step: Step) -> tuple[Array, Array]:
+        """The row the cache stores for each token: (latent [B, T, kv_lora], rope key [B, T, rope])."""
+        c = self.cfg
+        ckv = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(ckv[..., :c.kv_lora_rank])
+        return latent, apply_rope_interleaved(ckv[..., c.kv_lora_rank:], step.cos, step.sin)
+
+    def write_kv(self, x: Array, step: Step, cache):
+        """Only store the tokens' KV rows and indexer keys (no attention): the MTP layer's rows of verified
+        positions, whose outputs nobody needs."""
+        latent, k_rope = self._kv(x, step)
+        cache = cache.write_rows(self.layer, latent, k_rope, step)
+        if self.indexer is not None:
+            cache = cache.write_index_keys(self.layer, self.indexer.keys(x, step), step)
+        return cache
+
+    def __call__(self, x: Array, step: Step, cache, prev_topk: Array | None):
         c = self.cfg
         B, T, _ = x.shape
         h, nope, v = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
@@ -184,12 +222,10 @@ class MLAttention(nn.Module):
         q = self.q_b_proj(q_resid).reshape(B, T, h, c.qk_head_dim)
         q_nope = q[..., :nope]
         q_rope = apply_rope_interleaved(q[..., nope:], step.cos[:, :, None], step.sin[:, :, None])
-        ckv = self.kv_a_proj_with_mqa(x)
-        latent = self.kv_a_layernorm(ckv[..., :c.kv_lora_rank])
-        k_rope = apply_rope_interleaved(ckv[..., c.kv_lora_rank:], step.cos, step.sin)
+        latent, k_rope = self._kv(x, step)
         # Write first, then read: the current tokens attend to themselves through the cache, so they see the same
         # (possibly quantised) bytes as every later step will.
-        cache = kvcache.write_rows(cache, self.layer, latent, k_rope, step.write_positions)
+        cache = cache.write_rows(self.layer, latent, k_rope, step)
 
         if self.indexer is not None:
             topk, cache = self.indexer(x, q_resid, step, cache)
@@ -198,8 +234,8 @@ class MLAttention(nn.Module):
                 raise ValueError(f"layer {self.layer} has a shared indexer but no earlier full layer")
             topk = prev_topk
         attend = topk <= step.positions[..., None]  # causal; masks the "-inf" picks of rows with < K history
-        valid = attend & (step.write_positions < cache.capacity)[..., None]  # ... and padding tokens
-        lat_sel, rope_sel, cache = kvcache.gather_rows(cache, self.layer, topk, valid, x.dtype)  # [B,T,K,512|64]
+        valid = attend & (step.write_positions < cache.capacity)[..., None]  # ... and rows that write nothing
+        lat_sel, rope_sel, cache, round_ = cache.gather_rows(self.layer, topk, valid, step, x.dtype)
 
         w_kv_b = self.kv_b_proj.reshape(c.kv_lora_rank, h, nope + v)
         w_uk, w_uv = w_kv_b[..., :nope].astype(x.dtype), w_kv_b[..., nope:].astype(x.dtype)
@@ -211,7 +247,7 @@ class MLAttention(nn.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         o_lat = jnp.einsum("bthk,btkc->bthc", probs, lat_sel)
         o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv).reshape(B, T, h * v)
-        return self.o_proj(o), cache, topk
+        return self.o_proj(o), cache, topk, round_
 
 
 class MLP(nn.Module):
@@ -289,10 +325,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(c, self.dtype) if c.is_moe_layer(self.layer) else MLP(c, c.intermediate_size, self.dtype)
 
     def __call__(self, x, step: Step, cache, prev_topk):
-        a, cache, topk = self.self_attn(self.input_layernorm(x), step, cache, prev_topk)
+        a, cache, topk, round_ = self.self_attn(self.input_layernorm(x), step, cache, prev_topk)
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, cache, topk
+        return x, cache, topk, round_
+
+    def write_kv(self, x, step: Step, cache):
+        return self.self_attn.write_kv(self.input_layernorm(x), step, cache)
 
 
 class GLM5(nn.Module):
@@ -311,31 +350,38 @@ class GLM5(nn.Module):
         if c.num_nextn_predict_layers:
             self.mtp_layer = MTPModule(c, c.num_hidden_layers, self.dtype)
 
-    def __call__(self, tokens: Array, step: Step, cache: kvcache.KVCache):
-        """Run the main layers on ``tokens [B, T]``; returns (final-normed hidden [B, T, H], cache)."""
+    def __call__(self, tokens: Array, step: Step, cache):
+        """Run the main layers on ``tokens [B, T]``; returns (final-normed hidden [B, T, H], cache, rounds)."""
         x = jnp.take(self.embed_tokens, tokens, axis=0)
-        topk = None
+        topk, rounds = None, []
         for layer in self.layers:
-            x, cache, topk = layer(x, step, cache, topk)
-        return self.norm(x), cache
+            x, cache, topk, round_ = layer(x, step, cache, topk)
+            rounds.append(round_)
+        return self.norm(x), cache, rounds
 
     def logits(self, hidden: Array) -> Array:
         head = self.embed_tokens.T if self.cfg.tie_word_embeddings else self.lm_head
-        return jnp.dot(hidden, head.astype(hidden.dtype), preferred_element_type=F32)
+        return jnp.dot(hidden.astype(self.dtype), head.astype(self.dtype), preferred_element_type=F32)
 
-    def mtp(self, hidden: Array, next_tokens: Array, step: Step, cache: kvcache.KVCache):
-        """MTP module: from the main model's final-normed hidden at position i and the token at i+1, the hidden
-        state (normed by the shared head's norm) whose logits predict the token at i+2."""
+    def mtp(self, hidden: Array, next_tokens: Array, step: Step, cache):
+        """MTP module: from a final-normed hidden state at position i and the token at i + 1, the hidden state
+        (normed by the shared head's norm) whose logits predict the token at i + 2. ``step`` holds the positions i
+        (the MTP layer's rows). Returns (mtp hidden, cache, round)."""
         emb = jnp.take(self.embed_tokens, next_tokens, axis=0)
         return self.mtp_layer(emb, hidden, step, cache)
 
-    def mtp_logits(self, mtp_hidden: Array) -> Array:
-        return self.logits(mtp_hidden)
+    def mtp_kv(self, hidden: Array, next_tokens: Array, step: Step, cache):
+        """Only the MTP layer's KV rows and indexer keys for the pairs (hidden at i, token at i + 1): what a
+        step that processes those tokens owes the MTP layer, without its attention, MLP or head."""
+        emb = jnp.take(self.embed_tokens, next_tokens, axis=0)
+        return self.mtp_layer.write_kv(emb, hidden, step, cache)
 
 
 class MTPModule(nn.Module):
     """DeepSeek-V3-style next-n prediction: eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]) -> decoder layer ->
-    shared_head.norm; the embedding and the LM head are the main model's (the checkpoint's copies are identical)."""
+    shared_head.norm; the embedding and the LM head are the main model's (the checkpoint's copies are identical).
+    Drafting deeper than one token applies the module recursively, its own output hidden state standing in for the
+    main model's."""
 
     cfg: ModelConfig
     layer: int
@@ -349,7 +395,12 @@ class MTPModule(nn.Module):
         self.block = DecoderLayer(c, self.layer, self.dtype)
         self.shared_head_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
 
+    def _input(self, emb, hidden):
+        return self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(hidden.astype(emb.dtype))], axis=-1))
+
     def __call__(self, emb, hidden, step, cache):
-        x = self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(hidden.astype(emb.dtype))], axis=-1))
-        x, cache, _ = self.block(x, step, cache, None)
-        return self.shared_head_norm(x), cache
+        x, cache, _, round_ = self.block(self._input(emb, hidden), step, cache, None)
+        return self.shared_head_norm(x), cache, round_
+
+    def write_kv(self, emb, hidden, step, cache):
+        return self.block.write_kv(self._input(emb, hidden), step, cache)

@@ -1,81 +1,94 @@
 """Offload mode: the MLA history in host memory (``pinned_host``), a bounded hot cache on the accelerator.
 
-This is the article's final design ("let the GPU manage the hot cache directly") as data plus pure functions:
+This is the article's final design ("let the GPU manage the hot cache directly") as data plus pure functions, the
+second implementation of the cache interface in ``glm53.cache``:
 
-* **Host history: a paged pool.** Every session's rows live in pages of ``copyback_every`` rows; a page holds that
-  span of rows for *all* cache layers, contiguously (flat planes ``[pages * L * P, W]``, row of (page, layer, r) at
-  ``(page * L + layer) * P + r``). So one copyback of new rows for all layers is one contiguous write per plane —
-  the article's lesson is that the number of host writes, not their size, is the cost (h200-probe: ~0.6 ms per
-  write regardless of size). A session's history is never contiguous and never copied when it grows: growth takes
-  pages from a free list between steps (``Driver``), and the pool is allocated once from the host budget, so
-  admission control can count real allocation. Per-session arrays with a capacity were rejected: growing one means
-  copying the whole history, and sessions of different lengths would waste the pool.
-* **Device state** (``OffloadState``, per layer and session): ``hot`` slots, ``slot_of_position`` and its inverse
-  ``position_of_slot``, pins (``pin_round``: slots the latest round read as hits), the circular ``clock``, the recent
-  ``ring`` of rows not yet in host memory, and counters.
-* **One round per layer** (``gather_rows``, inside the jitted step, no host round trip): classify each selected
-  position — ``p >= host_len``: ring; ``slot_of_position[p] >= 0``: hit; else miss — then one Pallas kernel
-  (``kernels_pallas.hot_gather``) reads ring and hot rows from device memory and misses straight from host memory,
-  and returns them dequantised for attention and packed for the fill; the round's unique misses are installed into
-  victim slots for *later* rounds (decode: ``finish_round``, batched over the layers at the end of the step;
-  prefill chunks: right after each layer's gather). The fill's bookkeeping (pins, victims, slot maps, clock,
-  counters) is ``kernels_pallas.fill_round``, one Pallas program per layer and session for decode rounds (in XLA it
-  was ~15 small kernels a step); its rows are copied by ``kernels_pallas.fill_rows``, which touches only the rows
-  really filled. Visibility comes from data dependence: fills happen after the gather, so
-  slots filled this round are hit sources only next round, and duplicate misses of one round each read host
-  memory. Victims are the first unpinned slots from ``clock`` onward in circular order, found with one cumsum
-  over a window of slots (no pathological scan like the article's clock with reference bits). Prefill chunks are
-  rounds too, so the same rule warms the hot cache during prefill: at its end the slots hold the rows the last
-  chunks' queries selected from host memory, the ones decode is most likely to select next.
-* **Batched copyback** (``Driver.after_step`` -> ``_copyback``): whenever a session has ``copyback_every`` rows in
-  the ring, those rows of all layers go to its next host page in one write per plane, in place (donated). It is
-  its own small jitted call between steps, which only read the history. The two alternatives measured worse or no
-  better on the H200 (``experiments.bench_copyback``): threading the history through every step (donated and
-  returned) changed nothing, and making the copyback a static variant of the step cost ~49 ms per copyback.
+* **Host history: a paged pool.** Every session's rows live in pages of ``copyback_every`` (P) rows; a page holds
+  that span of rows for *all* cache layers, contiguously (flat planes ``[pages * L * P, W]``, row of (page, layer,
+  r) at ``(page * L + layer) * P + r``), so the copy of one page is L contiguous blocks. A session's history is
+  never contiguous and never copied when it grows: the engine assigns pool pages to a session's page table ahead
+  of the steps that fill them (admission counts pages, not lengths), and a page, once written, is immutable, so
+  ``fork`` shares it. Per-session arrays with a capacity were rejected: growing one means copying the history, and
+  sessions of different lengths would waste the pool.
+* **Device state** (per layer and slot): ``hot`` slots, ``slot_of_position`` and its inverse ``position_of_slot``,
+  pins (``pin_round``: slots the latest round read as hits), the circular ``clock``, the recent ``ring`` of rows not
+  yet in host memory, the ``page_table``, ``host_len`` (rows in host pages) and counters.
+* **Copyback inside the step, first.** A step begins by writing every page whose rows became final in earlier
+  steps (all layers, the MTP layer one position behind) from the ring to its pool page with one Pallas kernel
+  (``kernels_pallas.copy_blocks``, zero-copy writes), then does its reads. Measured on the H200
+  (``.probe`` runs recorded in experiments/results/copyback_in_step.json): a separate copyback call between steps
+  blocked the host for ~3x a step (its donation of the pool waits for the queued steps that read it) and made every
+  copyback step a stall; a write placed *after* the step's reads of the pool made XLA copy the whole pool twice per
+  step (it cannot order an aliased write after readers it does not depend on); written first, nothing is copied,
+  steps that copy take no longer than others, and the wall time per step is that of a step without copyback.
+  Only final rows are ever written: pages whose rows are all below ``min(lengths, mtp_lengths)``.
+* **One round per layer** (``gather_rows``): classify each selected position — ``p >= host_len``: ring;
+  ``slot_of_position[p] >= 0``: hit; else miss — and one Pallas kernel (``kernels_pallas.hot_gather``) reads ring
+  and hot rows from device memory and misses straight from host memory, returning them dequantised for attention
+  and packed for the fill. Decode and MTP-verify steps then install the misses into victim slots for *later*
+  rounds, for every layer at once at the end of the step (``finish_step``; per-layer fills cost ~15% of decode
+  speed on the H200). The fill's bookkeeping is ``kernels_pallas.fill_round`` (one program per layer and lane; it
+  deduplicates positions that several verify rows or drafts selected), its row copy ``fill_rows``. Visibility
+  comes from data dependence: fills happen after every read of the step, so a slot filled in a round is a hit
+  source only in a later step, and duplicate misses of one round each read host memory (the article's rule).
+  Victims are the first unpinned slots from ``clock`` onward in circular order (no clock-with-reference-bits
+  pathology).
+* **Prefill and large appends read the history in bulk** (``step.bulk``): per layer, the lane's whole host history
+  is copied to a transient device buffer (one Pallas pass over its pages, ~45 GB/s zero-copy) and the chunk's
+  queries gather from it and the ring. A chunk of C queries selects up to C x index_topk rows, far more than the
+  history at the lengths where chunks run (1,024 x 2,048 = 2M entries against 50K rows), so one bulk read per layer
+  replaces millions of scattered PCIe reads; the engine picks bulk when C x index_topk >= host rows. The buffer's
+  creation is tied to the layer's own selection, so at most one layer's buffer is alive: transient device memory is
+  ``lanes x capacity x row bytes`` (``Engine.memory_report`` counts it). Bulk rounds leave the hot cache as it is.
 
 Resident and offload read the same packed bytes for every position (rows are packed once, when written), so their
-logits and tokens are bit-identical; the tests check it.
-
-On the CPU backend XLA cannot gather from ``pinned_host`` operands, so the reference path there copies the host
-planes to the device inside the step (both are host RAM on a CPU; the GPU path reads them zero-copy).
+logits and tokens are bit-identical; the tests check it in every path.
 """
 
 from __future__ import annotations
-
-import collections
-import functools
-from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import kv_formats
+from glm53.cache import CacheBase, Round, Sessions, init_index_keys, init_sessions, key_slots, place
 from glm53.config import CacheConfig, ConfigError, ModelConfig
+from kernels_pallas import kv_formats, ops
+from kernels_pallas.hot_gather import HOST, HOT, RING
 
-COUNTERS = ("hits", "misses", "ring_reads", "fills", "evictions")
+COUNTERS = ("hits", "misses", "ring_reads", "fills", "evictions")  # the fill kernel's order
 Array = jax.Array
+
+# Verify rounds read T = depth + 1 <= 4 rows per session; decode 1. Chunks of more tokens never fill.
+MAX_VERIFY_ROWS = 4
 
 
 @flax.struct.dataclass
-class OffloadState:
-    page_table: Array  # int32[B, pages_per_session]: logical page -> pool page (-1 = not in host memory yet)
-    host_len: Array  # int32[B]: rows [0, host_len) are in host memory; [host_len, length) only in the ring
-    ring: dict  # plane -> [L, B, R, W] device: row of position p at p % R
-    hot: dict  # plane -> [L, B, H, W] device
-    slot_of_position: Array  # int32[L, B, N]: hot slot holding position p (-1 = not hot)
-    position_of_slot: Array  # int32[L, B, H]: position held by a slot (-1 = empty)
+class OffloadCache(CacheBase):
+    sessions: Sessions
+    index_keys: Array
+    pool: dict  # plane -> [pool_pages * L * P, W] in pinned_host memory
+    page_table: Array  # int32[S, N // P]: logical page -> pool page (-1 = none assigned)
+    host_len: Array  # int32[S]: rows [0, host_len) are in host pages (a multiple of P); the rest only in the ring
+    ring: dict  # plane -> [L, S, R, W]: row of position p at p % R
+    hot: dict  # plane -> [L, S, H, W]
+    slot_of_position: Array  # int32[L, S, N]: hot slot holding position p (-1 = not hot)
+    position_of_slot: Array  # int32[L, S, H]: position held by a slot (-1 = empty)
     # Pins as round stamps: a slot is pinned by a round when it was read there as a hit (never that round's victim).
-    # Stamping the round's hit slots in place replaces clearing and re-setting a whole [H] mask every round.
-    pin_round: Array  # int32[L, B, H]: the round in which a slot was last read as a hit (-1 never)
-    rounds: Array  # int32[L, B]: rounds completed (decode steps, prefill chunks) per layer and session
-    clock: Array  # int32[L, B]: where the next victim search starts
-    counters: Array  # int32[L, B, len(COUNTERS)]
-    copybacks: Array  # int32[B]: pages written to host memory
-    # Inside a step only: each layer's round awaiting its fill (``finish_round``); always None between steps.
-    pending: Any = None
+    pin_round: Array  # int32[L, S, H]
+    rounds: Array  # int32[L, S]: fill rounds completed
+    clock: Array  # int32[L, S]: where the next victim search starts
+    counters: Array  # int32[L, S, len(COUNTERS)]
+    bulk_rows: Array  # int32[L, S]: rows read from host memory by bulk (prefill / append) rounds
+    copybacks: Array  # int32[S]: pages written to host memory
+    unassigned: Array  # int32[S]: pages that were due with no pool page assigned (an engine bug if ever > 0)
+    kv_format: str = flax.struct.field(pytree_node=False, default="bf16")
+    key_slot_of_layer: tuple = flax.struct.field(pytree_node=False, default=())
+    _has_mtp_layer: bool = flax.struct.field(pytree_node=False, default=False)
     page_rows: int = flax.struct.field(pytree_node=False, default=64)
+
+    mode = "offload"
 
     @property
     def ring_rows(self) -> int:
@@ -86,23 +99,359 @@ class OffloadState:
         return int(self.position_of_slot.shape[2])
 
     @property
-    def pinned(self) -> Array:
-        """bool[L, B, H]: the slots the latest round read as hits."""
-        return self.pin_round == self.rounds[..., None]
+    def pool_pages(self) -> int:
+        return int(next(iter(self.pool.values())).shape[0]) // (self.num_layers * self.page_rows)
 
-    def nbytes(self) -> dict[str, int]:
-        return {"hot": sum(int(a.nbytes) for a in self.hot.values()),
-                "ring": sum(int(a.nbytes) for a in self.ring.values()),
-                "slot_maps": int(self.slot_of_position.nbytes + self.position_of_slot.nbytes
-                                  + self.pin_round.nbytes),
-                "page_table": int(self.page_table.nbytes)}
+    def _flat(self, planes: dict) -> dict:
+        return {n: a.reshape(-1, a.shape[-1]) for n, a in planes.items()}
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Inside a step
+    # ------------------------------------------------------------------------------------------------------------
+    def begin_step(self, step) -> "OffloadCache":
+        """Write every page that became final before this step (at most ``step.copy_pages`` per lane) to its pool
+        page, before anything reads the pool (see the module doc: written first, XLA copies nothing)."""
+        G = step.copy_pages
+        if not G:
+            return self
+        with jax.named_scope("offload_copyback"):
+            return self._copyback(step.lanes, G, step.kernels)
+
+    def _copyback(self, lanes, G: int, kernels: str) -> "OffloadCache":
+        S, L, P, R = self.num_slots, self.num_layers, self.page_rows, self.ring_rows
+        slot = lanes.slot
+        pages = self.page_table.shape[1]
+        first = self.host_len[slot] // P
+        due = jnp.maximum(self.committed()[slot] // P - first, 0)
+        g = jnp.arange(G, dtype=jnp.int32)
+        k = first[:, None] + g[None, :]  # [B, G] logical pages
+        pool_page = jnp.take_along_axis(self.page_table[slot], jnp.clip(k, 0, pages - 1), axis=1)
+        want = lanes.active[:, None] & (g[None, :] < due[:, None])
+        ok = want & (pool_page >= 0)
+        # Pages are written in order: stop at the first one without a pool page (host_len stays contiguous).
+        n_written = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [B]
+        do = g[None, :] < n_written[:, None]
+        l = jnp.arange(L, dtype=jnp.int32)[None, None, :]
+        src = (l * S + slot[:, None, None]) * R + ((k * P) % R)[..., None]
+        dst = (jnp.maximum(pool_page, 0)[..., None] * L + l) * P
+        count = jnp.broadcast_to(jnp.where(do, P, 0)[..., None], src.shape)
+        pool = ops.copy_blocks(self.pool, self._flat(self.ring), src.reshape(-1).astype(jnp.int32),
+                               dst.reshape(-1).astype(jnp.int32), count.reshape(-1).astype(jnp.int32),
+                               block_size=P, impl=kernels)
+        ws = lanes.write_slot(S)
+        return self.replace(pool=pool, host_len=self.host_len.at[ws].add(n_written * P, mode="drop"),
+                            copybacks=self.copybacks.at[ws].add(n_written, mode="drop"),
+                            unassigned=self.unassigned.at[ws].add(jnp.sum(want & ~ok, axis=1).astype(jnp.int32),
+                                                                  mode="drop"))
+
+    @jax.named_scope("offload_ring_write")
+    def write_rows(self, layer: int, latent: Array, rope: Array, step) -> "OffloadCache":
+        """New rows go to the ring only; host memory gets them once their page is final."""
+        planes = kv_formats.pack(self.fmt, latent, rope)
+        R = self.ring_rows
+        slot = step.lanes.write_slot(self.num_slots)
+        pos = step.write_positions
+        ring_pos = jnp.where(pos < self.capacity, pos % R, R)  # padding tokens: dropped
+        ring = {n: a.at[layer, slot[:, None], ring_pos].set(planes[n].astype(a.dtype), mode="drop")
+                for n, a in self.ring.items()}
+        return self.replace(ring=ring)
+
+    @jax.named_scope("offload_classify")
+    def classify(self, layer: int, positions: Array, lanes) -> tuple[Array, Array, Array]:
+        """Source (ring / hot / host) and flat row of each selected position ``[B, M]`` of one layer, and the hot
+        slot of hits."""
+        S, L, N = self.num_slots, self.num_layers, self.capacity
+        P, R, H = self.page_rows, self.ring_rows, self.hot_rows
+        slot = lanes.slot[:, None]
+        pages = self.page_table.shape[1]
+        p = jnp.clip(positions, 0, N - 1)
+        in_ring = positions >= self.host_len[lanes.slot][:, None]
+        hot_slot = jnp.take(self.slot_of_position.reshape(-1), (layer * S + slot) * N + p)
+        hit = ~in_ring & (hot_slot >= 0)
+        page = jnp.take(self.page_table.reshape(-1), slot * pages + p // P)
+        ring_row = (layer * S + slot) * R + p % R
+        hot_row = (layer * S + slot) * H + jnp.maximum(hot_slot, 0)
+        host_row = (jnp.maximum(page, 0) * L + layer) * P + p % P
+        source = jnp.where(in_ring, RING, jnp.where(hit, HOT, HOST)).astype(jnp.int32)
+        row = jnp.where(in_ring, ring_row, jnp.where(hit, hot_row, host_row)).astype(jnp.int32)
+        return source, row, hot_slot
+
+    def gather_rows(self, layer: int, selected: Array, valid: Array, step, dtype):
+        """One round of one layer: the selected rows from the ring, the hot cache, host memory (or the bulk
+        buffer). Returns ``(latent [B,T,K,512], rope [B,T,K,64], cache, round)``; ``round`` is what the fill at the
+        end of the step needs (decode / verify steps), else None."""
+        B, T, K = selected.shape
+        pos = selected.reshape(B, T * K).astype(jnp.int32)
+        if step.bulk:
+            latent, rope, cache = self._gather_bulk(layer, pos, valid, step, dtype)
+            return latent.reshape(B, T, K, -1), rope.reshape(B, T, K, -1), cache, None
+        source, row, hot_slot = self.classify(layer, pos, step.lanes)
+        with jax.named_scope("offload_gather"):
+            latent, rope, packed = ops.hot_gather(source.reshape(-1), row.reshape(-1), self._flat(self.ring),
+                                                  self._flat(self.hot), self.pool, kv_format=self.kv_format,
+                                                  out_dtype=dtype, impl=step.kernels)
+        valid = valid.reshape(B, T * K) & step.lanes.active[:, None]
+        cache, round_ = self, None
+        if step.fill:
+            round_ = Round(pos=pos, source=source, slot=hot_slot, valid=valid,
+                           packed={n: v.reshape(B, T * K, -1) for n, v in packed.items()}, layer=layer)
+        else:  # a read-only round (small appends): count it, fill nothing
+            cache = self._count(layer, step.lanes, source, valid)
+        return latent.reshape(B, T, K, -1), rope.reshape(B, T, K, -1), cache, round_
+
+    def _count(self, layer: int, lanes, source: Array, valid: Array) -> "OffloadCache":
+        tally = jnp.stack([jnp.sum((source == s) & valid, axis=1) for s in (HOT, HOST, RING)], axis=1)
+        add = jnp.concatenate([tally, jnp.zeros((tally.shape[0], 2), jnp.int32)], axis=1).astype(jnp.int32)
+        ws = lanes.write_slot(self.num_slots)
+        return self.replace(counters=self.counters.at[layer, ws].add(add, mode="drop"))
+
+    def _gather_bulk(self, layer: int, pos: Array, valid: Array, step, dtype):
+        """Bulk round: copy the lanes' host history of this layer to a device buffer, then gather from it and the
+        ring."""
+        B, M = pos.shape
+        S, L, N, P, R = self.num_slots, self.num_layers, self.capacity, self.page_rows, self.ring_rows
+        lanes = step.lanes
+        slot = lanes.slot
+        k = jnp.arange(N // P, dtype=jnp.int32)[None, :]
+        host_len = self.host_len[slot]
+        pool_page = self.page_table[slot]  # [B, N // P]
+        count = jnp.where(lanes.active[:, None] & (k * P < host_len[:, None]) & (pool_page >= 0), P, 0)
+        src = (jnp.maximum(pool_page, 0) * L + layer) * P
+        dst = jnp.arange(B, dtype=jnp.int32)[:, None] * N + k * P
+        # Tie the copy to this layer's selection: without it XLA may start every layer's copy at once, and the
+        # transient device memory would be every layer's history instead of one.
+        src, pos = jax.lax.optimization_barrier((src, pos))
+        with jax.named_scope("offload_bulk_read"):
+            buf = {n: jnp.zeros((B * N, a.shape[1]), a.dtype) for n, a in self.pool.items()}
+            buf = ops.copy_blocks(buf, self.pool, src.reshape(-1).astype(jnp.int32),
+                                  dst.reshape(-1).astype(jnp.int32), count.reshape(-1).astype(jnp.int32),
+                                  block_size=P, impl=step.kernels)
+        p = jnp.clip(pos, 0, N - 1)
+        in_ring = pos >= host_len[:, None]
+        ring_row = (layer * S + slot[:, None]) * R + p % R
+        buf_row = jnp.arange(B, dtype=jnp.int32)[:, None] * N + p
+        source = jnp.where(in_ring, RING, HOT).astype(jnp.int32)
+        row = jnp.where(in_ring, ring_row, buf_row).astype(jnp.int32)
+        with jax.named_scope("offload_gather"):
+            latent, rope, _ = ops.hot_gather(source.reshape(-1), row.reshape(-1), self._flat(self.ring), buf, buf,
+                                             kv_format=self.kv_format, out_dtype=dtype, impl=step.kernels)
+        ws = lanes.write_slot(S)
+        cache = self.replace(bulk_rows=self.bulk_rows.at[layer, ws].add(host_len, mode="drop"))
+        return latent, rope, cache
+
+    @jax.named_scope("offload_fill")
+    def finish_step(self, rounds, step) -> "OffloadCache":
+        """Install every layer's misses of this step into victim slots, in one batched pass over the layers.
+
+        A layer's fill only has to happen before that layer's next gather (next step), and the layers' hot caches
+        are independent, so the result is the same as filling after each gather; one pass over [layers, lanes]
+        launches the fill's kernels once per step instead of once per layer. A layer with several rounds in one
+        step (the MTP layer, once per draft) gets their entries concatenated: their fills then also happen after
+        all of them read, as the visibility rule requires."""
+        rounds = [r for r in (rounds or ()) if r is not None]
+        if not rounds or not step.fill:
+            return self
+        by_layer: dict[int, list] = {}
+        for r in rounds:
+            by_layer.setdefault(r.layer, []).append(r)
+        layers = tuple(sorted(by_layer))
+        merged = [_concat_rounds(by_layer[l]) for l in layers]
+        M = max(r.pos.shape[1] for r in merged)
+        merged = [_pad_round(r, M) for r in merged]
+        B = merged[0].pos.shape[0]
+        H, S = self.hot_rows, self.num_slots
+        repeats = max(step.repeats, max(len(by_layer[l]) for l in layers))
+        maps = dict(pin_round=self.pin_round, position_of_slot=self.position_of_slot,
+                    slot_of_position=self.slot_of_position, rounds=self.rounds, clock=self.clock,
+                    counters=self.counters)
+        maps, entry, victim, n_fill = ops.fill_round(
+            maps, tuple(dict(pos=r.pos, source=r.source, slot=r.slot, valid=r.valid) for r in merged),
+            step.lanes.slot, step.lanes.active, layers=layers, hot_rows=H, distinct=repeats == 1,
+            max_repeats=repeats, impl=step.kernels)
+        hot = ops.fill_rows(self._flat(self.hot), tuple({n: v.reshape(B * M, -1) for n, v in r.packed.items()}
+                                                        for r in merged),
+                            entry, victim, n_fill, step.lanes.slot, layers=layers, sessions=S, hot_rows=H,
+                            impl=step.kernels)
+        L = self.num_layers
+        return self.replace(hot={n: hot[n].reshape(L, S, H, -1) for n in self.hot}, **maps)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Between steps: session lifecycle. Each is jitted by glm53.steps with the cache donated.
+    # ------------------------------------------------------------------------------------------------------------
+    def settle(self, lanes, pages: int, kernels: str) -> "OffloadCache":
+        """A copyback call of its own (after a prefill / append, at the end of a generate): every final page of
+        the lanes' sessions goes to host memory. It only writes the pool, so XLA copies nothing."""
+        return self._copyback(lanes, pages, kernels)
+
+    def clear_slot(self, slot: Array) -> "OffloadCache":
+        return self.replace(
+            page_table=self.page_table.at[slot].set(-1), host_len=self.host_len.at[slot].set(0),
+            slot_of_position=self.slot_of_position.at[:, slot].set(-1),
+            position_of_slot=self.position_of_slot.at[:, slot].set(-1),
+            pin_round=self.pin_round.at[:, slot].set(-1), rounds=self.rounds.at[:, slot].set(0),
+            clock=self.clock.at[:, slot].set(0), counters=self.counters.at[:, slot].set(0),
+            bulk_rows=self.bulk_rows.at[:, slot].set(0), copybacks=self.copybacks.at[slot].set(0),
+            unassigned=self.unassigned.at[slot].set(0), **self._clear_common(slot))
+
+    def copy_slot(self, src: Array, dst: Array) -> "OffloadCache":
+        """Fork: the new slot starts as a copy of every per-slot array (ring, hot cache and its maps included, so
+        it keeps the parent's hit rate); its host pages are the parent's (shared: they are immutable) and its
+        counters start at zero. The engine then replaces the page-table entries it must not share."""
+        def cp(a, axis):
+            return a.at[(slice(None),) * axis + (dst,)].set(a[(slice(None),) * axis + (src,)])
+
+        out = dict(page_table=cp(self.page_table, 0), host_len=cp(self.host_len, 0),
+                   ring={n: cp(a, 1) for n, a in self.ring.items()}, hot={n: cp(a, 1) for n, a in self.hot.items()},
+                   slot_of_position=cp(self.slot_of_position, 1), position_of_slot=cp(self.position_of_slot, 1),
+                   pin_round=cp(self.pin_round, 1), rounds=cp(self.rounds, 1), clock=cp(self.clock, 1),
+                   counters=self.counters.at[:, dst].set(0), bulk_rows=self.bulk_rows.at[:, dst].set(0),
+                   copybacks=self.copybacks.at[dst].set(0), unassigned=self.unassigned.at[dst].set(0))
+        return self.replace(**out, **self._copy_common(src, dst))
+
+    def read_pages(self, pages: Array, kernels: str) -> dict:
+        """Pool pages ``pages [n]`` (all layers) copied to a device buffer ``{plane: [n * L * P, W]}``."""
+        L, P = self.num_layers, self.page_rows
+        n = pages.shape[0]
+        starts = (pages * L * P).astype(jnp.int32)
+        blocks = (starts[:, None] + jnp.arange(L, dtype=jnp.int32)[None, :] * P).reshape(-1)
+        buf = {k: jnp.zeros((n * L * P, a.shape[1]), a.dtype) for k, a in self.pool.items()}
+        return ops.copy_blocks(buf, self.pool, blocks, jnp.arange(n * L, dtype=jnp.int32) * P,
+                               jnp.full((n * L,), P, jnp.int32), block_size=P, impl=kernels)
+
+    def write_pages(self, buf: dict, pages: Array, kernels: str) -> "OffloadCache":
+        """The inverse of ``read_pages``: the buffer's pages into pool pages ``pages [n]`` (a call that only
+        writes the pool: see the module doc)."""
+        L, P = self.num_layers, self.page_rows
+        n = pages.shape[0]
+        dst = ((pages * L * P).astype(jnp.int32)[:, None] + jnp.arange(L, dtype=jnp.int32)[None, :] * P).reshape(-1)
+        pool = ops.copy_blocks(self.pool, buf, jnp.arange(n * L, dtype=jnp.int32) * P, dst,
+                               jnp.full((n * L,), P, jnp.int32), block_size=P, impl=kernels)
+        return self.replace(pool=pool)
+
+    def set_pages(self, slot: Array, row: Array) -> "OffloadCache":
+        return self.replace(page_table=self.page_table.at[slot].set(row))
+
+    def truncate_slot(self, slot: Array, length: Array, mtp_length: Array, kernels: str) -> "OffloadCache":
+        """Rollback to ``length`` rows (``mtp_length`` in the MTP layer). Rows still in the ring stay there; if
+        the rollback reaches below ``host_len``, the page holding the new end comes back from host memory into
+        the ring (its later rows are no longer history) and ``host_len`` drops to that page's start. Hot slots
+        holding positions at or past the new ``host_len`` are emptied: those rows now live in the ring (or are
+        gone), and a later copyback of new rows there must not meet a stale hot copy. The engine releases the pages
+        past the new ``host_len`` and rewrites the page table."""
+        S, L, N, P, R = self.num_slots, self.num_layers, self.capacity, self.page_rows, self.ring_rows
+        cache = self.replace(**self._truncate_common(slot, length, mtp_length))
+        c = cache.committed()[slot]
+        old = self.host_len[slot]
+        new = jnp.minimum(old, (c // P) * P)
+        k = new // P
+        reload = (c < old) & (c > new)  # the new end lies inside a page that was in host memory
+        pool_page = self.page_table[slot, jnp.clip(k, 0, self.page_table.shape[1] - 1)]
+        l = jnp.arange(L, dtype=jnp.int32)
+        src = (jnp.maximum(pool_page, 0) * L + l) * P
+        dst = (l * S + slot) * R + (k * P) % R
+        count = jnp.where(reload & (pool_page >= 0), P, 0) * jnp.ones((L,), jnp.int32)
+        ring = ops.copy_blocks(self._flat(self.ring), self.pool, src.astype(jnp.int32), dst.astype(jnp.int32),
+                               count.astype(jnp.int32), block_size=P, impl=kernels)
+        pos_of_slot = self.position_of_slot[:, slot]  # [L, H]
+        stale = pos_of_slot >= new
+        position_of_slot = self.position_of_slot.at[:, slot].set(jnp.where(stale, -1, pos_of_slot))
+        n = jnp.arange(N, dtype=jnp.int32)[None, :]
+        sop = self.slot_of_position[:, slot]
+        slot_of_position = self.slot_of_position.at[:, slot].set(jnp.where(n >= new, -1, sop))
+        return cache.replace(ring={n_: r.reshape(self.ring[n_].shape) for n_, r in ring.items()},
+                             host_len=self.host_len.at[slot].set(new), position_of_slot=position_of_slot,
+                             slot_of_position=slot_of_position)
+
+    def flush_slot(self, slot: Array, kernels: str) -> "OffloadCache":
+        """The flush barrier's write (before save): the rows of the partial page past ``host_len`` go to that
+        page's pool page, each layer only up to its final rows (the MTP layer one position behind). ``host_len``
+        does not move: the page is not complete, and the copyback rewrites it whole once it is."""
+        S, L, P, R = self.num_slots, self.num_layers, self.page_rows, self.ring_rows
+        k = self.host_len[slot] // P
+        pool_page = self.page_table[slot, jnp.clip(k, 0, self.page_table.shape[1] - 1)]
+        l = jnp.arange(L, dtype=jnp.int32)
+        final = jnp.where(l == L - 1, self.committed()[slot], self.sessions.lengths[slot]) \
+            if self._has_mtp_layer else jnp.full((L,), self.sessions.lengths[slot])
+        count = jnp.where(pool_page >= 0, jnp.clip(final - k * P, 0, P), 0)
+        src = (l * S + slot) * R + (k * P) % R
+        dst = (jnp.maximum(pool_page, 0) * L + l) * P
+        pool = ops.copy_blocks(self.pool, self._flat(self.ring), src.astype(jnp.int32), dst.astype(jnp.int32),
+                               count.astype(jnp.int32), block_size=P, impl=kernels)
+        return self.replace(pool=pool)
+
+    def read_slot_rows(self, slot: Array, kernels: str) -> dict:
+        """Every assigned page of one slot from host memory, ``{plane: [L, N, W]}`` on the device (for save,
+        after ``flush_slot``: host memory then holds every final row)."""
+        L, N, P = self.num_layers, self.capacity, self.page_rows
+        pages = N // P
+        k = jnp.arange(pages, dtype=jnp.int32)[None, :]
+        l = jnp.arange(L, dtype=jnp.int32)[:, None]
+        pool_page = self.page_table[slot][None, :]
+        count = jnp.broadcast_to(jnp.where(pool_page >= 0, P, 0), (L, pages))
+        src = (jnp.maximum(pool_page, 0) * L + l) * P
+        dst = l * N + k * P
+        buf = {n: jnp.zeros((L * N, a.shape[1]), a.dtype) for n, a in self.pool.items()}
+        buf = ops.copy_blocks(buf, self.pool, src.reshape(-1).astype(jnp.int32), dst.reshape(-1).astype(jnp.int32),
+                              count.reshape(-1).astype(jnp.int32), block_size=P, impl=kernels)
+        return {n: v.reshape(L, N, -1) for n, v in buf.items()}
+
+    def write_slot_rows(self, slot: Array, rows: dict, length: Array, mtp_length: Array, kernels: str):
+        """Restore into a cleared slot whose page table the engine has set: the complete pages' rows go to their
+        pool pages, the rows of the partial page to the ring; ``host_len`` is the complete pages."""
+        S, L, N, P, R = self.num_slots, self.num_layers, self.capacity, self.page_rows, self.ring_rows
+        c = jnp.minimum(length, mtp_length) if self._has_mtp_layer else length
+        complete = c // P
+        pages = N // P
+        k = jnp.arange(pages, dtype=jnp.int32)[None, :]
+        l = jnp.arange(L, dtype=jnp.int32)[:, None]
+        pool_page = self.page_table[slot][None, :]
+        flat = {n: v.reshape(L * N, -1).astype(self.pool[n].dtype) for n, v in rows.items()}
+        count = jnp.broadcast_to(jnp.where((k < complete) & (pool_page >= 0), P, 0), (L, pages))
+        pool = ops.copy_blocks(self.pool, flat, (l * N + k * P).reshape(-1).astype(jnp.int32),
+                               ((jnp.maximum(pool_page, 0) * L + l) * P).reshape(-1).astype(jnp.int32),
+                               count.reshape(-1).astype(jnp.int32), block_size=P, impl=kernels)
+        lr = jnp.arange(L, dtype=jnp.int32)
+        partial = jnp.where(complete * P < N, P, 0)  # a full slot has no partial page
+        ring = ops.copy_blocks(self._flat(self.ring), flat, (lr * N + complete * P).astype(jnp.int32),
+                               ((lr * S + slot) * R + (complete * P) % R).astype(jnp.int32),
+                               jnp.full((L,), partial, jnp.int32), block_size=P, impl=kernels)
+        return self.replace(pool=pool, ring={n: r.reshape(self.ring[n].shape) for n, r in ring.items()},
+                            host_len=self.host_len.at[slot].set(complete * P))
 
 
+def _concat_rounds(rs: list) -> Round:
+    if len(rs) == 1:
+        return rs[0]
+    return Round(pos=jnp.concatenate([r.pos for r in rs], 1), source=jnp.concatenate([r.source for r in rs], 1),
+                 slot=jnp.concatenate([r.slot for r in rs], 1), valid=jnp.concatenate([r.valid for r in rs], 1),
+                 packed={n: jnp.concatenate([r.packed[n] for r in rs], 1) for n in rs[0].packed}, layer=rs[0].layer)
+
+
+def _pad_round(r: Round, M: int) -> Round:
+    """Pad entries that are no lookup at all: ring source, not valid (never counted, pinned or filled)."""
+    pad = M - r.pos.shape[1]
+    if not pad:
+        return r
+    p2 = lambda a, v: jnp.pad(a, ((0, 0), (0, pad)), constant_values=v)
+    return r.replace(pos=p2(r.pos, 0), source=p2(r.source, RING), slot=p2(r.slot, -1), valid=p2(r.valid, False),
+                     packed={n: jnp.pad(v, ((0, 0), (0, pad), (0, 0))) for n, v in r.packed.items()})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sizes and construction
+# ----------------------------------------------------------------------------------------------------------------
 def ring_rows_for(cc: CacheConfig) -> int:
-    """The ring holds every row not yet in host memory: up to a page minus one, plus one step's new rows (a whole
-    prefill chunk at most). A power of two, so ``p % R`` is cheap and pages never wrap inside the ring."""
-    need = max(cc.ring_size, cc.prefill_chunk + cc.copyback_every)
+    """The ring holds every row not yet in host memory. After a step's copyback (at its start) that is at most a
+    page: the rows past the last complete page, and the one row the MTP layer lags; the step then adds its rows (a
+    prefill chunk, or a verify step's T <= 4 rows and the drafts' MTP rows after them, < 8). A power of two, so
+    ``p % R`` is cheap and pages never wrap inside the ring."""
+    need = max(cc.ring_rows, 2 * cc.copyback_every, cc.copyback_every + max(cc.prefill_chunk, 2 * MAX_VERIFY_ROWS))
     return 1 << (need - 1).bit_length()
+
+
+def copy_pages_for(cc: CacheConfig, tokens: int) -> int:
+    """Pages that can be due at the start of a step that follows steps of ``tokens`` rows each."""
+    return -(-(tokens + 1) // cc.copyback_every) + 1
 
 
 def min_hot_rows(cfg: ModelConfig, cc: CacheConfig) -> int:
@@ -112,9 +461,6 @@ def min_hot_rows(cfg: ModelConfig, cc: CacheConfig) -> int:
 
 
 def validate(cfg: ModelConfig, cc: CacheConfig) -> None:
-    if cc.page_size != cc.copyback_every:
-        raise ConfigError(f"offload: page_rows={cc.page_size} must equal copyback_every={cc.copyback_every} (a "
-                          "copyback writes exactly one page)")
     need = min_hot_rows(cfg, cc)
     if cc.hot_rows < need:
         raise ConfigError(f"offload: hot_rows={cc.hot_rows} is below what a round can pin: index_topk="
@@ -123,257 +469,60 @@ def validate(cfg: ModelConfig, cc: CacheConfig) -> None:
         raise ConfigError(f"offload: hot_rows={cc.hot_rows} must be a power of two")
 
 
-def to_offload(cache, cfg: ModelConfig, cc: CacheConfig):
-    """Turn a fresh (empty) resident-layout cache into an offload cache: history -> a ``pinned_host`` page pool of
-    ``cc.host_pool_rows`` rows (default: every session's full capacity), allocated once."""
+def page_bytes(cfg: ModelConfig, cc: CacheConfig) -> int:
+    """Host bytes of one pool page: ``copyback_every`` rows of every cache layer."""
+    return cc.copyback_every * cfg.num_cache_layers * kv_formats.get_format(cc.kv_format).bytes_per_row
+
+
+def init_offload(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, pool_pages: int, dtype,
+                 device=None) -> OffloadCache:
+    """An empty offload cache: ``slots`` session slots of ``capacity`` rows, a host pool of ``pool_pages`` pages
+    (allocated once, in pinned_host memory)."""
     validate(cfg, cc)
-    fmt = kv_formats.get_format(cache.kv_format)
-    L, B, N = cache.num_layers, cache.batch, cache.capacity
+    fmt = kv_formats.get_format(cc.kv_format)
+    L, S, N = cfg.num_cache_layers, slots, capacity
     P, R, H = cc.copyback_every, ring_rows_for(cc), cc.hot_rows
-    pages_per_session = N // P
-    host_pages = -(-cc.host_pool_rows // P) if cc.host_pool_rows else B * pages_per_session
-    dev = jax.devices()[0]
-    host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-    pool = {}
-    for name, (shape, dt) in fmt.plane_shapes(host_pages * L * P).items():
-        pool[name] = jax.device_put(np.zeros(shape, dt), host)
-    state = OffloadState(
-        page_table=jnp.full((B, pages_per_session), -1, jnp.int32),
-        host_len=jnp.zeros((B,), jnp.int32),
-        ring={n: jnp.zeros(s, d) for n, (s, d) in fmt.plane_shapes(L, B, R).items()},
-        hot={n: jnp.zeros(s, d) for n, (s, d) in fmt.plane_shapes(L, B, H).items()},
-        slot_of_position=jnp.full((L, B, N), -1, jnp.int32),
-        position_of_slot=jnp.full((L, B, H), -1, jnp.int32),
-        pin_round=jnp.full((L, B, H), -1, jnp.int32),
-        rounds=jnp.zeros((L, B), jnp.int32),
-        clock=jnp.zeros((L, B), jnp.int32),
-        counters=jnp.zeros((L, B, len(COUNTERS)), jnp.int32),
-        copybacks=jnp.zeros((B,), jnp.int32),
-        page_rows=P,
-    )
-    from glm53.cache import commit
-    return cache.replace(history=pool, offload=commit(state), mode="offload")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Inside the jitted step
-# ----------------------------------------------------------------------------------------------------------------
-@jax.named_scope("offload_ring_write")
-def write_rows(cache, layer: int, latent: Array, rope: Array, positions: Array):
-    """New rows go to the ring only; host memory gets them by copyback once a page is complete."""
-    st: OffloadState = cache.offload
-    planes = kv_formats.pack(kv_formats.get_format(cache.kv_format), latent, rope)
-    R = st.ring_rows
-    B = positions.shape[0]
-    b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], positions.shape)
-    slot = jnp.where(positions < cache.capacity, positions % R, R)  # padding tokens: dropped
-    ring = {n: st.ring[n].at[layer, b_idx, slot].set(planes[n].astype(st.ring[n].dtype), mode="drop")
-            for n in st.ring}
-    return cache.replace(offload=st.replace(ring=ring))
-
-
-@jax.named_scope("offload_classify")
-def classify(st: OffloadState, layer: int, positions: Array, num_layers: int):
-    """Source (0 ring, 1 hot, 2 host) and flat row of each selected position ``[B, M]``, plus the hot slot."""
-    from kernels_pallas.hot_gather import HOST, HOT, RING
-
-    B, M = positions.shape
-    N = st.slot_of_position.shape[2]
-    P, R, H = st.page_rows, st.ring_rows, st.hot_rows
-    b = jnp.arange(B, dtype=jnp.int32)[:, None]
-    in_ring = positions >= st.host_len[:, None]
-    slot = jnp.take_along_axis(st.slot_of_position[layer], jnp.clip(positions, 0, N - 1), axis=1)
-    hit = ~in_ring & (slot >= 0)
-    page = jnp.take_along_axis(st.page_table, positions // P, axis=1)
-    ring_row = (layer * B + b) * R + positions % R
-    hot_row = (layer * B + b) * H + jnp.maximum(slot, 0)
-    host_row = (jnp.maximum(page, 0) * num_layers + layer) * P + positions % P
-    source = jnp.where(in_ring, RING, jnp.where(hit, HOT, HOST)).astype(jnp.int32)
-    row = jnp.where(in_ring, ring_row, jnp.where(hit, hot_row, host_row)).astype(jnp.int32)
-    return source, row, slot
-
-
-def gather_rows(cache, layer: int, selected: Array, valid: Array, dtype):
-    """One round of one layer: read the selected rows (ring / hit / miss) and install the misses for later rounds.
-
-    Decode rounds (one token) leave their fill to ``finish_round`` at the end of the step, batched over the layers
-    (see there); rounds of many tokens (prefill chunks, verify) fill right away, so the gathered rows they keep for
-    the fill are one layer's, not every layer's (a 1,024-token prefill chunk gathers ~1.4 GB of rows per layer).
-    """
-    from kernels_pallas import ops
-
-    st: OffloadState = cache.offload
-    B, T, K = selected.shape
-    pos = selected.reshape(B, T * K).astype(jnp.int32)
-    source, row, slot = classify(st, layer, pos, cache.num_layers)
-    with jax.named_scope("offload_gather"):
-        ring = {n: a.reshape(-1, a.shape[-1]) for n, a in st.ring.items()}
-        hot = {n: a.reshape(-1, a.shape[-1]) for n, a in st.hot.items()}
-        latent, rope, packed = ops.hot_gather(source.reshape(-1), row.reshape(-1), ring, hot, cache.history,
-                                              kv_format=cache.kv_format, out_dtype=dtype)
-    packed = {n: v.reshape(B, T * K, -1) for n, v in packed.items()}
-    round_ = dict(layer=layer, pos=pos, source=source, slot=slot, valid=valid.reshape(B, T * K), packed=packed)
-    if T == 1:
-        st = st.replace(pending=(st.pending or ()) + (round_,))
-    else:
-        with jax.named_scope("offload_fill"):
-            st = _fill_layers(st, [round_], distinct=False)
-    return latent.reshape(B, T, K, -1), rope.reshape(B, T, K, -1), cache.replace(offload=st)
-
-
-@jax.named_scope("offload_fill")
-def finish_round(cache):
-    """Install every layer's misses of this decode step into victim slots, in one batched pass over the layers.
-
-    Why at the end of the step and not right after each layer's gather: a layer's fill only has to happen before
-    that layer's next gather (next step), and the layers' hot caches are independent, so the result is the same;
-    but one pass over [layers, sessions] launches the small kernels of a fill once per step instead of once per
-    layer, which was most of what offload added to a decode step (measured on the H200).
-    """
-    st: OffloadState = cache.offload
-    if not st.pending:
-        return cache
-    # A single query's top-k positions are distinct: no deduplication (no sort) needed.
-    st = _fill_layers(st, list(st.pending), distinct=True)
-    return cache.replace(offload=st.replace(pending=None))
-
-
-def _fill_layers(st: OffloadState, items: list, distinct: bool) -> OffloadState:
-    """Fill for the rounds in ``items`` (one per layer). ``distinct``: no position repeats within a round.
-
-    The bookkeeping (pins, victims, slot maps, clock, counters) is ``kernels_pallas.fill_round``, one Pallas
-    program per layer and session on GPUs for decode rounds; the rows are then copied by ``fill_rows``, only the
-    ``n_fill`` real ones, from the gathers' own buffers."""
-    from kernels_pallas import ops
-    from kernels_pallas.fill_round import MAP_NAMES
-
-    layers = tuple(p["layer"] for p in items)
-    B, M = items[0]["pos"].shape
-    H = st.hot_rows
-    maps, entry, victim, n_fill = ops.fill_round(
-        {n: getattr(st, n) for n in MAP_NAMES},
-        tuple({k: p[k] for k in ("pos", "source", "slot", "valid")} for p in items),
-        layers=layers, hot_rows=H, distinct=distinct)
-    hot = ops.fill_rows({n: a.reshape(-1, a.shape[-1]) for n, a in st.hot.items()},
-                        [{n: v.reshape(B * M, -1) for n, v in p["packed"].items()} for p in items],
-                        entry, victim, n_fill, layers=layers, sessions=B, hot_rows=H)
-    L = st.slot_of_position.shape[0]
-    return st.replace(hot={n: hot[n].reshape(L, B, H, -1) for n in st.hot}, **maps)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Between steps: copyback and page allocation (host-side bookkeeping, no device sync)
-# ----------------------------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, donate_argnames=("history", "st"))
-def _copyback(history: dict, st: OffloadState, sessions: Array, logical_pages: Array, pool_pages: Array):
-    """Write ring page ``logical_pages[i]`` of session ``sessions[i]`` (all layers) to pool page ``pool_pages[i]``:
-    one contiguous write per plane and page, in place."""
-    P, R = st.page_rows, st.ring_rows
-    L = next(iter(st.ring.values())).shape[0]
-    page_table, host_len, copybacks = st.page_table, st.host_len, st.copybacks
-    for i in range(sessions.shape[0]):
-        s, lp, pp = sessions[i], logical_pages[i], pool_pages[i]
-        start = (lp * P) % R
-        for name in history:
-            ring = st.ring[name]
-            rows = jax.lax.dynamic_slice(ring, (0, s, start, 0), (L, 1, P, ring.shape[-1])).reshape(L * P, -1)
-            history[name] = jax.lax.dynamic_update_slice(
-                history[name], jax.device_put(rows, jax.memory.Space.Host), (pp * L * P, 0))
-        repeat = (page_table[s, lp] == pp) & (host_len[s] >= (lp + 1) * P)  # a padding entry: already written
-        page_table = page_table.at[s, lp].set(pp)
-        host_len = host_len.at[s].set(jnp.maximum(host_len[s], (lp + 1) * P))
-        copybacks = copybacks.at[s].add(jnp.where(repeat, 0, 1))
-    return history, st.replace(page_table=page_table, host_len=host_len, copybacks=copybacks)
-
-
-class Driver:
-    """Host-side mirror of lengths, host lengths and the pool's free pages for one offload cache.
-
-    Everything here is known on the host without reading the device (lengths advance by the tokens each step
-    writes), so deciding when to copy back costs no synchronisation. It holds no device arrays: the cache pytree
-    stays the single source of truth on the device.
-    """
-
-    def __init__(self, cache):
-        st: OffloadState = cache.offload
-        self.batch = cache.batch
-        self.page_rows = st.page_rows
-        self.ring_rows = st.ring_rows
-        self.capacity = cache.capacity
-        L = cache.num_layers
-        self.pool_pages = next(iter(cache.history.values())).shape[0] // (L * st.page_rows)
-        self.lengths = np.zeros(self.batch, np.int64)
-        self.host_len = np.zeros(self.batch, np.int64)
-        self.free_pages = collections.deque(range(self.pool_pages))
-
-    def before_step(self, n_tokens: np.ndarray) -> None:
-        """Refuse a step whose new rows would overrun the ring or the capacity (never corrupt a session)."""
-        n_tokens = np.asarray(n_tokens)
-        pending = self.lengths - self.host_len + n_tokens
-        if (pending > self.ring_rows).any():
-            b = int(np.argmax(pending > self.ring_rows))
-            raise ValueError(f"session {b}: {int(pending[b])} rows would wait for copyback but the ring holds "
-                             f"{self.ring_rows}; step at most prefill_chunk tokens at a time")
-        if (self.lengths + n_tokens > self.capacity).any():
-            b = int(np.argmax(self.lengths + n_tokens > self.capacity))
-            raise ValueError(f"session {b}: {int(self.lengths[b] + n_tokens[b])} rows exceed the cache capacity "
-                             f"of {self.capacity} rows")
-
-    def after_step(self, cache, n_tokens: np.ndarray):
-        """Advance the mirrors by the rows a step wrote and copy every completed page back, all in one call."""
-        self.lengths += np.asarray(n_tokens, np.int64)
-        due = (self.lengths - self.host_len) // self.page_rows
-        if due.sum() > len(self.free_pages):
-            # Nothing is taken or written: the new rows stay in the ring, and the next step is refused by
-            # before_step (the ring would overrun) instead of losing rows.
-            raise MemoryError(f"host page pool exhausted: {int(due.sum())} pages due, {len(self.free_pages)} free "
-                              f"of {self.pool_pages} pages of {self.page_rows} rows; raise cache.host_pool_rows "
-                              "or admit fewer sessions")
-        sessions, lpages, ppages = [], [], []
-        for b in range(self.batch):
-            for _ in range(int(due[b])):
-                sessions.append(b)
-                lpages.append(int(self.host_len[b] // self.page_rows))
-                ppages.append(self.free_pages.popleft())
-                self.host_len[b] += self.page_rows
-        if not sessions:
-            return cache
-        # Pad to a power of two by repeating the last page (rewriting it is idempotent), so the copyback compiles
-        # for a handful of sizes instead of every count a step can produce.
-        pad = (1 << (len(sessions) - 1).bit_length()) - len(sessions)
-        sessions, lpages, ppages = (x + x[-1:] * pad for x in (sessions, lpages, ppages))
-        history, st = _copyback(cache.history, cache.offload, jnp.asarray(sessions, jnp.int32),
-                                jnp.asarray(lpages, jnp.int32), jnp.asarray(ppages, jnp.int32))
-        return cache.replace(history=history, offload=st)
+    if N % P:
+        raise ConfigError(f"capacity {N} must be a multiple of copyback_every={P}")
+    device = device or jax.devices()[0]
+    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    pool = {n: jax.device_put(np.zeros(shape, dt), host)
+            for n, (shape, dt) in fmt.plane_shapes(max(pool_pages, 1) * L * P).items()}
+    cache = OffloadCache(
+        sessions=init_sessions(cfg, S), index_keys=init_index_keys(cfg, S, N, dtype), pool=pool,
+        page_table=jnp.full((S, N // P), -1, jnp.int32), host_len=jnp.zeros((S,), jnp.int32),
+        ring={n: jnp.zeros(s, d) for n, (s, d) in fmt.plane_shapes(L, S, R).items()},
+        hot={n: jnp.zeros(s, d) for n, (s, d) in fmt.plane_shapes(L, S, H).items()},
+        slot_of_position=jnp.full((L, S, N), -1, jnp.int32), position_of_slot=jnp.full((L, S, H), -1, jnp.int32),
+        pin_round=jnp.full((L, S, H), -1, jnp.int32), rounds=jnp.zeros((L, S), jnp.int32),
+        clock=jnp.zeros((L, S), jnp.int32), counters=jnp.zeros((L, S, len(COUNTERS)), jnp.int32),
+        bulk_rows=jnp.zeros((L, S), jnp.int32), copybacks=jnp.zeros((S,), jnp.int32),
+        unassigned=jnp.zeros((S,), jnp.int32), kv_format=fmt.name, key_slot_of_layer=key_slots(cfg),
+        _has_mtp_layer=bool(cfg.num_nextn_predict_layers), page_rows=P)
+    return place(cache, device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Stats
 # ----------------------------------------------------------------------------------------------------------------
-def cache_stats(cache, since: dict | None = None) -> dict[str, Any]:
-    """Per-layer counters (summed over sessions) and the bytes moved, as plain Python numbers. With ``since`` (an
-    earlier result, e.g. right after prefill) a ``"decode"`` entry gives the figures accumulated after it."""
-    st: OffloadState = cache.offload
-    c = np.asarray(jax.device_get(st.counters)).astype(np.int64).sum(axis=1)  # [L, counters]
-    row_bytes = kv_formats.get_format(cache.kv_format).bytes_per_row
+def slot_stats(cache: OffloadCache, slot: int, counters=None, bulk=None, copybacks=None) -> dict:
+    """Per-layer counters of one slot and the bytes moved, as plain Python numbers. Arrays already fetched to the
+    host can be passed in (``counters [L, S, C]`` etc.) to avoid another device read."""
+    c = np.asarray(cache.counters if counters is None else counters)[:, slot].astype(np.int64)  # [L, C]
+    bulk = np.asarray(cache.bulk_rows if bulk is None else bulk)[:, slot].astype(np.int64)
+    pages = int(np.asarray(cache.copybacks if copybacks is None else copybacks)[slot])
+    row_bytes = cache.fmt.bytes_per_row
     per = {name: c[:, i].tolist() for i, name in enumerate(COUNTERS)}
     lookups = c[:, 0] + c[:, 1]
-    per["hit_rate"] = [float(h / n) if n else 1.0 for h, n in zip(c[:, 0], lookups)]
-    per["bytes_from_host"] = (c[:, 1] * row_bytes).tolist()
-    pages = int(np.asarray(jax.device_get(st.copybacks)).sum())
-    L = cache.num_layers
-    out = {
+    # A layer that looked nothing up has no hit rate (not 1.0): None.
+    per["hit_rate"] = [float(h / n) if n else None for h, n in zip(c[:, 0], lookups)]
+    per["bulk_rows"] = bulk.tolist()
+    total = int(lookups.sum())
+    return {
         "per_layer": per,
-        "hit_rate": float(c[:, 0].sum() / max(lookups.sum(), 1)),
+        "hit_rate": float(c[:, 0].sum() / total) if total else None,
         "hits": int(c[:, 0].sum()), "misses": int(c[:, 1].sum()), "ring_reads": int(c[:, 2].sum()),
         "fills": int(c[:, 3].sum()), "evictions": int(c[:, 4].sum()),
-        "bytes_from_host": int(c[:, 1].sum() * row_bytes),
-        "copybacks": pages, "bytes_to_host": int(pages * st.page_rows * L * row_bytes),
-        "hot_rows": st.hot_rows, "ring_rows": st.ring_rows, "page_rows": st.page_rows,
+        "bytes_from_host": int(c[:, 1].sum() * row_bytes), "bulk_bytes_from_host": int(bulk.sum() * row_bytes),
+        "copybacks": pages, "bytes_to_host": int(pages * cache.page_rows * cache.num_layers * row_bytes),
     }
-    if since is not None:
-        d = {k: out[k] - since[k] for k in ("hits", "misses", "ring_reads", "fills", "evictions",
-                                           "bytes_from_host", "copybacks", "bytes_to_host")}
-        d["hit_rate"] = d["hits"] / max(d["hits"] + d["misses"], 1)
-        out["decode"] = d
-    return out

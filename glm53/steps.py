@@ -1,155 +1,391 @@
-"""Jitted steps: pure functions ``(params, cache, inputs) -> (outputs, cache)`` with the cache donated.
+"""The engine's jitted steps: pure functions ``(params, cache, ...) -> (cache, outputs)``, the cache donated.
 
-One step function serves prefill chunks (T = chunk), decode (T = 1) and, later, MTP verify (T = depth + 1): the
-tokens of a step are written to the cache first and then every token selects and attends over the rows at or before
-its own position. ``n_valid[b]`` tokens of row ``b`` are real; the rest is padding that writes nothing, so sessions
-of different lengths share one batch.
+A step runs B *lanes*, each on one session slot (``glm53.cache.Lanes``); the batch is bucketed to a few sizes so
+sessions joining and leaving do not recompile. Every step that processes tokens first lets the cache do what is
+due before any read (``begin_step``: the offload copyback), then runs the model, then lets the cache finish what
+needs every layer's reads (``finish_step``: the offload fill), and last commits the rows it keeps (``advance``).
+
+    chunk         prefill / append: T tokens per lane, nothing sampled
+    decode        one token per lane; samples the next
+    verify        MTP speculative decoding: the pending token and D drafts in one step of T = D + 1, the longest
+                  accepted prefix committed, the rest rolled out (never copied back: rows past the committed
+                  lengths are just beyond them), and the next D drafts proposed in the same step
+    draft         the first D drafts of a generate call (later ones come out of verify)
+    sample_first  the first token of a session whose history ends with a processed token
+    settle        offload: write every final page to host memory (a call of its own, between steps)
+    lifecycle     clear / copy (fork) / truncate (rollback) / flush / read / write (save, restore) one slot
+
+**The MTP layer runs one position behind.** Its row i pairs the main model's final-normed hidden state at i with
+the token at i + 1, so it exists once token i + 1 is processed: a step that processes tokens at [s, s + n) writes
+the MTP rows s - 1 .. s + n - 2 (``_mtp_catch_up``, only the rows' KV and indexer key: no attention, MLP or head),
+using the stored hidden state of position s - 1 for the first. Rows below ``mtp_lengths`` are never rewritten: after
+a rollback the stored hidden state is stale, and the rows it would recompute are already there. Drafts write MTP
+rows past ``mtp_lengths`` as scratch (the recursive drafts use the MTP layer's own output, not the main model's);
+the next step overwrites them with the true rows, and copyback only writes rows below ``min(lengths,
+mtp_lengths)``.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from glm53 import cache as kvcache
+from glm53 import sampling
+from glm53.cache import Lanes
 from glm53.model import GLM5, make_step
 
 F32 = jnp.float32
 
 
-def _finish_round(cache: kvcache.KVCache) -> kvcache.KVCache:
-    if cache.mode != "offload":
-        return cache
-    from glm53 import offload
-    return offload.finish_round(cache)
+def _apply(module: GLM5, params, *args, method=None):
+    return module.apply({"params": params}, *args, method=method)
 
 
-def _last_valid(x: jax.Array, n_valid: jax.Array) -> jax.Array:
-    """x[b, n_valid[b] - 1] (index 0 for rows with no valid token: their output is ignored)."""
-    idx = jnp.maximum(n_valid - 1, 0)
+def _last_valid(x: jax.Array, n: jax.Array) -> jax.Array:
+    """x[b, n[b] - 1] (index 0 for lanes with nothing valid: their output is ignored)."""
+    idx = jnp.maximum(n - 1, 0)
     return jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
 
 
-def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array, *,
-           greedy: bool = False) -> jax.Array:
-    """Greedy (argmax, first index on ties) when temperature == 0, else nucleus sampling. ``logits [B, V]``.
+def _mtp_catch_up(module: GLM5, params, cache, lanes: Lanes, hidden: jax.Array, tokens: jax.Array,
+                  start: jax.Array, n_commit: jax.Array, kernels: str):
+    """The MTP layer's rows for the pairs (hidden at i - 1, token i) of this step's committed input tokens.
+    Returns (cache, end of the MTP layer's final rows [B]) or (cache, None) for models without MTP."""
+    if not module.cfg.num_nextn_predict_layers:
+        return cache, None
+    B, T = tokens.shape
+    prev = jnp.concatenate([cache.sessions.hidden[lanes.slot][:, None].astype(hidden.dtype), hidden[:, :-1]], 1)
+    rows = start[:, None] - 1 + jnp.arange(T, dtype=jnp.int32)[None, :]
+    fresh = rows >= cache.sessions.mtp_lengths[lanes.slot][:, None]
+    step = make_step(start - 1, n_commit, T, cache.capacity, module.cfg, module.dtype, lanes, write_mask=fresh,
+                     kernels=kernels)
+    cache = _apply(module, params, prev, tokens, step, cache, method=GLM5.mtp_kv)
+    return cache, start - 1 + n_commit
 
-    ``greedy`` (static) compiles the argmax alone. Without it the nucleus path (a sort of the whole vocabulary, a
-    dozen kernels) runs every step and is discarded by a select when the traced temperature is 0: ~50 us of device
-    time and a dozen host launches per decode step (experiments.profile_decode), for nothing."""
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+def _drafts(module: GLM5, params, cache, lanes: Lanes, hidden: jax.Array, token: jax.Array, row: jax.Array,
+            depth: int, seed, temperature, top_p, *, greedy: bool, kernels: str):
+    """``depth`` drafts by the MTP module applied recursively from (final-normed hidden at ``row``, the token at
+    ``row + 1``). Returns (drafts [B, D], their proposal distributions [B, D, V] or None, cache, rounds)."""
+    drafts, dists, rounds = [], [], []
+    g, tok = hidden, token
+    active = lanes.active.astype(jnp.int32)
+    for j in range(depth):
+        step = make_step(row + j, active, 1, cache.capacity, module.cfg, module.dtype, lanes, kernels=kernels,
+                         fill=True)
+        mh, cache, round_ = _apply(module, params, g[:, None].astype(module.dtype), tok[:, None], step, cache,
+                                   method=GLM5.mtp)
+        logits = _apply(module, params, mh[:, 0], method=GLM5.logits)
+        if greedy:
+            d = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        else:
+            q = sampling.distribution(logits, temperature, top_p)
+            d = sampling.draw(q, sampling.position_keys(seed, row + j + 2, sampling.DRAFT))
+            dists.append(q)
+        drafts.append(d)
+        rounds.append(round_)
+        g, tok = mh[:, 0], d
+    return jnp.stack(drafts, 1), (jnp.stack(dists, 1) if dists else None), cache, rounds
+
+
+def _fill_step(module: GLM5, cache, lanes: Lanes, repeats: int, kernels: str):
+    """A step context that only carries what ``finish_step`` reads."""
+    z = jnp.zeros(lanes.slot.shape, jnp.int32)
+    return make_step(z, z, 1, cache.capacity, module.cfg, module.dtype, lanes, kernels=kernels, fill=True,
+                     repeats=repeats)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Steps
+# ----------------------------------------------------------------------------------------------------------------
+def chunk(module: GLM5, params, cache, lanes: Lanes, tokens, n_valid, *, outputs: str, kernels: str, bulk: bool,
+          copy_pages: int):
+    """Process ``tokens [B, T]`` (``n_valid[b]`` real) at positions ``lengths + t``: prefill and append. Returns
+    (cache, out): out is None, the logits ``[B, T, V]`` of every position (``outputs="logits"``) or the final-normed
+    hidden states ``[B, T, H]`` (``outputs="hidden"``)."""
+    B, T = tokens.shape
+    lanes = lanes.replace(active=lanes.active & (n_valid > 0))
+    start = cache.sessions.lengths[lanes.slot]
+    step = make_step(start, n_valid, T, cache.capacity, module.cfg, module.dtype, lanes, kernels=kernels, bulk=bulk,
+                     copy_pages=copy_pages)
+    cache = cache.begin_step(step)
+    hidden, cache, rounds = _apply(module, params, tokens, step, cache)
+    cache = cache.finish_step(rounds, step)
+    cache, mtp_end = _mtp_catch_up(module, params, cache, lanes, hidden, tokens, start, n_valid, kernels)
+    cache = cache.advance(step, n_valid, _last_valid(hidden, n_valid), mtp_end)
+    if outputs == "logits":
+        return cache, _apply(module, params, hidden, method=GLM5.logits)
+    if outputs == "hidden":
+        return cache, hidden
+    return cache, None
+
+
+def decode(module: GLM5, params, cache, lanes: Lanes, tokens, remaining, seed, temperature, top_p, stop_ids,
+           selection=None, *, greedy: bool, kernels: str, copy_pages: int):
+    """One token per lane: ``tokens [B]`` (each session's pending token) is processed and the next sampled.
+    ``remaining [B]`` counts the tokens each lane may still emit (0: inert); a sampled stop token ends the lane.
+    ``selection``: optional int32[B, K] DSA selection override (benchmarks). Returns (cache, (next tokens [B],
+    logits [B, V], remaining [B]))."""
+    active = lanes.active & (remaining > 0)
+    lanes = lanes.replace(active=active)
+    n = active.astype(jnp.int32)
+    start = cache.sessions.lengths[lanes.slot]
+    sel = None if selection is None else selection[:, None, :]
+    step = make_step(start, n, 1, cache.capacity, module.cfg, module.dtype, lanes, selection=sel, kernels=kernels,
+                     fill=True, copy_pages=copy_pages)
+    cache = cache.begin_step(step)
+    hidden, cache, rounds = _apply(module, params, tokens[:, None], step, cache)
+    cache = cache.finish_step(rounds, step)
+    cache, mtp_end = _mtp_catch_up(module, params, cache, lanes, hidden, tokens[:, None], start, n, kernels)
+    h = hidden[:, 0]
+    logits = _apply(module, params, h, method=GLM5.logits)
+    nxt = sampling.sample(logits, sampling.position_keys(seed, start + 1, sampling.SAMPLE), temperature, top_p,
+                          greedy=greedy)
+    cache = cache.advance(step, n, h, mtp_end)
+    stop = jnp.isin(nxt, stop_ids)
+    remaining = jnp.where(active, jnp.where(stop, 0, remaining - 1), remaining)
+    return cache, (nxt, logits, remaining)
+
+
+def verify(module: GLM5, params, cache, lanes: Lanes, pending, drafts, draft_p, remaining, seed, temperature, top_p,
+           stop_ids, selection=None, *, greedy: bool, accept_override: int | None, kernels: str, copy_pages: int):
+    """MTP speculative decoding, one round: the pending tokens ``[B]`` and ``drafts [B, D]`` go through the main
+    model as one step of T = D + 1 rows; the longest accepted prefix of the drafts (greedy: equal to the main
+    model's argmax; sampling: the speculative rule, ``draft_p [B, D, V]`` the drafts' proposal distributions) plus
+    the main model's next token are emitted; the next D drafts are proposed from the last committed row.
+
+    ``accept_override`` (benchmarks, static): accept that many drafts whatever they are, so random weights can be
+    measured at a realistic acceptance (outputs are then compared between modes only).
+
+    Emission is clamped to ``remaining`` and ends at a stop token. Returns (cache, (emitted [B, T], n_emitted [B],
+    logits [B, T, V], next pending [B], next drafts [B, D], their distributions or None, remaining [B],
+    accepted [B] before clamping))."""
+    B, D = drafts.shape
+    T = D + 1
+    active = lanes.active & (remaining > 0)
+    lanes = lanes.replace(active=active)
+    tokens = jnp.concatenate([pending[:, None], drafts], axis=1)
+    start = cache.sessions.lengths[lanes.slot]
+    sel = None if selection is None else jnp.broadcast_to(selection[:, None, :], (B, T, selection.shape[-1]))
+    step = make_step(start, jnp.where(active, T, 0), T, cache.capacity, module.cfg, module.dtype, lanes,
+                     selection=sel, kernels=kernels, fill=True, repeats=T, copy_pages=copy_pages)
+    cache = cache.begin_step(step)
+    hidden, cache, rounds = _apply(module, params, tokens, step, cache)
+    logits = _apply(module, params, hidden, method=GLM5.logits)  # [B, T, V]
     if greedy:
-        return greedy_tokens
-    scaled = logits / jnp.maximum(temperature, 1e-6)
-    order = jnp.argsort(-scaled, axis=-1, stable=True)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    cum = jnp.cumsum(probs, axis=-1)
-    keep_sorted = (cum - probs) < top_p  # always keeps the most likely token
-    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
-    sampled = jax.random.categorical(key, jnp.where(keep, scaled, -jnp.inf), axis=-1).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy_tokens)
+        accepted, target = sampling.accept_greedy(logits, drafts)
+    else:
+        accepted, target = sampling.accept_sampled(logits, drafts, draft_p, start + 1, seed, temperature, top_p)
+    a = accepted
+    if accept_override is not None:
+        a = jnp.full_like(accepted, min(accept_override, D))
+        if greedy:
+            bonus = jnp.argmax(jnp.take_along_axis(logits, a[:, None, None], 1)[:, 0], axis=-1).astype(jnp.int32)
+        else:
+            p_a = sampling.distribution(jnp.take_along_axis(logits, a[:, None, None], 1)[:, 0], temperature, top_p)
+            bonus = sampling.draw(p_a, sampling.position_keys(seed, start + 1 + a, sampling.SAMPLE))
+        target = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], 1)
+        target = jnp.where(jnp.arange(T)[None, :] == a[:, None], bonus[:, None], target)
+    j = jnp.arange(T, dtype=jnp.int32)[None, :]
+    emitted = jnp.where(j < a[:, None], jnp.concatenate([drafts, drafts[:, :1]], 1), target)
+    # Clamp: at most `remaining` tokens, and nothing after a stop token.
+    is_stop = jnp.isin(emitted, stop_ids) & (j <= a[:, None])
+    first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, axis=1), T).astype(jnp.int32)
+    a = jnp.minimum(jnp.minimum(a, remaining - 1), first_stop)
+    a = jnp.where(active, a, 0)
+    n_emit = jnp.where(active, a + 1, 0)
+    nxt = jnp.take_along_axis(emitted, a[:, None], 1)[:, 0]
+    ended = jnp.take_along_axis(is_stop, a[:, None], 1)[:, 0]
+    remaining = jnp.where(active, jnp.where(ended, 0, remaining - n_emit), remaining)
+    # Commit the pending token and the accepted drafts; the rest of the rows stay past the lengths.
+    cache, mtp_end = _mtp_catch_up(module, params, cache, lanes, hidden, tokens, start, n_emit, kernels)
+    h_last = jnp.take_along_axis(hidden, a[:, None, None], 1)[:, 0]
+    cache = cache.advance(step, n_emit, h_last, mtp_end)
+    draft_lanes = lanes.replace(active=active & (remaining > 0))
+    next_drafts, next_p, cache, draft_rounds = _drafts(module, params, cache, draft_lanes, h_last, nxt, start + a, D,
+                                                       seed, temperature, top_p, greedy=greedy, kernels=kernels)
+    cache = cache.finish_step(list(rounds) + list(draft_rounds), step)
+    return cache, (emitted, n_emit, logits, nxt, next_drafts, next_p, remaining, jnp.where(active, accepted, 0))
+
+
+def draft(module: GLM5, params, cache, lanes: Lanes, pending, seed, temperature, top_p, *, depth: int, greedy: bool,
+          kernels: str):
+    """The first ``depth`` drafts of a generate call, from each session's stored hidden state and pending token.
+    Returns (cache, (drafts [B, D], distributions [B, D, V] or None))."""
+    row = cache.sessions.lengths[lanes.slot] - 1
+    hidden = cache.sessions.hidden[lanes.slot]
+    drafts, dists, cache, rounds = _drafts(module, params, cache, lanes, hidden, pending, row, depth, seed,
+                                           temperature, top_p, greedy=greedy, kernels=kernels)
+    cache = cache.finish_step(rounds, _fill_step(module, cache, lanes, depth, kernels))
+    return cache, (drafts, dists)
+
+
+def sample_first(module: GLM5, params, cache, lanes: Lanes, seed, temperature, top_p, *, greedy: bool):
+    """The token after each session's last processed position, from its stored hidden state (reads the cache
+    only). Returns (tokens [B], logits [B, V])."""
+    hidden = cache.sessions.hidden[lanes.slot]
+    logits = _apply(module, params, hidden, method=GLM5.logits)
+    positions = cache.sessions.lengths[lanes.slot]
+    return sampling.sample(logits, sampling.position_keys(seed, positions, sampling.SAMPLE), temperature, top_p,
+                           greedy=greedy), logits
+
+
+def mtp_forward(module: GLM5, params, cache, lanes: Lanes, hidden, next_tokens, n_valid, *, kernels: str):
+    """The MTP module over committed rows (``Model.draft``): rows ``0..T-1`` of the MTP layer exist already (the
+    chunk steps wrote them), so this only reads. Returns (cache, logits [B, T, V])."""
+    B, T = next_tokens.shape
+    rows = jnp.arange(T, dtype=jnp.int32)[None, :]
+    fresh = rows >= cache.sessions.mtp_lengths[lanes.slot][:, None]
+    step = make_step(jnp.zeros((B,), jnp.int32), n_valid, T, cache.capacity, module.cfg, module.dtype, lanes,
+                     write_mask=fresh, kernels=kernels)
+    mh, cache, _ = _apply(module, params, hidden, next_tokens, step, cache, method=GLM5.mtp)
+    return cache, _apply(module, params, mh, method=GLM5.logits)
+
+
+# ---- lifecycle (offload-only ones are never called on a resident cache) ----
+def settle(cache, lanes: Lanes, *, pages: int, kernels: str):
+    return cache.settle(lanes, pages, kernels), None
+
+
+def clear_slot(cache, slot):
+    return cache.clear_slot(slot), None
+
+
+def copy_slot(cache, src, dst):
+    return cache.copy_slot(src, dst), None
+
+
+def set_pages(cache, slot, row):
+    return cache.set_pages(slot, row), None
+
+
+def read_pages(cache, pages, *, kernels: str):
+    return cache.read_pages(pages, kernels)
+
+
+def write_pages(cache, buf, pages, *, kernels: str):
+    return cache.write_pages(buf, pages, kernels), None
+
+
+def truncate_slot(cache, slot, length, mtp_length, *, kernels: str):
+    if cache.mode == "offload":
+        return cache.truncate_slot(slot, length, mtp_length, kernels), None
+    return cache.truncate_slot(slot, length, mtp_length), None
+
+
+def flush_slot(cache, slot, *, kernels: str):
+    return cache.flush_slot(slot, kernels), None
+
+
+def read_slot(cache, slot, *, kernels: str):
+    """Everything a save needs of one slot, on the device: rows ``{plane: [L, N, W]}``, indexer keys
+    ``[Lf, N, D]``, the stored hidden state and the lengths."""
+    s = cache.sessions
+    return dict(rows=cache.read_slot_rows(slot, kernels), index_keys=cache.index_keys[:, slot],
+                hidden=s.hidden[slot], length=s.lengths[slot], mtp_length=s.mtp_lengths[slot])
+
+
+def write_slot(cache, slot, rows, index_keys, hidden, length, mtp_length, *, kernels: str):
+    """Restore a saved session into a cleared slot (offload: whose page table is set)."""
+    cache = cache.write_slot_rows(slot, rows, length, mtp_length, kernels)
+    s = cache.sessions
+    cache = cache.replace(
+        index_keys=cache.index_keys.at[:, slot].set(index_keys.astype(cache.index_keys.dtype)),
+        sessions=s.replace(lengths=s.lengths.at[slot].set(length), mtp_lengths=s.mtp_lengths.at[slot].set(mtp_length),
+                           hidden=s.hidden.at[slot].set(hidden.astype(s.hidden.dtype))))
+    return cache, None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Jitting
+# ----------------------------------------------------------------------------------------------------------------
+# name -> (function, static argument names, takes the module and params first)
+STEPS: dict[str, tuple[Any, tuple[str, ...], bool]] = {
+    "chunk": (chunk, ("outputs", "kernels", "bulk", "copy_pages"), True),
+    "decode": (decode, ("greedy", "kernels", "copy_pages"), True),
+    "verify": (verify, ("greedy", "accept_override", "kernels", "copy_pages"), True),
+    "draft": (draft, ("depth", "greedy", "kernels"), True),
+    "mtp_forward": (mtp_forward, ("kernels",), True),
+    "settle": (settle, ("pages", "kernels"), False),
+    "clear_slot": (clear_slot, (), False),
+    "copy_slot": (copy_slot, (), False),
+    "set_pages": (set_pages, (), False),
+    "write_pages": (write_pages, ("kernels",), False),
+    "truncate_slot": (truncate_slot, ("kernels",), False),
+    "flush_slot": (flush_slot, ("kernels",), False),
+    "write_slot": (write_slot, ("kernels",), False),
+}
 
 
 class Steps:
-    """The jitted steps of one module (one compiled executable per distinct input shape)."""
+    """The jitted steps of one model: one ``jax.jit`` per (step, placement of the cache), shared by every engine of
+    the model, so engines with the same shapes share compiled executables. Cache-returning steps donate the cache
+    and return it with the placement it came with (``out_shardings``: the offload pool must come back in
+    pinned_host memory); other outputs land on the cache's device."""
 
     def __init__(self, module: GLM5):
         self.module = module
-        self.forward = _Jitted(functools.partial(_forward, module), static_argnames=("all_logits",))
-        self.decode = _Jitted(functools.partial(_decode, module), static_argnames=("greedy",))
-        self.mtp = _Jitted(functools.partial(_mtp, module))
+        self._jits: dict = {}
+        self._sample_first = jax.jit(functools.partial(sample_first, module), static_argnames=("greedy",))
+        self._read_slot = jax.jit(read_slot, static_argnames=("kernels",))
+        self._read_pages = jax.jit(read_pages, static_argnames=("kernels",))
+
+    def _jit(self, name: str, cache):
+        shardings = jax.tree_util.tree_map(lambda x: x.sharding, cache)
+        key = (name, jax.tree_util.tree_structure(cache), tuple(jax.tree_util.tree_leaves(shardings)))
+        fn = self._jits.get(key)
+        if fn is None:
+            f, static, with_model = STEPS[name]
+            if with_model:
+                f = functools.partial(f, self.module)
+                donate = (1,)  # (params, cache, ...)
+            else:
+                donate = (0,)
+            device = jax.tree_util.tree_leaves(cache)[0].sharding
+            device = jax.sharding.SingleDeviceSharding(next(iter(device.device_set)))
+            fn = jax.jit(_named(f, name), static_argnames=static, donate_argnums=donate,
+                         out_shardings=(shardings, device))
+            self._jits[key] = fn
+        return fn
+
+    def __call__(self, name: str, *args, **kw):
+        """Run step ``name``: ``(params, cache, ...)`` for model steps, ``(cache, ...)`` for lifecycle ones.
+        Returns (cache, outputs)."""
+        with_model = STEPS[name][2]
+        cache = args[1] if with_model else args[0]
+        return self._jit(name, cache)(*args, **kw)
+
+    def sample_first(self, params, cache, lanes, seed, temperature, top_p, *, greedy: bool):
+        return self._sample_first(params, cache, lanes, seed, temperature, top_p, greedy=greedy)
+
+    def read_slot(self, cache, slot, *, kernels: str):
+        return self._read_slot(cache, slot, kernels=kernels)
+
+    def read_pages(self, cache, pages, *, kernels: str):
+        return self._read_pages(cache, pages, kernels=kernels)
+
+    def lower(self, name: str, *args, **kw):
+        """The lowered (not run, nothing donated) call of step ``name`` with these arguments: for profiling and
+        memory analysis (``.compile().memory_analysis()``, ``.compile().as_text()``)."""
+        with_model = STEPS[name][2]
+        cache = args[1] if with_model else args[0]
+        return self._jit(name, cache).lower(*_abstract(args), **kw)
 
 
-def _cache_first(fn):
-    """The step with the cache moved to the front of its outputs. JAX pairs each donated input buffer with the
-    first output of the same shape and dtype, in output order: with the sampled tokens (int32[B]) first, they took
-    the buffer of ``lengths``, ``lengths`` the next int32[B] field's, and so on, and XLA added a copy for every
-    field the chain displaced (small, but one launch each, every step). Outputs in the inputs' order pair up 1:1."""
-    def run(params, cache, *args, **kw):
-        *out, cache = fn(params, cache, *args, **kw)
-        return (cache, *out)
+def _named(f, name: str):
+    """``f`` under the step's name: the compiled module is ``jit_<name>`` in profiles."""
+    def run(*args, **kw):
+        return f(*args, **kw)
+
+    functools.update_wrapper(run, f)  # keeps f's signature (jit maps static_argnames through it)
+    run.__name__ = run.__qualname__ = name
     return run
-
-
-def _with_history(fn):
-    def run(params, rest, history, *args, **kw):
-        cache, *out = fn(params, rest.replace(history=history), *args, **kw)
-        return (cache.replace(history=None), *out)
-    return run
-
-
-class _Jitted:
-    """A step jitted with the cache donated. In offload mode the host history is passed beside the cache as a
-    read-only input: the step only reads it (hot gather) and copyback alone writes it, so XLA never has to decide
-    where to place a returned pinned_host array, and nothing can copy the history."""
-
-    def __init__(self, fn, static_argnames=()):
-        name = getattr(getattr(fn, "func", fn), "__name__", "step")  # the profile's module name: jit_<name>
-        resident = _cache_first(fn)
-        offload = _with_history(resident)
-        resident.__name__ = offload.__name__ = name
-        self._resident = jax.jit(resident, static_argnames=static_argnames, donate_argnums=(1,))
-        self._offload = jax.jit(offload, static_argnames=static_argnames, donate_argnums=(1,))
-
-    def __call__(self, params, cache: kvcache.KVCache, *args, **kw):
-        if cache.mode != "offload":
-            cache, *out = self._resident(params, cache, *args, **kw)
-            return (*out, cache)
-        history = cache.history
-        rest = cache.replace(history=None)
-        rest, *out = self._offload(params, rest, history, *args, **kw)
-        return (*out, rest.replace(history=history))
-
-    def compiled_text(self, params, cache: kvcache.KVCache, *args, **kw) -> str:
-        """The optimised HLO of the executable a call with these arguments runs (nothing is run or donated): for
-        profiling, to map kernels back to source through their ``op_name`` metadata."""
-        if cache.mode != "offload":
-            fn, call = self._resident, (params, cache, *args)
-        else:
-            fn, call = self._offload, (params, cache.replace(history=None), cache.history, *args)
-        return fn.lower(*_abstract(call), **kw).compile().as_text()
 
 
 def _abstract(tree):
     """Shapes, dtypes and placements (memory kinds included) of a call's arrays; other leaves as they are."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                         if isinstance(x, jax.Array) else x, tree)
-
-
-def _forward(module: GLM5, params, cache: kvcache.KVCache, tokens, n_valid, selection=None, *, all_logits: bool):
-    """Process ``tokens [B, T]`` at positions ``cache.lengths + t``. Returns (logits, hidden, cache): logits
-    ``[B, T, V]`` if ``all_logits`` else the logits of each row's last valid token ``[B, V]``; hidden ``[B, T, H]``
-    final-normed (the MTP module's input). ``selection``: optional int32[B, T, K] DSA selection override (entries
-    < 0 keep the indexer's choice)."""
-    B, T = tokens.shape
-    step = make_step(cache.lengths, n_valid, T, cache.capacity, module.cfg, module.dtype, selection)
-    hidden, cache = module.apply({"params": params}, tokens, step, cache)
-    cache = _finish_round(cache)
-    h = hidden if all_logits else _last_valid(hidden, n_valid)
-    logits = module.apply({"params": params}, h, method=GLM5.logits)
-    return logits, hidden, kvcache.advance(cache, n_valid)
-
-
-def _decode(module: GLM5, params, cache: kvcache.KVCache, tokens, key, temperature, top_p, selection=None, *,
-            greedy: bool = False):
-    """One token per session: ``tokens [B]`` -> (next tokens [B], their logits [B, V], cache). ``selection``:
-    optional int32[B, K] DSA selection override for benchmarks. ``greedy`` (static): the caller guarantees
-    temperature == 0, so only the argmax is compiled."""
-    n_valid = jnp.ones(tokens.shape[:1], jnp.int32)
-    sel = None if selection is None else selection[:, None, :]
-    logits, _, cache = _forward(module, params, cache, tokens[:, None], n_valid, sel, all_logits=False)
-    return sample(logits, key, temperature, top_p, greedy=greedy), logits, cache
-
-
-def _mtp(module: GLM5, params, cache: kvcache.KVCache, hidden, next_tokens, n_valid):
-    """MTP draft: main-model hidden at positions ``cache.mtp_lengths + t`` and the tokens one position later ->
-    (draft logits [B, T, V] predicting the tokens two positions later, MTP hidden [B, T, H], cache)."""
-    B, T = next_tokens.shape
-    step = make_step(cache.mtp_lengths, n_valid, T, cache.capacity, module.cfg, module.dtype)
-    mtp_hidden, cache = module.apply({"params": params}, hidden, next_tokens, step, cache, method=GLM5.mtp)
-    cache = _finish_round(cache)
-    logits = module.apply({"params": params}, mtp_hidden, method=GLM5.logits)
-    return logits, mtp_hidden, kvcache.advance_mtp(cache, n_valid)

@@ -6,8 +6,8 @@ host miss) and, for hits, its slot. The fill then installs the misses into victi
   1. pin: every slot read as a hit gets this round's stamp (``pin_round = rounds + 1``), so it is not a victim;
   2. victims: the first unpinned slots in circular order from ``clock``, inside a window of ``W = min(H, M + F)``
      slots (a round pins at most M slots, so the window always holds F unpinned ones);
-  3. pairing: the k-th missed position (in selection order; positions are distinct) goes to the k-th victim, for
-     ``k < n_fill = min(misses, free slots, F)``;
+  3. pairing: the k-th missed position (in entry order; a position several entries missed counts once, at its
+     first entry) goes to the k-th victim, for ``k < n_fill = min(missed positions, free slots, F)``;
   4. maps: the victim's old position leaves ``slot_of_position`` (eviction), the new one enters, and
      ``position_of_slot[victim]`` is the new position; ``clock`` moves past the last victim; ``rounds`` advances;
      counters add hits, misses, ring reads, fills and evictions.
@@ -16,20 +16,27 @@ The rows themselves are copied by ``fill_rows`` from the ``entry`` / ``victim`` 
 
 In XLA this was ~15 small kernels per decode step (cumsums, five scatters, stacks, dynamic-update-slices): about 33 us
 of a 4.4 ms step on the H200, most of it per-kernel overhead (experiments.profile_decode at 39fb5e6). Here one
-program per (layer, session) does it all: 16.9 us per step in the decode profile (9a24c79), and 19.2 us against
+program per (layer, lane) does it all: 16.9 us per step in the decode profile (9a24c79), and 19.2 us against
 the reference's 32.4 us for 9 layers in ``experiments.bench_fill_round`` (num_warps 8; 4-32 warps time alike, so
 it is bound by the chain of dependent memory round trips below, not by lanes). Steps 1-2 and 3-4 communicate
 through memory (the pins written by some lanes are read by others; so are the rank-compacted entries and victims),
-hence the two block barriers; a program touches only its own (layer, session) state, so programs never race.
+hence the two block barriers; a program touches only its own (layer, slot) state, so programs never race.
 
-``fill_round_reference`` is the same function in jnp, and also handles rounds whose positions may repeat (prefill
-chunks, ``distinct=False``: the first occurrence of each missed position is filled once); the kernel needs decode
-rounds (``distinct=True``).
+Lanes: the maps hold every session slot (``[L, S, ...]``); program (i, b) works on slot ``lane_slot[b]``, read at run
+time, so one compiled step serves any lane -> slot map. Active lanes never share a slot; an inactive (padding) lane
+may carry any slot, also an active lane's, and writes nothing but its empty fill list.
+
+Repeated positions (``distinct=False``: MTP verify rows or drafts of one session selecting the same missing
+position) are filled once, from their first entry. The kernel elects those entries without atomics (which the Pallas
+interpreter cannot discharge when masked): ``slot_of_position`` is -1 at every missed position, so it serves as
+scratch where entries store their index, read back, and the lower ones try again, ``max_repeats`` times; then it is
+restored. ``fill_round_reference`` is the same function in jnp (a stable sort finds the first entries).
 """
 
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -52,31 +59,41 @@ def sizes(num_positions: int, hot_rows: int) -> tuple[int, int]:
     return F, min(hot_rows, num_positions + F)
 
 
-def _validate(maps: dict, rounds: tuple, layers: tuple, hot_rows: int):
+def _validate(maps: dict, rounds: tuple, lane_slot, lane_active, layers: tuple, hot_rows: int, max_repeats: int):
     if tuple(sorted(maps)) != tuple(sorted(MAP_NAMES)):
         raise ValueError(f"maps must hold {sorted(MAP_NAMES)}, got {sorted(maps)}")
-    L, B, H = maps["pin_round"].shape
-    if H != hot_rows or maps["position_of_slot"].shape != (L, B, H):
-        raise ValueError(f"pin_round / position_of_slot must be [L, B, hot_rows={hot_rows}], got "
+    if maps["pin_round"].ndim != 3:
+        raise ValueError(f"pin_round must be [L, S, hot_rows], got {maps['pin_round'].shape}")
+    L, S, H = maps["pin_round"].shape
+    if H != hot_rows or maps["position_of_slot"].shape != (L, S, H):
+        raise ValueError(f"pin_round / position_of_slot must be [L, S, hot_rows={hot_rows}], got "
                          f"{maps['pin_round'].shape} / {maps['position_of_slot'].shape}")
-    if maps["slot_of_position"].shape[:2] != (L, B) or maps["slot_of_position"].ndim != 3:
-        raise ValueError(f"slot_of_position must be [{L}, {B}, N], got {maps['slot_of_position'].shape}")
-    if maps["rounds"].shape != (L, B) or maps["clock"].shape != (L, B):
-        raise ValueError(f"rounds / clock must be [{L}, {B}], got {maps['rounds'].shape} / {maps['clock'].shape}")
-    if maps["counters"].shape != (L, B, NUM_COUNTERS):
-        raise ValueError(f"counters must be [{L}, {B}, {NUM_COUNTERS}], got {maps['counters'].shape}")
+    if maps["slot_of_position"].shape[:2] != (L, S) or maps["slot_of_position"].ndim != 3:
+        raise ValueError(f"slot_of_position must be [{L}, {S}, N], got {maps['slot_of_position'].shape}")
+    if maps["rounds"].shape != (L, S) or maps["clock"].shape != (L, S):
+        raise ValueError(f"rounds / clock must be [{L}, {S}], got {maps['rounds'].shape} / {maps['clock'].shape}")
+    if maps["counters"].shape != (L, S, NUM_COUNTERS):
+        raise ValueError(f"counters must be [{L}, {S}, {NUM_COUNTERS}], got {maps['counters'].shape}")
     if len(rounds) != len(layers) or not layers:
         raise ValueError(f"one round per layer: {len(rounds)} rounds for layers {layers}")
     if len(set(layers)) != len(layers) or not all(0 <= l < L for l in layers):
         raise ValueError(f"layers {layers} must be distinct and in [0, {L})")
+    if lane_slot.ndim != 1 or not jnp.issubdtype(lane_slot.dtype, jnp.integer):
+        raise ValueError(f"lane_slot must be int[B], got {lane_slot.dtype}{list(lane_slot.shape)}")
+    B = lane_slot.shape[0]
+    if lane_active.shape != (B,) or lane_active.dtype != jnp.bool_:
+        raise ValueError(f"lane_active must be bool[{B}] like lane_slot, got {lane_active.dtype}"
+                         f"{list(lane_active.shape)}")
     for r in rounds:
         if tuple(sorted(r)) != ("pos", "slot", "source", "valid"):
             raise ValueError(f"a round holds pos, source, slot, valid; got {sorted(r)}")
         shapes = {k: tuple(v.shape) for k, v in r.items()}
-        if len(set(shapes.values())) != 1 or shapes["pos"][0] != B or len(shapes["pos"]) != 2:
-            raise ValueError(f"round arrays must all be [{B}, M], got {shapes}")
+        if len(set(shapes.values())) != 1 or len(shapes["pos"]) != 2 or shapes["pos"][0] != B:
+            raise ValueError(f"round arrays must all be [B={B}, M] (one row per lane), got {shapes}")
         if shapes["pos"] != tuple(rounds[0]["pos"].shape):
             raise ValueError("every layer's round must select the same number of positions")
+    if not isinstance(max_repeats, numbers.Integral) or max_repeats < 1:
+        raise ValueError(f"max_repeats must be a positive int, got {max_repeats!r}")
 
 
 def _scatter(ref, idx, val, mask):
@@ -86,29 +103,64 @@ def _scatter(ref, idx, val, mask):
     plgpu.store(ref.at[jnp.where(mask, idx, ref.shape[0])], val, mask=mask)
 
 
-def _round_kernel(*refs, layers: tuple, sessions: int, hot_rows: int, positions: int, capacity: int,
-                  padded: tuple, interpret: bool):
-    """Program (i, b): the round of layer ``layers[i]``, session b.
+def _round_kernel(*refs, layers: tuple, slots: int, lanes: int, hot_rows: int, positions: int, capacity: int,
+                  padded: tuple, distinct: bool, max_repeats: int, interpret: bool):
+    """Program (i, b): the round of layer ``layers[i]`` in lane b, on session slot ``lane_slot[b]``.
 
-    Refs (all ANY): per layer i: pos, source, slot ([B, Mp] int32), valid ([B, Mp] bool); the six maps (aliased
-    inputs, unused: their outputs are the same buffers); outputs: the six maps, flat ([L * B * H], [L * B * H],
-    [L * B * N], [L * B], [L * B], [L * B * 5]), then entry and victim ([Lp * B * Fp]) and n_fill ([Lp * B]).
+    Refs (all ANY): per layer i: pos, source, slot ([B, Mp] int32), valid ([B, Mp] bool); lane_slot ([B] int32),
+    lane_active ([B] bool); the six maps (aliased inputs, unused: their outputs are the same buffers); outputs: the
+    six maps, flat ([L * S * H], [L * S * H], [L * S * N], [L * S], [L * S], [L * S * 5]), then entry and victim
+    ([Lp * B * Fp]) and n_fill ([Lp * B]).
     """
     Mp, Fp, Wp = padded
-    H, B, N = hot_rows, sessions, capacity
+    H, S, B, N = hot_rows, slots, lanes, capacity
     F, W = sizes(positions, hot_rows)
     n_layers = len(layers)
     round_refs = refs[: 4 * n_layers]
-    pin, pos_of_slot, slot_of_pos, rounds, clock, counters, entry_o, victim_o, n_fill_o = refs[4 * n_layers + 6:]
+    lane_slot_ref, lane_active_ref = refs[4 * n_layers: 4 * n_layers + 2]
+    pin, pos_of_slot, slot_of_pos, rounds, clock, counters, entry_o, victim_o, n_fill_o = refs[4 * n_layers + 8:]
     li, b = pl.program_id(0), pl.program_id(1)
+    k = jnp.arange(Fp, dtype=jnp.int32)
+    # Per-lane scalars come from refs: Pallas' Triton lowering has no scalar prefetch.
+    active = lane_active_ref[b]
 
     def barrier():
         if not interpret:  # the interpreter runs a program's lanes as one array program: nothing to order
             plgpu.debug_barrier()
 
+    @pl.when(jnp.logical_not(active))
+    def _idle():
+        # A padding lane may carry any slot, also one an active lane uses: it must not touch the maps.
+        base = (li * B + b) * Fp
+        plgpu.store(entry_o.at[base + k], jnp.zeros((Fp,), jnp.int32))
+        plgpu.store(victim_o.at[base + k], jnp.full((Fp,), H, jnp.int32))
+        n_fill_o[li * B + b] = jnp.int32(0)
+
+    def elect_first(lb, pos, wanted, m):
+        """One entry per wanted position, the lowest index when max_repeats >= its multiplicity. slot_of_position
+        is the scratch (-1 at every wanted position: a miss is not hot), so no atomics are needed (the Pallas
+        interpreter cannot discharge masked vector atomics); it is -1 there again on return."""
+        code = -2 - m  # never -1 (not hot) nor a slot (>= 0)
+        at = lb * N + pos
+        cand = wanted
+        w = None
+        for r in range(max_repeats):
+            if r:
+                barrier()  # every read of the last round before this round's stores
+            # Racing stores to one position leave one of them: the owner of this round. The owner of an earlier
+            # round is not a candidate any more (its index is not below itself), so owners only decrease.
+            _scatter(slot_of_pos, at, code, cand)
+            barrier()
+            w = plgpu.load(slot_of_pos.at[jnp.where(wanted, at, 0)], mask=wanted, other=0)
+            cand = cand & (m < -2 - w)
+        first = wanted & (w == code)
+        barrier()  # every read of the owners before the restore
+        _scatter(slot_of_pos, at, jnp.full((Mp,), -1, jnp.int32), wanted)
+        return first
+
     def one_round(i: int, layer: int):
         pos_ref, src_ref, slot_ref, valid_ref = round_refs[4 * i: 4 * i + 4]
-        lb = layer * B + b
+        lb = layer * S + lane_slot_ref[b]
         this_round = rounds[lb] + 1
         start = clock[lb]
         m = jnp.arange(Mp, dtype=jnp.int32)
@@ -116,8 +168,10 @@ def _round_kernel(*refs, layers: tuple, sessions: int, hot_rows: int, positions:
         slot = slot_ref[b, pl.ds(0, Mp)]
         valid = valid_ref[b, pl.ds(0, Mp)]
         is_hit, is_miss = src == HOT, src == HOST
-        # 1. pins: the slots this round read as hits
+        wanted = is_miss & valid
+        # 1. pins: the slots this round read as hits; with repeated positions, each position's first entry
         _scatter(pin, lb * H + slot, jnp.full((Mp,), this_round, jnp.int32), is_hit)
+        first = wanted if distinct else elect_first(lb, pos_ref[b, pl.ds(0, Mp)], wanted, m)
         barrier()
         # 2. free slots of the window, in circular order from the clock
         w = jnp.arange(Wp, dtype=jnp.int32)
@@ -125,8 +179,8 @@ def _round_kernel(*refs, layers: tuple, sessions: int, hot_rows: int, positions:
         slot_at = (start + w) % H
         stamp = plgpu.load(pin.at[lb * H + slot_at], mask=in_window, other=this_round)
         free_at = in_window & (stamp != this_round)
-        # 3. ranks: the k-th missed position pairs with the k-th free slot
-        first = (is_miss & valid).astype(jnp.int32)
+        # 3. ranks: the k-th first miss (in entry order) pairs with the k-th free slot
+        first = first.astype(jnp.int32)
         free = free_at.astype(jnp.int32)
         miss_rank = jnp.cumsum(first) - 1
         free_rank = jnp.cumsum(free) - 1
@@ -136,7 +190,6 @@ def _round_kernel(*refs, layers: tuple, sessions: int, hot_rows: int, positions:
         _scatter(victim_o, base + free_rank, slot_at, free_at & (free_rank < F))
         barrier()
         # 4. install: maps, then the normalised entry / victim lists the row copy reads
-        k = jnp.arange(Fp, dtype=jnp.int32)
         do = k < n_fill
         entry = plgpu.load(entry_o.at[base + k], mask=do, other=0)
         victim = plgpu.load(victim_o.at[base + k], mask=do, other=H)
@@ -153,7 +206,8 @@ def _round_kernel(*refs, layers: tuple, sessions: int, hot_rows: int, positions:
         rounds[lb] = this_round
         clock[lb] = jnp.where(n_fill > 0, (last_victim + 1) % H, start)
         n_fill_o[i * B + b] = n_fill
-        tally = (jnp.sum((is_hit & valid).astype(jnp.int32)), jnp.sum((is_miss & valid).astype(jnp.int32)),
+        # misses count every valid entry, repeats included; fills and evictions the real ones
+        tally = (jnp.sum((is_hit & valid).astype(jnp.int32)), jnp.sum(wanted.astype(jnp.int32)),
                  jnp.sum((~is_hit & ~is_miss & valid).astype(jnp.int32)), n_fill,
                  jnp.sum(evicted.astype(jnp.int32)))
         c = jnp.arange(8, dtype=jnp.int32)
@@ -167,25 +221,32 @@ def _round_kernel(*refs, layers: tuple, sessions: int, hot_rows: int, positions:
     for i, layer in enumerate(layers):
         # Each layer's round is a separate operand (stacking them would be one more copy), so the layer is
         # dispatched statically.
-        pl.when(li == i)(functools.partial(one_round, i, layer))
+        pl.when((li == i) & active)(functools.partial(one_round, i, layer))
 
 
-@functools.partial(jax.jit, static_argnames=("layers", "hot_rows", "distinct", "num_warps", "interpret"),
-                   donate_argnames=("maps",))
-def fill_round(maps: dict, rounds: tuple, *, layers: tuple, hot_rows: int, distinct: bool = True,
-               num_warps: int = 8, interpret: bool = False):
-    """One fill for the rounds of ``layers`` (``rounds[i]`` is layer ``layers[i]``'s: ``pos``, ``source``,
-    ``slot`` int32 and ``valid`` bool, each ``[B, M]``). ``maps``: ``pin_round``, ``position_of_slot`` [L, B, H],
-    ``slot_of_position`` [L, B, N], ``rounds``, ``clock`` [L, B], ``counters`` [L, B, 5], updated in place.
+@functools.partial(jax.jit, static_argnames=("layers", "hot_rows", "distinct", "max_repeats", "num_warps",
+                                             "interpret"), donate_argnames=("maps",))
+def fill_round(maps: dict, rounds: tuple, lane_slot: jax.Array, lane_active: jax.Array, *, layers: tuple,
+               hot_rows: int, distinct: bool = True, max_repeats: int = 1, num_warps: int = 8,
+               interpret: bool = False):
+    """One fill for the rounds of ``layers`` in B lanes (``rounds[i]`` is layer ``layers[i]``'s: ``pos``,
+    ``source``, ``slot`` int32 and ``valid`` bool, each ``[B, M]``); lane b works on session slot ``lane_slot[b]``
+    and does nothing unless ``lane_active[b]`` (active lanes never share a slot). ``maps``: ``pin_round``,
+    ``position_of_slot`` [L, S, H], ``slot_of_position`` [L, S, N], ``rounds``, ``clock`` [L, S], ``counters``
+    [L, S, 5], updated in place.
 
-    Returns ``(maps, entry, victim, n_fill)``: fill f < n_fill[i, b] of layer i, session b copies gathered entry
-    ``entry[i, b, f]`` into slot ``victim[i, b, f]``; past n_fill, entry is 0 and victim is H."""
-    _validate(maps, rounds, layers, hot_rows)
-    if not distinct:
-        raise ValueError("the fill kernel handles decode rounds (distinct positions); use fill_round_reference")
-    L, B, H = maps["pin_round"].shape
+    ``distinct=False``: a position may be selected by several entries of a round (MTP verify rows, drafts, chunk
+    tokens); each is filled once, from its first entry (lowest index). The kernel finds the first entries in
+    ``max_repeats`` election rounds, which must be at least the most entries one position has for that rule to hold
+    (with fewer, some entry of each position is still chosen, exactly one).
+
+    Returns ``(maps, entry, victim, n_fill)``: fill f < n_fill[i, b] of layer i, lane b copies gathered entry
+    ``entry[i, b, f]`` into slot ``victim[i, b, f]``; past n_fill (and for inactive lanes, whose n_fill is 0),
+    entry is 0 and victim is H."""
+    _validate(maps, rounds, lane_slot, lane_active, layers, hot_rows, max_repeats)
+    L, S, H = maps["pin_round"].shape
     N = maps["slot_of_position"].shape[2]
-    M = rounds[0]["pos"].shape[1]
+    B, M = rounds[0]["pos"].shape
     F, W = sizes(M, H)
     Mp, Fp, Wp = _next_pow2(M), _next_pow2(F), _next_pow2(W)
     Lp = len(layers)
@@ -197,6 +258,7 @@ def fill_round(maps: dict, rounds: tuple, *, layers: tuple, hot_rows: int, disti
             if Mp != M:  # padded positions: no source, not valid (never hit, missed or counted)
                 a = jnp.pad(a, ((0, 0), (0, Mp - M)), constant_values=-1 if name == "source" else 0)
             operands.append(a)
+    operands += [lane_slot.astype(jnp.int32), lane_active]
     first_map = len(operands)
     operands += [maps[n].reshape(-1) for n in MAP_NAMES]
     out_shape = [jax.ShapeDtypeStruct((maps[n].size,), jnp.int32) for n in MAP_NAMES]
@@ -204,8 +266,8 @@ def fill_round(maps: dict, rounds: tuple, *, layers: tuple, hot_rows: int, disti
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     kwargs = {} if interpret else {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=1)}
     out = pl.pallas_call(
-        functools.partial(_round_kernel, layers=layers, sessions=B, hot_rows=H, positions=M, capacity=N,
-                          padded=(Mp, Fp, Wp), interpret=interpret),
+        functools.partial(_round_kernel, layers=layers, slots=S, lanes=B, hot_rows=H, positions=M, capacity=N,
+                          padded=(Mp, Fp, Wp), distinct=distinct, max_repeats=max_repeats, interpret=interpret),
         out_shape=out_shape,
         grid=(Lp, B),
         in_specs=[any_spec] * len(operands), out_specs=[any_spec] * len(out_shape),
@@ -218,67 +280,70 @@ def fill_round(maps: dict, rounds: tuple, *, layers: tuple, hot_rows: int, disti
     return new_maps, entry, victim, out[-1].reshape(Lp, B)
 
 
-def _layer_index(layers: tuple):
-    """A static slice when the layers are consecutive (always, for the model's rounds): XLA updates a slice in
-    place with a dynamic-update-slice, where an index array makes a scatter."""
-    if list(layers) == list(range(layers[0], layers[0] + len(layers))):
-        return slice(layers[0], layers[0] + len(layers))
-    return jnp.asarray(layers, jnp.int32)
-
-
-@functools.partial(jax.jit, static_argnames=("layers", "hot_rows", "distinct", "num_warps", "interpret"),
-                   donate_argnames=("maps",))
-def fill_round_reference(maps: dict, rounds: tuple, *, layers: tuple, hot_rows: int, distinct: bool = True,
+@functools.partial(jax.jit, static_argnames=("layers", "hot_rows", "distinct", "max_repeats", "num_warps",
+                                             "interpret"), donate_argnames=("maps",))
+def fill_round_reference(maps: dict, rounds: tuple, lane_slot: jax.Array, lane_active: jax.Array, *,
+                         layers: tuple, hot_rows: int, distinct: bool = True, max_repeats: int = 1,
                          num_warps: int = 8, interpret: bool = False):
-    """Pure-jnp ``fill_round``; with ``distinct=False`` a position selected several times in a round (by
-    different tokens of a prefill chunk) is filled once, from its first entry."""
+    """Pure-jnp ``fill_round``. With ``distinct=False`` each position's first entry (lowest index among its
+    valid misses) is the one filled, whatever ``max_repeats`` (the kernel's rule when max_repeats is at least every
+    position's multiplicity)."""
     del num_warps, interpret
-    _validate(maps, rounds, layers, hot_rows)
-    lidx = _layer_index(layers)
+    _validate(maps, rounds, lane_slot, lane_active, layers, hot_rows, max_repeats)
+    L, S, H = maps["pin_round"].shape
     pos, source, slot, valid = (jnp.stack([r[k] for r in rounds]).astype(jnp.int32 if k != "valid" else bool)
                                 for k in ("pos", "source", "slot", "valid"))
     Lp, B, M = pos.shape
     N = maps["slot_of_position"].shape[2]
-    H = hot_rows
     F, W = sizes(M, H)
     is_hit, is_miss = source == HOT, source == HOST
-    l_m = jnp.broadcast_to(jnp.asarray(layers, jnp.int32)[:, None, None], (Lp, B, M))
-    b_m = jnp.broadcast_to(jnp.arange(B)[None, :, None], (Lp, B, M))
-    this_round = maps["rounds"][lidx] + 1  # [Lp, B]
-    pin_round = maps["pin_round"].at[l_m, b_m, jnp.where(is_hit, slot, H)].set(
+    lane_slot = lane_slot.astype(jnp.int32)
+    l_b = jnp.broadcast_to(jnp.asarray(layers, jnp.int32)[:, None], (Lp, B))  # [Lp, B]: what each program reads
+    s_b = jnp.broadcast_to(lane_slot[None, :], (Lp, B))
+    # ... and where it writes: an inactive lane's writes go to slot S, out of range, and are dropped (its slot may
+    # be an active lane's).
+    w_b = jnp.broadcast_to(jnp.where(lane_active, lane_slot, S)[None, :], (Lp, B))
+    l_m, w_m = (jnp.broadcast_to(x[..., None], (Lp, B, M)) for x in (l_b, w_b))
+    this_round = maps["rounds"][l_b, s_b] + 1  # [Lp, B]
+    pin_round = maps["pin_round"].at[l_m, w_m, jnp.where(is_hit, slot, H)].set(
         jnp.broadcast_to(this_round[..., None], (Lp, B, M)), mode="drop")
-    clock = maps["clock"][lidx]
+    clock = maps["clock"][l_b, s_b]
     slot_at = (clock[..., None] + jnp.arange(W, dtype=jnp.int32)) % H  # slots in circular order from the clock
-    free_at = jnp.take_along_axis(pin_round[lidx], slot_at, axis=2) != this_round[..., None]
+    free_at = jnp.take_along_axis(pin_round[l_b, s_b], slot_at, axis=2) != this_round[..., None]
 
-    def per_session(pos, is_miss, valid, clock, slot_at, free_at, pos_of_slot):
-        wanted = is_miss & valid
+    def per_lane(pos, is_miss, valid, active, clock, slot_at, free_at, pos_of_slot):
+        wanted = is_miss & valid & active
         if distinct:
-            first, order = wanted, jnp.arange(M, dtype=jnp.int32)
+            first = wanted
         else:
+            # A wanted entry is first when no lower index wants the same position: a stable sort groups each
+            # position's entries in index order.
             key = jnp.where(wanted, pos, N)
-            order = jnp.argsort(key, stable=True).astype(jnp.int32)
+            order = jnp.argsort(key, stable=True)
             skey = key[order]
-            first = (skey < N) & jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]])
-        # One cumsum ranks both the unique misses and the free slots (the second part is offset by the first's
-        # total): one scan kernel instead of two.
+            starts = (skey < N) & jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]])
+            first = jnp.zeros((M,), bool).at[order].set(starts)
+        # One cumsum ranks both the first misses (in entry order) and the free slots (the second part is offset by
+        # the first's total): one scan kernel instead of two.
         ranks = jnp.cumsum(jnp.concatenate([first, free_at]).astype(jnp.int32))
-        n_unique = ranks[M - 1]
-        n_free = ranks[-1] - n_unique
-        unique_entry = jnp.zeros((F,), jnp.int32).at[jnp.where(first, ranks[:M] - 1, F)].set(order, mode="drop")
+        n_first = ranks[M - 1]
+        n_free = ranks[-1] - n_first
+        entry_of_rank = jnp.zeros((F,), jnp.int32).at[jnp.where(first, ranks[:M] - 1, F)].set(
+            jnp.arange(M, dtype=jnp.int32), mode="drop")
         victim_of_rank = jnp.full((F,), H, jnp.int32).at[
-            jnp.where(free_at, ranks[M:] - n_unique - 1, F)].set(slot_at, mode="drop")
-        n_fill = jnp.minimum(jnp.minimum(n_unique, n_free), F)
+            jnp.where(free_at, ranks[M:] - n_first - 1, F)].set(slot_at, mode="drop")
+        n_fill = jnp.minimum(jnp.minimum(n_first, n_free), F)
         do = jnp.arange(F) < n_fill
         victim = jnp.where(do, victim_of_rank, H)
-        entry = jnp.where(do, unique_entry, 0)
+        entry = jnp.where(do, entry_of_rank, 0)
         new_pos = jnp.where(do, pos[entry], N)
         old_pos = jnp.where(do, pos_of_slot[jnp.minimum(victim, H - 1)], -1)
         new_clock = jnp.where(n_fill > 0, (victim_of_rank[jnp.maximum(n_fill - 1, 0)] + 1) % H, clock)
         return victim, entry, new_pos, old_pos, new_clock, n_fill
 
-    victim, entry, new_pos, old_pos, new_clock, n_fill = jax.vmap(jax.vmap(per_session))(
-        pos, is_miss, valid, clock, slot_at, free_at, maps["position_of_slot"][lidx])
+    active = jnp.broadcast_to(lane_active[None, :], (Lp, B))
+    victim, entry, new_pos, old_pos, new_clock, n_fill = jax.vmap(jax.vmap(per_lane))(
+        pos, is_miss, valid, active, clock, slot_at, free_at, maps["position_of_slot"][l_b, s_b])
     # The evicted positions must be read before position_of_slot is updated in place. Left to itself XLA fused that
     # read into the slot_of_position scatter, scheduled it after the update and so copied the whole map twice per
     # step to keep the old values (seen in the compiled HLO); the barrier orders the read first, with no copy.
@@ -288,16 +353,16 @@ def fill_round_reference(maps: dict, rounds: tuple, *, layers: tuple, hot_rows: 
     indicators = jnp.stack([is_hit & valid, is_miss & valid, ~is_hit & ~is_miss & valid, evicted], axis=2)
     tally = indicators.astype(jnp.int32).sum(-1)  # [Lp, B, 4]: hits, misses, ring reads, evictions
     counts = jnp.concatenate([tally[..., :3], n_fill[..., None], tally[..., 3:]], axis=-1)
-    l_idx = jnp.broadcast_to(jnp.asarray(layers, jnp.int32)[:, None, None], victim.shape)
-    b_idx = jnp.broadcast_to(jnp.arange(B)[None, :, None], victim.shape)
+    l_f, w_f = (jnp.broadcast_to(x[..., None], victim.shape) for x in (l_b, w_b))
     # Evictions and fills in one scatter: evicted positions were hot and filled ones were not, so the two sets are
     # disjoint and their order does not matter.
     slot_of_position = maps["slot_of_position"].at[
-        jnp.concatenate([l_idx, l_idx], -1), jnp.concatenate([b_idx, b_idx], -1),
+        jnp.concatenate([l_f, l_f], -1), jnp.concatenate([w_f, w_f], -1),
         jnp.concatenate([jnp.where(old_pos >= 0, old_pos, N), new_pos], -1)].set(
         jnp.concatenate([jnp.full_like(victim, -1), victim], -1), mode="drop")
-    position_of_slot = pos_of_slot_before.at[l_idx, b_idx, victim].set(new_pos, mode="drop")
+    position_of_slot = pos_of_slot_before.at[l_f, w_f, victim].set(new_pos, mode="drop")
     new_maps = dict(pin_round=pin_round, position_of_slot=position_of_slot, slot_of_position=slot_of_position,
-                    rounds=maps["rounds"].at[lidx].set(this_round), clock=maps["clock"].at[lidx].set(new_clock),
-                    counters=maps["counters"].at[lidx].add(counts))
+                    rounds=maps["rounds"].at[l_b, w_b].set(this_round, mode="drop"),
+                    clock=maps["clock"].at[l_b, w_b].set(new_clock, mode="drop"),
+                    counters=maps["counters"].at[l_b, w_b].add(counts, mode="drop"))
     return new_maps, entry, victim, n_fill

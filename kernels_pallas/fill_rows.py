@@ -1,15 +1,15 @@
 """Fill: copy a round's missed rows into their victim hot-cache slots, in place, for several layers at once.
 
-The offload fill (``glm53.offload.finish_round``) knows, per layer and session, how many rows it installs
-(``n_fill``), which gathered entry each comes from (``entry``) and which slot it goes to (``victim``). Its size is
-static (up to one fill per gathered entry) but the real count is small at high hit rates (~20 of 2,048 rows at 99%
-hits). An XLA scatter processes every static entry and reads the whole gathered buffer per plane: about 20 us per
-decode step on the H200 for 8 layers (profile_decode). Here every program first reads its layer's ``n_fill`` and
-returns at once when its block is past it, so the work follows the real fills (~3 us a decode step).
+The offload fill (``fill_round``) knows, per layer and lane, how many rows it installs (``n_fill``), which gathered
+entry each comes from (``entry``) and which slot it goes to (``victim``). Its size is static (up to one fill per
+gathered entry) but the real count is small at high hit rates (~20 of 2,048 rows at 99% hits). An XLA scatter
+processes every static entry and reads the whole gathered buffer per plane: about 20 us per decode step on the H200
+for 8 layers (profile_decode). Here every program first reads its layer's ``n_fill`` and returns at once when its
+block is past it, so the work follows the real fills (~3 us a decode step).
 
 The gathered rows stay where the hot gather wrote them, one array per layer (``rows[i]``): stacking them would
-copy every gathered row once more. The hot planes are aliased input -> output (donated by the caller's jit, so
-the update is in place).
+copy every gathered row once more. Lane b writes the hot rows of session slot ``lane_slot[b]``, read at run time.
+The hot planes are aliased input -> output (donated by the caller's jit, so the update is in place).
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
-def _fill_kernel(entry_ref, victim_ref, n_fill_ref, *refs, layers: tuple, names: tuple, sessions: int,
-                 entries: int, hot_rows: int, block_rows: int):
-    """Program (i, b, j) copies fills [j * block_rows, (j + 1) * block_rows) of layer ``layers[i]``, session b.
+def _fill_kernel(entry_ref, victim_ref, n_fill_ref, lane_slot_ref, *refs, layers: tuple, names: tuple,
+                 sessions: int, entries: int, hot_rows: int, block_rows: int):
+    """Program (i, b, j) copies fills [j * block_rows, (j + 1) * block_rows) of layer ``layers[i]``, lane b (session
+    slot ``lane_slot[b]``).
 
     Refs (all ANY):
-      entry_ref, victim_ref: [Lp, B, F] int32; n_fill_ref: [Lp, B] int32
+      entry_ref, victim_ref: [Lp, B, F] int32; n_fill_ref: [Lp, B] int32; lane_slot_ref: [B] int32
       rows: per layer i, per plane: [B * entries, W] — the round's gathered packed rows
-      hot (aliased inputs, unused), then hot outputs: per plane [L * B * hot_rows, W]
+      hot (aliased inputs, unused), then hot outputs: per plane [L * sessions * hot_rows, W]
     A program reads one count and usually returns: one grid axis per layer keeps that a single memory round trip
     (looping over the layers inside a program chained one per layer: 13 us for 8 layers, measured).
     """
@@ -49,7 +50,8 @@ def _fill_kernel(entry_ref, victim_ref, n_fill_ref, *refs, layers: tuple, names:
             src = b * entries + jnp.where(mask, entry, 0)
             # Masked-off rows point past the end: GPUs skip them anyway, but the Pallas interpreter writes every
             # row (the old value where masked), which at an in-range dummy row could undo a real fill of it.
-            dst = jnp.where(mask, (layer * sessions + b) * hot_rows + victim, hot_out[0].shape[0])
+            first_row = (layer * sessions + lane_slot_ref[b]) * hot_rows
+            dst = jnp.where(mask, first_row + victim, hot_out[0].shape[0])
             for p in range(n_planes):
                 width = hot_out[p].shape[1]
                 cols = jnp.arange(width, dtype=jnp.int32)[None, :]
@@ -57,40 +59,50 @@ def _fill_kernel(entry_ref, victim_ref, n_fill_ref, *refs, layers: tuple, names:
                 plgpu.store(hot_out[p].at[dst[:, None], cols], val, mask=mask[:, None])
 
 
-def _validate(hot, rows, layers, entry, victim, n_fill, sessions, block_rows):
+def _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot_rows, block_rows):
     if block_rows <= 0 or block_rows & (block_rows - 1):
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
+    if lane_slot.ndim != 1 or not jnp.issubdtype(lane_slot.dtype, jnp.integer):
+        raise ValueError(f"lane_slot must be int[B], got {lane_slot.dtype}{list(lane_slot.shape)}")
+    B = lane_slot.shape[0]
     Lp = len(layers)
-    if len(rows) != Lp or entry.shape != victim.shape or entry.ndim != 3 or entry.shape[:2] != (Lp, sessions):
-        raise ValueError(f"{Lp} layers and {sessions} sessions need {Lp} row dicts and entry/victim [{Lp}, "
-                         f"{sessions}, F]; got {len(rows)}, {entry.shape}, {victim.shape}")
-    if n_fill.shape != (Lp, sessions):
-        raise ValueError(f"n_fill must be [{Lp}, {sessions}], got {n_fill.shape}")
+    if len(rows) != Lp or entry.shape != victim.shape or entry.ndim != 3 or entry.shape[:2] != (Lp, B):
+        raise ValueError(f"{Lp} layers and {B} lanes need {Lp} row dicts and entry/victim [{Lp}, {B}, F]; got "
+                         f"{len(rows)}, {entry.shape}, {victim.shape}")
+    if n_fill.shape != (Lp, B):
+        raise ValueError(f"n_fill must be [{Lp}, {B}], got {n_fill.shape}")
     if entry.shape[2] % block_rows:
         raise ValueError(f"F={entry.shape[2]} must be a multiple of block_rows={block_rows}")
+    for n, plane in hot.items():
+        if plane.ndim != 2 or plane.shape[0] % (sessions * hot_rows):
+            raise ValueError(f"hot plane {n!r} must be [L * sessions * hot_rows, W] with sessions={sessions}, "
+                             f"hot_rows={hot_rows}; got {plane.shape}")
     for r in rows:
         if r.keys() != hot.keys():
             raise ValueError(f"row planes {sorted(r)} differ from hot planes {sorted(hot)}")
         for n in hot:
-            if r[n].shape[1:] != hot[n].shape[1:] or r[n].dtype != hot[n].dtype or r[n].shape[0] % sessions:
+            if r[n].shape[1:] != hot[n].shape[1:] or r[n].dtype != hot[n].dtype or r[n].shape[0] % B:
                 raise ValueError(f"plane {n!r}: rows {r[n].dtype}{r[n].shape} do not match hot "
-                                 f"{hot[n].dtype}{hot[n].shape}")
+                                 f"{hot[n].dtype}{hot[n].shape} ([B * E, W] with B={B} lanes)")
 
 
 @functools.partial(jax.jit, static_argnames=("layers", "sessions", "hot_rows", "block_rows", "num_warps",
                                              "interpret"), donate_argnames=("hot",))
-def fill_rows(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Array, n_fill: jax.Array, *, layers: tuple,
-              sessions: int, hot_rows: int, block_rows: int = 16, num_warps: int = 4,
+def fill_rows(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Array, n_fill: jax.Array, lane_slot: jax.Array,
+              *, layers: tuple, sessions: int, hot_rows: int, block_rows: int = 16, num_warps: int = 4,
               interpret: bool = False) -> dict:
-    """``hot[plane][(layers[i] * sessions + b) * hot_rows + victim[i, b, f]] = rows[i][plane][b * E + entry[i, b,
-    f]]`` for ``f < n_fill[i, b]``. ``hot``: flat ``[L * sessions * hot_rows, W]`` planes; ``rows[i]``: flat
-    ``[sessions * E, W]`` planes. Returns the updated hot planes (in place)."""
-    _validate(hot, rows, layers, entry, victim, n_fill, sessions, block_rows)
+    """``hot[plane][(layers[i] * sessions + lane_slot[b]) * hot_rows + victim[i, b, f]] = rows[i][plane][b * E +
+    entry[i, b, f]]`` for ``f < n_fill[i, b]``. ``hot``: flat ``[L * sessions * hot_rows, W]`` planes (``sessions``
+    is the number of session slots S); ``rows[i]``: flat ``[B * E, W]`` planes, one row block per lane. Inactive
+    lanes have n_fill 0 (``fill_round``) and so copy nothing. Returns the updated hot planes (in place)."""
+    _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot_rows, block_rows)
     names = tuple(sorted(hot))
-    E = rows[0][names[0]].shape[0] // sessions
+    B = lane_slot.shape[0]
+    E = rows[0][names[0]].shape[0] // B
     F = entry.shape[2]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    operands = [entry.astype(jnp.int32), victim.astype(jnp.int32), n_fill.astype(jnp.int32)]
+    operands = [entry.astype(jnp.int32), victim.astype(jnp.int32), n_fill.astype(jnp.int32),
+                lane_slot.astype(jnp.int32)]
     for r in rows:
         operands += [r[n] for n in names]
     first_hot = len(operands)
@@ -100,7 +112,7 @@ def fill_rows(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Array, n_fil
         functools.partial(_fill_kernel, layers=layers, names=names, sessions=sessions, entries=E,
                           hot_rows=hot_rows, block_rows=block_rows),
         out_shape=[jax.ShapeDtypeStruct(hot[n].shape, hot[n].dtype) for n in names],
-        grid=(len(layers), sessions, F // block_rows),
+        grid=(len(layers), B, F // block_rows),
         in_specs=[any_spec] * len(operands), out_specs=[any_spec] * len(names),
         input_output_aliases={first_hot + p: p for p in range(len(names))},
         interpret=interpret, name="glm53_fill_rows", **kwargs,
@@ -110,17 +122,18 @@ def fill_rows(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Array, n_fil
 
 @functools.partial(jax.jit, static_argnames=("layers", "sessions", "hot_rows", "block_rows", "num_warps",
                                              "interpret"), donate_argnames=("hot",))
-def fill_rows_reference(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Array, n_fill: jax.Array, *,
-                        layers: tuple, sessions: int, hot_rows: int, block_rows: int = 16, num_warps: int = 4,
-                        interpret: bool = False) -> dict:
+def fill_rows_reference(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Array, n_fill: jax.Array,
+                        lane_slot: jax.Array, *, layers: tuple, sessions: int, hot_rows: int, block_rows: int = 16,
+                        num_warps: int = 4, interpret: bool = False) -> dict:
     """Pure-jnp ``fill_rows``: one scatter per plane over every static fill (the ones past n_fill dropped)."""
     del num_warps, interpret
-    _validate(hot, rows, layers, entry, victim, n_fill, sessions, block_rows)
+    _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot_rows, block_rows)
     Lp, B, F = entry.shape
-    E = next(iter(rows[0].values())).shape[0] // sessions
+    E = next(iter(rows[0].values())).shape[0] // B
     do = jnp.arange(F)[None, None, :] < n_fill[..., None]
     b = jnp.arange(B)[None, :, None]
-    dst = (jnp.asarray(layers, jnp.int32)[:, None, None] * sessions + b) * hot_rows + victim
+    slot = lane_slot.astype(jnp.int32)[None, :, None]
+    dst = (jnp.asarray(layers, jnp.int32)[:, None, None] * sessions + slot) * hot_rows + victim
     dst = jnp.where(do, dst, next(iter(hot.values())).shape[0])  # out of range: dropped
     out = {}
     for n, plane in hot.items():

@@ -3,16 +3,18 @@
 Layout follows jax/experimental/pallas/ops/gpu: kernel body, wrapper, public op,
 pure-jnp reference with the same signature.
 
-The cache planes (see ``kernels_pallas.kv_formats``) and the positions are passed with
-``memory_space=pl.ANY``: the kernel gets raw pointers and reads only the selected
-rows straight from wherever the arrays live. That is what lets the same kernel
+The cache planes (see ``kernels_pallas.kv_formats``), the lanes' plane indices and
+the positions are passed with ``memory_space=pl.ANY``: the kernel gets raw pointers
+and reads only the selected rows straight from wherever the arrays live. That is what lets the same kernel
 read ``pinned_host`` planes zero-copy over PCIe on the GPU (h200-probe.md); a
 blocked spec would make Pallas/XLA stage whole blocks instead. Outputs are
 ordinary blocked specs, one ``[block_rows, W]`` tile per program.
 
-Positions must lie in [0, N). Callers clamp; an out-of-range position is the
-caller's bug: the kernel would read outside the plane (undefined), while the
-reference clamps (``jnp.take(mode="clip")``).
+Lane s of a step reads plane ``plane_of_lane[s]`` (a layer and session slot of the
+stacked planes), chosen at run time: the same compiled step serves any lane -> slot
+map. Positions must lie in [0, N) and planes in [0, P). Callers clamp; an
+out-of-range index is the caller's bug: the kernel would read outside the planes
+(undefined), while the reference clamps.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
-def _gather_rows_kernel(pos_ref, latent_ref, *refs, fmt: KVFormat, block_rows: int, first_plane: int):
-    """One program gathers ``block_rows`` rows of one session.
+def _gather_rows_kernel(plane_ref, pos_ref, latent_ref, *refs, fmt: KVFormat, block_rows: int):
+    """One program gathers ``block_rows`` rows of one lane.
 
-    Refs (ANY = whole array in place; outputs have the session dim squeezed):
+    Refs (ANY = whole array in place; outputs have the lane dim squeezed):
+      plane_ref:      [S] int32, ANY (lane s reads plane plane_ref[s])
       pos_ref:        [S, M] int32, ANY
-      latent_ref:     [P, N, 512] latent dtype, ANY (session s reads plane first_plane + s)
+      latent_ref:     [P, N, 512] latent dtype, ANY
       scale_ref:      [P, N, G] scale dtype, ANY (quantised formats only)
       rope_ref:       [P, N, 64] rope dtype, ANY
       latent_out_ref: [block_rows, 512] out dtype
@@ -48,12 +51,13 @@ def _gather_rows_kernel(pos_ref, latent_ref, *refs, fmt: KVFormat, block_rows: i
     else:
         scale_ref = None
         rope_ref, latent_out_ref, rope_out_ref = refs
-    j = pl.program_id(1)
-    rows = pos_ref[pl.program_id(0), pl.ds(j * block_rows, block_rows)]  # [block_rows]
-    s = pl.program_id(0) + first_plane
-    # A 3-D ref indexed by (scalar session, row vector, slice) lowers on Triton to
+    lane, j = pl.program_id(0), pl.program_id(1)
+    rows = pos_ref[lane, pl.ds(j * block_rows, block_rows)]  # [block_rows]
+    # Read from a ref, not scalar-prefetched: Pallas' Triton lowering has no scalar prefetch.
+    s = plane_ref[lane]
+    # A 3-D ref indexed by (scalar plane, row vector, slice) lowers on Triton to
     # one pointer tensor [block_rows, width] (64-bit offsets once the plane exceeds
-    # 4 GiB), and to a gather in interpret mode; no flattening to [S*N, W] needed.
+    # 4 GiB), and to a gather in interpret mode; no flattening to [P*N, W] needed.
     if fmt.quantised:
         # One group at a time, so the scale is a [block_rows] vector broadcast over
         # the group: the same q.astype(f32) * scale.astype(f32) as kv_formats.unpack,
@@ -80,17 +84,20 @@ def _validate_blocks(positions, block_rows: int):
         )
 
 
-def _validate_planes(planes, positions, fmt: KVFormat, first_plane: int = 0):
+def _validate_planes(planes, plane_of_lane, positions, fmt: KVFormat):
     expected = {"latent", "rope"} | ({"scale"} if fmt.quantised else set())
     if set(planes) != expected:
         raise ValueError(f"KV format {fmt.name!r} needs planes {sorted(expected)}, got {sorted(planes)}")
     if positions.ndim != 2:
         raise ValueError(f"positions must be [S, M], got shape {positions.shape}")
     S = positions.shape[0]
-    P = planes["latent"].shape[0]
-    if first_plane < 0 or first_plane + S > P:
-        raise ValueError(f"sessions [{first_plane}, {first_plane + S}) are outside the planes' {P} sessions")
-    shapes = fmt.plane_shapes(P, planes["latent"].shape[1])
+    if plane_of_lane.shape != (S,) or not jnp.issubdtype(plane_of_lane.dtype, jnp.integer):
+        raise ValueError(f"plane_of_lane must be int[S={S}] (one plane per lane of positions), got "
+                         f"{plane_of_lane.dtype}{list(plane_of_lane.shape)}")
+    if planes["latent"].ndim != 3:
+        raise ValueError(f"planes must be [P, N, W], got latent {list(planes['latent'].shape)}")
+    P, N = planes["latent"].shape[:2]
+    shapes = fmt.plane_shapes(P, N)
     for name, (shape, dtype) in shapes.items():
         p = planes[name]
         if p.shape != shape or p.dtype != dtype:
@@ -105,44 +112,44 @@ def _validate_planes(planes, positions, fmt: KVFormat, first_plane: int = 0):
             )
 
 
-@functools.partial(jax.jit, static_argnames=("kv_format", "out_dtype", "block_rows", "interpret", "first_plane"))
+@functools.partial(jax.jit, static_argnames=("kv_format", "out_dtype", "block_rows", "interpret"))
 def gather_rows(
     planes: dict[str, jax.Array],
+    plane_of_lane: jax.Array,
     positions: jax.Array,
     *,
     kv_format: str,
     out_dtype=jnp.bfloat16,
     block_rows: int = 16,
     interpret: bool = False,
-    first_plane: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
-    """Gathers ``planes[*][first_plane + s, positions[s, m]]`` and dequantises to ``out_dtype``.
+    """Gathers ``planes[*][plane_of_lane[s], positions[s, m]]`` and dequantises to ``out_dtype``.
 
     Args:
-      planes: dict of ``[P, N, W]`` planes in ``kv_format`` (see kernels_pallas.kv_formats), P >= first_plane + S. The
-        offset lets a caller pass every layer's planes stacked ([L*B, N, W], a free reshape) and read one layer's
-        rows in place: a sliced operand would make XLA copy that layer's whole history before the custom call.
+      planes: dict of ``[P, N, W]`` planes in ``kv_format`` (see kernels_pallas.kv_formats). A caller passes every
+        layer's and slot's planes stacked ([L*S, N, W], a free reshape) and reads each lane's rows in place: a
+        sliced or gathered operand would make XLA copy those planes' whole history before the custom call.
+      plane_of_lane: int32[S], the plane each lane (row of ``positions``) reads, in [0, P).
       positions: int32[S, M], each in [0, N); M a multiple of ``block_rows``.
       kv_format: format name.
       out_dtype: dtype of the outputs.
       block_rows: rows per program (power of two).
       interpret: run the Pallas interpreter (CPU tests).
-      first_plane: plane of session 0 (static).
 
     Returns:
       ``(latent[S, M, 512], rope[S, M, 64])`` in ``out_dtype``.
     """
     fmt = kv_formats.get_format(kv_format)
-    _validate_planes(planes, positions, fmt, first_plane)
+    _validate_planes(planes, plane_of_lane, positions, fmt)
     _validate_blocks(positions, block_rows)
     S, M = positions.shape
     out_dtype = jnp.dtype(out_dtype)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    operands = [positions.astype(jnp.int32), planes["latent"]]
+    operands = [plane_of_lane.astype(jnp.int32), positions.astype(jnp.int32), planes["latent"]]
     if fmt.quantised:
         operands.append(planes["scale"])
     operands.append(planes["rope"])
-    kernel = functools.partial(_gather_rows_kernel, fmt=fmt, block_rows=block_rows, first_plane=first_plane)
+    kernel = functools.partial(_gather_rows_kernel, fmt=fmt, block_rows=block_rows)
     return pl.pallas_call(
         kernel,
         grid=(S, M // block_rows),
@@ -163,22 +170,24 @@ def gather_rows(
     )(*operands)
 
 
-@functools.partial(jax.jit, static_argnames=("kv_format", "out_dtype", "block_rows", "interpret", "first_plane"))
+@functools.partial(jax.jit, static_argnames=("kv_format", "out_dtype", "block_rows", "interpret"))
 def gather_rows_reference(
     planes: dict[str, jax.Array],
+    plane_of_lane: jax.Array,
     positions: jax.Array,
     *,
     kv_format: str,
     out_dtype=jnp.bfloat16,
     block_rows: int = 16,
     interpret: bool = False,
-    first_plane: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
-    """Pure-jnp ``gather_rows``: ``jnp.take`` per plane, then ``kv_formats.unpack``."""
+    """Pure-jnp ``gather_rows``: one ``jnp.take`` per plane of rows ``plane * N + position`` of the planes
+    flattened to ``[P * N, W]`` (a free reshape; taking each lane's plane first would copy whole planes), then
+    ``kv_formats.unpack``."""
     del block_rows, interpret  # Same signature as the kernel.
     fmt = kv_formats.get_format(kv_format)
-    _validate_planes(planes, positions, fmt, first_plane)
-    S = positions.shape[0]
-    take = jax.vmap(lambda p, i: jnp.take(p, i, axis=0, mode="clip"))
-    rows = {k: take(v[first_plane:first_plane + S], positions.astype(jnp.int32)) for k, v in planes.items()}
+    _validate_planes(planes, plane_of_lane, positions, fmt)
+    P, N = planes["latent"].shape[:2]
+    flat_row = plane_of_lane.astype(jnp.int32)[:, None] * N + jnp.clip(positions.astype(jnp.int32), 0, N - 1)
+    rows = {k: jnp.take(v.reshape(P * N, v.shape[-1]), flat_row, axis=0, mode="clip") for k, v in planes.items()}
     return kv_formats.unpack(fmt, rows, out_dtype)

@@ -64,16 +64,21 @@ def _compiler_params(num_stages: int):
 
 
 def _indexer_scores_kernel(
-    q_ref,  # [T, Hi, D] q dtype (session squeezed)
+    q_ref,  # [T, Hi, D] q dtype (lane squeezed)
     w_ref,  # [T, Hi] f32
     qpos_ref,  # [T] int32
-    k_ref,  # [block_keys, D] key dtype
+    plane_ref,  # [S] int32, ANY: the key plane of each lane
+    k_ref,  # [P, N, D] key dtype, ANY: every plane's keys, read in place
     o_ref,  # [T, block_keys] f32
     *,
     softmax_scale: float,
     block_keys: int,
 ):
     j = pl.program_id(1)
+    # The plane is read from a ref (Pallas' Triton lowering has no scalar prefetch), and the key block loaded from
+    # the whole keys array: a blocked spec needs its block index before the kernel runs, and a gathered [S, N, D]
+    # operand would copy every lane's keys per layer and step.
+    plane = plane_ref[pl.program_id(0)]
     # bf16 x bf16 products are exact in f32, so with f32 accumulation a bf16 dot
     # equals the upcast f32 dot up to summation order, and runs on tensor cores
     # (the f32 IEEE dot was ~10x slower on an H200). Other dtypes are upcast, with
@@ -81,7 +86,7 @@ def _indexer_scores_kernel(
     both_bf16 = q_ref.dtype == jnp.bfloat16 and k_ref.dtype == jnp.bfloat16
     dot_dtype = jnp.bfloat16 if both_bf16 else jnp.float32
     precision = lax.Precision.DEFAULT if both_bf16 else lax.Precision.HIGHEST
-    keys = k_ref[...].astype(dot_dtype)
+    keys = k_ref[plane, pl.ds(j * block_keys, block_keys), :].astype(dot_dtype)  # [block_keys, D]
     n = j * block_keys + lax.broadcasted_iota(jnp.int32, (block_keys,), 0)
     num_queries = q_ref.shape[0]
     # One [Hi, D] x [D, block_keys] dot per query token: T is small in decode (1,
@@ -96,11 +101,26 @@ def _indexer_scores_kernel(
         o_ref[t] = jnp.where(n > qpos_ref[t], -jnp.inf, score)
 
 
+def _validate_scores(q, weights, keys, key_plane, query_positions):
+    if q.ndim != 4 or keys.ndim != 3:
+        raise ValueError(f"expected q[S,T,Hi,D] and keys[P,N,D], got {q.shape} and {keys.shape}")
+    S, T, Hi, D = q.shape
+    if (keys.shape[2] != D or weights.shape != (S, T, Hi) or query_positions.shape != (S, T)
+            or key_plane.shape != (S,)):
+        raise ValueError(
+            "expected q[S,T,Hi,D], weights[S,T,Hi], keys[P,N,D], key_plane[S], query_positions[S,T]; "
+            f"got {q.shape}, {weights.shape}, {keys.shape}, {key_plane.shape}, {query_positions.shape}"
+        )
+    if not jnp.issubdtype(key_plane.dtype, jnp.integer):
+        raise ValueError(f"key_plane must be an integer array, got {key_plane.dtype}")
+
+
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "block_keys", "interpret"))
 def indexer_scores(
     q: jax.Array,
     weights: jax.Array,
     keys: jax.Array,
+    key_plane: jax.Array,
     query_positions: jax.Array,
     *,
     softmax_scale: float,
@@ -109,7 +129,7 @@ def indexer_scores(
 ) -> jax.Array:
     """DSA indexer scores f32[S, T, N].
 
-    ``score[s,t,n] = sum_h weights[s,t,h] * relu(q[s,t,h] . keys[s,n] * softmax_scale)``
+    ``score[s,t,n] = sum_h weights[s,t,h] * relu(q[s,t,h] . keys[key_plane[s],n] * softmax_scale)``
     computed in f32, and -inf where ``n > query_positions[s,t]``. Products are exact
     f32 (bf16 pairs go through a bf16 dot with f32 accumulation, anything else is
     upcast to f32); only the summation order differs from the reference.
@@ -117,21 +137,19 @@ def indexer_scores(
     Args:
       q: [S, T, Hi, D] (bf16 or f32); Hi and D powers of two.
       weights: [S, T, Hi] f32 per-head weights.
-      keys: [S, N, D] indexer keys; N a multiple of ``block_keys``.
+      keys: [P, N, D] indexer keys of every plane (layer and session slot), read
+        in place; N a multiple of ``block_keys``.
+      key_plane: int32[S], the plane of ``keys`` lane s scores against, in [0, P).
       query_positions: int32[S, T] absolute position of each query token.
       softmax_scale: scale applied to the logits before the relu.
       block_keys: keys per program (power of two).
       interpret: run the Pallas interpreter (CPU tests).
     """
+    _validate_scores(q, weights, keys, key_plane, query_positions)
     S, T, Hi, D = q.shape
     N = keys.shape[1]
     if not _is_pow2(block_keys):
         raise ValueError(f"block_keys must be a power of two, got {block_keys}")
-    if keys.shape != (S, N, D) or weights.shape != (S, T, Hi) or (query_positions.shape != (S, T)):
-        raise ValueError(
-            "expected q[S,T,Hi,D], weights[S,T,Hi], keys[S,N,D], query_positions[S,T]; "
-            f"got {q.shape}, {weights.shape}, {keys.shape}, {query_positions.shape}"
-        )
     if N % block_keys:
         raise ValueError(f"N={N} keys must be a multiple of block_keys={block_keys}")
     if not (_is_pow2(Hi) and _is_pow2(D)):
@@ -142,6 +160,7 @@ def indexer_scores(
         pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
         q, weights, query_positions = pad(q), pad(weights), pad(query_positions)
     kernel = functools.partial(_indexer_scores_kernel, softmax_scale=float(softmax_scale), block_keys=block_keys)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
         kernel,
         grid=(S, N // block_keys),
@@ -149,14 +168,15 @@ def indexer_scores(
             pl.BlockSpec((None, Tp, Hi, D), lambda s, j: (s, 0, 0, 0)),
             pl.BlockSpec((None, Tp, Hi), lambda s, j: (s, 0, 0)),
             pl.BlockSpec((None, Tp), lambda s, j: (s, 0)),
-            pl.BlockSpec((None, block_keys, D), lambda s, j: (s, j, 0)),
+            any_spec,
+            any_spec,
         ],
         out_specs=pl.BlockSpec((None, Tp, block_keys), lambda s, j: (s, 0, j)),
         out_shape=jax.ShapeDtypeStruct((S, Tp, N), jnp.float32),
         compiler_params=_compiler_params(num_stages=2),
         interpret=interpret,
         name="indexer_scores",
-    )(q, weights.astype(jnp.float32), query_positions.astype(jnp.int32), keys)
+    )(q, weights.astype(jnp.float32), query_positions.astype(jnp.int32), key_plane.astype(jnp.int32), keys)
     return out[:, :T]
 
 
@@ -165,6 +185,7 @@ def indexer_scores_reference(
     q: jax.Array,
     weights: jax.Array,
     keys: jax.Array,
+    key_plane: jax.Array,
     query_positions: jax.Array,
     *,
     softmax_scale: float,
@@ -173,6 +194,8 @@ def indexer_scores_reference(
 ) -> jax.Array:
     """Pure-jnp ``indexer_scores`` (same signature; block_keys/interpret unused)."""
     del block_keys, interpret
+    _validate_scores(q, weights, keys, key_plane, query_positions)
+    keys = jnp.take(keys, key_plane.astype(jnp.int32), axis=0)  # [S, N, D]
     logits = jnp.einsum(
         "sthd,snd->sthn",
         q.astype(jnp.float32),

@@ -1,20 +1,26 @@
-"""The ops the model calls, each choosing the Pallas kernel or its jnp reference by backend.
+"""The ops the model calls: each runs the Pallas kernel or its jnp reference, as the caller's ``impl`` says.
 
-On GPU backends (CUDA, ROCm) the Pallas kernels run (Triton lowering); on CPU the jnp references run, because
-Pallas on CPU only exists as the interpreter, which is orders of magnitude slower. The choice is made once per
-trace from ``jax.default_backend()`` — never from environment variables — and the tests pin kernel == reference
-so either choice computes the same function. ``force_impl`` exists for tests that run the kernels (interpreted)
-inside the whole model.
+``impl`` is a static argument of the caller's step (never module state or an environment variable), one of:
+
+* ``"auto"``: the Pallas kernels on GPU backends (CUDA, ROCm; Triton lowering), the jnp references on the CPU,
+  where Pallas only exists as the interpreter, orders of magnitude slower;
+* ``"pallas"``: the kernels, interpreted where there is no GPU (tests of the kernels inside the whole model);
+* ``"reference"``: the references.
+
+The tests pin kernel == reference, so every choice computes the same function.
+
+Memory spaces: XLA's gathers and scatters, and so the Pallas interpreter, cannot take ``pinned_host`` operands.
+On those paths an op first moves host operands to the device (and ``copy_blocks`` moves its result back to host
+memory when ``dst`` lived there); on the CPU both memories are host RAM, so that costs a copy and nothing else. The
+compiled GPU kernels read and write host operands in place, zero-copy.
 """
 
 from __future__ import annotations
 
-import contextlib
+import importlib
 
 import jax
 import jax.numpy as jnp
-
-import importlib
 
 # The package re-exports functions named like these modules, so fetch the modules themselves.
 _gather = importlib.import_module("kernels_pallas.gather_rows")
@@ -22,47 +28,51 @@ _hot = importlib.import_module("kernels_pallas.hot_gather")
 _indexer = importlib.import_module("kernels_pallas.indexer_topk")
 _fill = importlib.import_module("kernels_pallas.fill_rows")
 _fill_round = importlib.import_module("kernels_pallas.fill_round")
+_copy = importlib.import_module("kernels_pallas.copy_blocks")
 
-_FORCED: str | None = None
-GATHER_BLOCK_ROWS = 16
-
-
-@contextlib.contextmanager
-def force_impl(impl: str | None):
-    """Within the block, trace ops with ``"pallas"`` (interpreted on CPU) or ``"reference"``."""
-    global _FORCED
-    if impl not in (None, "pallas", "reference"):
-        raise ValueError(f"impl must be 'pallas', 'reference' or None, got {impl!r}")
-    old, _FORCED = _FORCED, impl
-    try:
-        yield
-    finally:
-        _FORCED = old
+IMPLS = ("auto", "pallas", "reference")
+GPU_BACKENDS = ("gpu", "cuda", "rocm")
 
 
-def _impl() -> tuple[bool, bool]:
-    """(use the Pallas kernel, interpret it)."""
-    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
-    if _FORCED == "reference":
+def resolve(impl: str) -> tuple[bool, bool]:
+    """``(use the Pallas kernel, interpret it)`` for ``impl`` on this backend."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    on_gpu = jax.default_backend() in GPU_BACKENDS
+    if impl == "reference":
         return False, False
-    if _FORCED == "pallas":
+    if impl == "pallas":
         return True, not on_gpu
     return on_gpu, False
 
 
-def gather_rows(planes: dict, positions: jax.Array, *, kv_format: str, out_dtype, first_plane: int = 0):
-    """Rows at ``positions [S, M]`` of planes ``first_plane + s`` of ``planes`` (each ``[P, N, W]``), dequantised
-    to ``out_dtype``."""
-    use_pallas, interpret = _impl()
+def _on_host(x) -> bool:
+    return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
+def _to_device(planes: dict) -> dict:
+    """Host planes moved to the device (for XLA gathers / the interpreter); device planes as they are."""
+    return {n: jax.device_put(v, jax.memory.Space.Device) if _on_host(v) else v for n, v in planes.items()}
+
+
+GATHER_BLOCK_ROWS = 16
+
+
+def gather_rows(planes: dict, plane_of_lane, positions, *, kv_format: str, out_dtype, impl: str):
+    """Rows at ``positions [S, M]`` of plane ``plane_of_lane[s]`` of ``planes`` (each ``[P, N, W]``), dequantised
+    to ``out_dtype``: ``(latent [S, M, 512], rope [S, M, 64])``."""
+    use_pallas, interpret = resolve(impl)
+    if not use_pallas or interpret:
+        planes = _to_device(planes)
     if not use_pallas:
-        return _gather.gather_rows_reference(planes, positions, kv_format=kv_format, out_dtype=out_dtype,
-                                             first_plane=first_plane)
+        return _gather.gather_rows_reference(planes, plane_of_lane, positions, kv_format=kv_format,
+                                             out_dtype=out_dtype)
     S, M = positions.shape
     pad = (-M) % GATHER_BLOCK_ROWS
     if pad:  # row 0 always exists; padded rows are sliced off below
         positions = jnp.pad(positions, ((0, 0), (0, pad)))
-    latent, rope = _gather.gather_rows(planes, positions, kv_format=kv_format, out_dtype=out_dtype,
-                                       block_rows=GATHER_BLOCK_ROWS, interpret=interpret, first_plane=first_plane)
+    latent, rope = _gather.gather_rows(planes, plane_of_lane, positions, kv_format=kv_format, out_dtype=out_dtype,
+                                       block_rows=GATHER_BLOCK_ROWS, interpret=interpret)
     return latent[:, :M], rope[:, :M]
 
 
@@ -71,25 +81,32 @@ def gather_rows(planes: dict, positions: jax.Array, *, kv_format: str, out_dtype
 MAX_KERNEL_QUERIES = 8
 
 
-def indexer_scores(q, weights, keys, query_positions, *, softmax_scale: float):
-    use_pallas, interpret = _impl()
-    if not use_pallas or q.shape[1] > MAX_KERNEL_QUERIES:
-        return _indexer.indexer_scores_reference(q, weights, keys, query_positions, softmax_scale=softmax_scale)
-    return _indexer.indexer_scores(q, weights, keys, query_positions, softmax_scale=softmax_scale,
+def indexer_scores(q, weights, keys, key_plane, query_positions, *, softmax_scale: float, impl: str):
+    """DSA indexer scores ``f32[S, T, N]`` of lane s's queries against key plane ``key_plane[s]`` of ``keys``
+    (``[P, N, D]``)."""
+    use_pallas, interpret = resolve(impl)
+    use_pallas = use_pallas and q.shape[1] <= MAX_KERNEL_QUERIES
+    if not use_pallas or interpret:
+        keys = _to_device({"keys": keys})["keys"]
+    if not use_pallas:
+        return _indexer.indexer_scores_reference(q, weights, keys, key_plane, query_positions,
+                                                 softmax_scale=softmax_scale)
+    return _indexer.indexer_scores(q, weights, keys, key_plane, query_positions, softmax_scale=softmax_scale,
                                    interpret=interpret)
 
 
-def topk_positions(scores, k: int):
-    use_pallas, interpret = _impl()
+def topk_positions(scores, k: int, *, impl: str):
+    """Positions of the k highest scores per row, ascending (``int32[S, T, k]``)."""
+    use_pallas, interpret = resolve(impl)
     if not use_pallas or scores.shape[1] > MAX_KERNEL_QUERIES:
         return _indexer.topk_positions_reference(scores, k)
     return _indexer.topk_positions(scores, k, interpret=interpret)
 
 
-def hot_gather(source, row, ring: dict, hot: dict, host: dict, *, kv_format: str, out_dtype):
+def hot_gather(source, row, ring: dict, hot: dict, host: dict, *, kv_format: str, out_dtype, impl: str):
     """Entries ``[E]`` from the ring / hot cache / host history (offload mode's gather): ``(latent [E, 512], rope
     [E, 64], packed {plane: [E, W]})``."""
-    use_pallas, interpret = _impl()
+    use_pallas, interpret = resolve(impl)
     E = source.shape[0]
     block_rows = _hot.DEFAULT_BLOCK_ROWS  # the kernel's launch shape (see there)
     pad = (-E) % block_rows
@@ -100,36 +117,61 @@ def hot_gather(source, row, ring: dict, hot: dict, host: dict, *, kv_format: str
     if use_pallas and not interpret:
         latent, rope, packed = _hot.hot_gather(source, row, ring, hot, host, **kw)
     else:
-        # XLA (and the Pallas interpreter, which lowers to XLA gathers) cannot read pinned_host operands: bring the
-        # host planes to the device first. On a CPU both memories are host RAM; GPUs take the kernel path above.
-        host = {n: jax.device_put(v, jax.memory.Space.Device) for n, v in host.items()}
-        if use_pallas:
-            latent, rope, packed = _hot.hot_gather(source, row, ring, hot, host, interpret=True, **kw)
-        else:
-            latent, rope, packed = _hot.hot_gather_reference(source, row, ring, hot, host, **kw)
+        ring, hot, host = _to_device(ring), _to_device(hot), _to_device(host)
+        fn = _hot.hot_gather if use_pallas else _hot.hot_gather_reference
+        latent, rope, packed = fn(source, row, ring, hot, host, interpret=interpret, **kw)
     return latent[:E], rope[:E], {n: v[:E] for n, v in packed.items()}
 
 
 FILL_BLOCK_ROWS = 16
 
 
-def fill_rows(hot: dict, rows: tuple, entry, victim, n_fill, *, layers: tuple, sessions: int, hot_rows: int):
-    """Copy ``n_fill`` gathered rows per layer and session into their victim slots (offload fill), in place."""
-    use_pallas, interpret = _impl()
+def fill_rows(hot: dict, rows: tuple, entry, victim, n_fill, lane_slot, *, layers: tuple, sessions: int,
+              hot_rows: int, impl: str):
+    """Copy ``n_fill`` gathered rows per layer and lane into their victim slots of session slot ``lane_slot[b]``
+    (offload fill), in place."""
+    use_pallas, interpret = resolve(impl)
     F = entry.shape[2]
     pad = (-F) % FILL_BLOCK_ROWS
     if pad:  # padded fills lie past n_fill: never copied
         entry = jnp.pad(entry, ((0, 0), (0, 0), (0, pad)))
         victim = jnp.pad(victim, ((0, 0), (0, 0), (0, pad)))
     fn = _fill.fill_rows if use_pallas else _fill.fill_rows_reference
-    return fn(hot, tuple(rows), entry, victim, n_fill, layers=tuple(layers), sessions=sessions, hot_rows=hot_rows,
-              block_rows=FILL_BLOCK_ROWS, interpret=interpret)
+    return fn(hot, tuple(rows), entry, victim, n_fill, lane_slot, layers=tuple(layers), sessions=sessions,
+              hot_rows=hot_rows, block_rows=FILL_BLOCK_ROWS, interpret=interpret)
 
 
-def fill_round(maps: dict, rounds: tuple, *, layers: tuple, hot_rows: int, distinct: bool):
-    """The offload fill's bookkeeping for one round per layer: ``(maps, entry, victim, n_fill)`` (see
-    ``kernels_pallas.fill_round``). The kernel takes decode rounds; rounds with repeated positions (prefill chunks)
-    take the reference, whose deduplication needs a sort."""
-    use_pallas, interpret = _impl()
-    fn = _fill_round.fill_round if use_pallas and distinct else _fill_round.fill_round_reference
-    return fn(maps, tuple(rounds), layers=tuple(layers), hot_rows=hot_rows, distinct=distinct, interpret=interpret)
+# One program holds a whole round of a (layer, lane) in registers: past this many positions (prefill-sized rounds)
+# the reference, whose sort and scans XLA tiles, takes over.
+MAX_KERNEL_ROUND_POSITIONS = 16384
+
+
+def fill_round(maps: dict, rounds: tuple, lane_slot, lane_active, *, layers: tuple, hot_rows: int, distinct: bool,
+               max_repeats: int, impl: str):
+    """The offload fill's bookkeeping for one round per layer and lane: ``(maps, entry, victim, n_fill)`` (see
+    ``kernels_pallas.fill_round``). ``distinct=False`` rounds may repeat a position up to ``max_repeats`` times."""
+    use_pallas, interpret = resolve(impl)
+    M = rounds[0]["pos"].shape[1]
+    kernel = use_pallas and M <= MAX_KERNEL_ROUND_POSITIONS
+    fn = _fill_round.fill_round if kernel else _fill_round.fill_round_reference
+    return fn(maps, tuple(rounds), lane_slot, lane_active, layers=tuple(layers), hot_rows=hot_rows,
+              distinct=distinct, max_repeats=max_repeats, interpret=interpret)
+
+
+COPY_BLOCK_ROWS = 16
+
+
+def copy_blocks(dst: dict, src: dict, src_start, dst_start, count, *, block_size: int, impl: str) -> dict:
+    """``dst[p][dst_start[i] + r] = src[p][src_start[i] + r]`` for ``r < min(count[i], block_size)``, in place
+    (``dst`` donated); either side may live in ``pinned_host`` memory. Returns the new ``dst``."""
+    use_pallas, interpret = resolve(impl)
+    kw = dict(block_size=block_size, block_rows=min(COPY_BLOCK_ROWS, block_size))
+    on_host = {n: _on_host(v) for n, v in dst.items()}
+    if use_pallas and not interpret:
+        out = _copy.copy_blocks(dst, src, src_start, dst_start, count, **kw)
+    else:
+        fn = _copy.copy_blocks if use_pallas else _copy.copy_blocks_reference
+        out = fn(_to_device(dst), _to_device(src), src_start, dst_start, count, interpret=interpret, **kw)
+    # pallas_call types every output as device memory, an aliased pinned_host buffer too: the transfer back says
+    # where the result lives. On the kernel path it is the input's own buffer, so XLA has nothing to move.
+    return {n: jax.device_put(v, jax.memory.Space.Host) if on_host[n] else v for n, v in out.items()}

@@ -3,3 +3,12 @@ import os
 # Tests run on the CPU; 16 host devices exist for the sharding tests (set before jax is imported).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Compiled executables persist in a cache shared by the test processes (xdist workers, subprocess tests): tests of
+# the same tiny configs then compile each step once per run instead of once per process. Keys include the whole
+# computation, so a stale entry can never be used for different code.
+import tempfile
+
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"glm53-test-jax-cache-{os.getuid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")

@@ -106,21 +106,6 @@ def test_sampling_is_seeded_and_top_p_tiny_is_greedy(model, alone):
     assert run(0, top_p=1e-6) == alone[0].tokens[0]
 
 
-def test_static_greedy_sampler_equals_traced_temperature_zero():
-    """generate compiles the argmax alone when temperature == 0; it must pick what the full sampler picks then,
-    ties (first index) included."""
-    from glm53.steps import sample
-    rng = np.random.default_rng(0)
-    logits = rng.standard_normal((4, 300)).astype(np.float32)
-    logits[1, [7, 100, 250]] = 9.0  # a tie: the first index wins
-    logits[2] = 0.0  # all tied
-    key = jax.random.key(0)
-    full = sample(logits, key, np.float32(0), np.float32(0.9))
-    fast = jax.jit(sample, static_argnames=("greedy",))(logits, key, np.float32(0), np.float32(0.9), greedy=True)
-    assert np.array_equal(full, fast)
-    assert fast.tolist()[1:3] == [7, 0]
-
-
 def test_on_token_called_for_every_token_in_order(model, batched):
     calls = []
     res = glm53.generate(model, [P1, P2], max_new_tokens=NEW, on_token=lambda b, i, t: calls.append((b, i, t)))

@@ -10,17 +10,20 @@ from hypothesis import given, settings, strategies as st
 
 from kernels_pallas import indexer_scores, indexer_scores_reference, topk_positions, topk_positions_reference
 
-INTERPRET = True
+# Interpreted on the CPU, compiled on a GPU: the same tests check the real kernels on the H200.
+INTERPRET = jax.default_backend() not in ("gpu", "cuda", "rocm")
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
 def _indexer_inputs(S, T, Hi, D, N, dtype, seed=0):
+    """Lane s scores against key plane ``KEY_PLANE[s]`` of S + 1 planes (lanes need not be planes, and may share)."""
     ks = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(ks[0], (S, T, Hi, D)).astype(dtype)
     w = jax.random.normal(ks[1], (S, T, Hi), jnp.float32)  # signed: yields -0.0 too
-    keys = jax.random.normal(ks[2], (S, N, D)).astype(dtype)
+    keys = jax.random.normal(ks[2], (S + 1, N, D)).astype(dtype)
     qpos = jax.random.randint(ks[3], (S, T), 0, N)
-    return q, w, keys, qpos
+    key_plane = (S - jnp.arange(S, dtype=jnp.int32)) % (S + 1)  # [S, S-1, ...]: reversed, skipping plane 0
+    return q, w, keys, key_plane, qpos
 
 
 _SCORE_KW = dict(softmax_scale=0.125, block_keys=64)
@@ -29,14 +32,14 @@ _SCORE_KW = dict(softmax_scale=0.125, block_keys=64)
 @pytest.mark.parametrize("dtype,T", [(jnp.bfloat16, 3), (jnp.float32, 1)])
 def test_scores_match_reference(dtype, T):
     S, Hi, D, N = 2, 8, 32, 128
-    q, w, keys, qpos = _indexer_inputs(S, T, Hi, D, N, dtype)
+    q, w, keys, key_plane, qpos = _indexer_inputs(S, T, Hi, D, N, dtype)
     # Causal edges: the first position, the last one, and beyond the written length.
     qpos = qpos.at[0, 0].set(0).at[1, -1].set(N - 1)
     if T > 1:
         qpos = qpos.at[0, 1].set(N + 5)
     kw = _SCORE_KW
-    got = indexer_scores(q, w, keys, qpos, interpret=INTERPRET, **kw)
-    want = indexer_scores_reference(q, w, keys, qpos, **kw)
+    got = indexer_scores(q, w, keys, key_plane, qpos, interpret=INTERPRET, **kw)
+    want = indexer_scores_reference(q, w, keys, key_plane, qpos, **kw)
     assert got.shape == (S, T, N) and got.dtype == jnp.float32
     got, want = np.asarray(got), np.asarray(want)
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
@@ -44,16 +47,25 @@ def test_scores_match_reference(dtype, T):
     np.testing.assert_array_equal(np.isneginf(want), n > np.asarray(qpos)[..., None])
     finite = np.isfinite(want)
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+    # Each lane scored against its own plane: the reference on that plane alone agrees (up to summation order,
+    # which a GPU's einsum may choose by shape).
+    for s in range(S):
+        alone = np.asarray(indexer_scores_reference(q[s:s + 1], w[s:s + 1], keys[key_plane[s]][None],
+                                                    jnp.zeros((1,), jnp.int32), qpos[s:s + 1], **kw))[0]
+        np.testing.assert_array_equal(np.isneginf(alone), np.isneginf(want[s]))
+        np.testing.assert_allclose(alone[finite[s]], want[s][finite[s]], rtol=1e-5, atol=1e-5)
 
 
 def test_scores_validation():
-    q, w, keys, qpos = _indexer_inputs(1, 1, 4, 16, 96, jnp.float32)
+    q, w, keys, key_plane, qpos = _indexer_inputs(1, 1, 4, 16, 96, jnp.float32)
     with pytest.raises(ValueError, match="multiple of block_keys"):
-        indexer_scores(q, w, keys, qpos, softmax_scale=1.0, block_keys=64, interpret=INTERPRET)
+        indexer_scores(q, w, keys, key_plane, qpos, softmax_scale=1.0, block_keys=64, interpret=INTERPRET)
     with pytest.raises(ValueError, match="block_keys must be a power of two"):
-        indexer_scores(q, w, keys, qpos, softmax_scale=1.0, block_keys=48, interpret=INTERPRET)
+        indexer_scores(q, w, keys, key_plane, qpos, softmax_scale=1.0, block_keys=48, interpret=INTERPRET)
     with pytest.raises(ValueError, match="expected q"):
-        indexer_scores(q, w[:, :, :2], keys, qpos, softmax_scale=1.0, block_keys=32, interpret=INTERPRET)
+        indexer_scores(q, w[:, :, :2], keys, key_plane, qpos, softmax_scale=1.0, block_keys=32, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="key_plane"):
+        indexer_scores_reference(q, w, keys, jnp.zeros((2,), jnp.int32), qpos, softmax_scale=1.0)
 
 
 def _check_topk(scores, k, block_n=64):
@@ -119,9 +131,9 @@ def test_topk_small_n_and_k1():
 def test_topk_on_indexer_scores():
     """End to end: causal -inf tails, relu zeros of both signs, S,T > 1."""
     # Same shapes as test_scores_match_reference: the compiled kernel is reused.
-    q, w, keys, qpos = _indexer_inputs(2, 3, 8, 32, 128, jnp.bfloat16, seed=5)
+    q, w, keys, key_plane, qpos = _indexer_inputs(2, 3, 8, 32, 128, jnp.bfloat16, seed=5)
     qpos = qpos.at[0, 0].set(20)
-    scores = indexer_scores(q, w, keys, qpos, interpret=INTERPRET, **_SCORE_KW)
+    scores = indexer_scores(q, w, keys, key_plane, qpos, interpret=INTERPRET, **_SCORE_KW)
     assert np.any(np.asarray(scores) == 0)
     scores = jnp.pad(scores, [(0, 0), (0, 0), (0, _SHAPE[-1] - 128)], constant_values=-jnp.inf)
     _check_topk(scores, _K)

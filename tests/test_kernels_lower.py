@@ -3,7 +3,8 @@
 ``jax.export`` can lower a function for another platform: for ``cuda`` and ``rocm`` that runs the Pallas-to-Triton
 lowering of each kernel (everything but Triton's own compile to PTX / AMDGCN), which is where an unsupported
 primitive, shape or indexing would fail. The interpreted kernels the other tests run check what the kernels
-compute; this checks that the GPU path can be built at all, at the decode shapes of ``configs/h200_bench.py``.
+compute; this checks that the GPU path can be built at all, at the decode shapes of ``configs/h200_bench.py``
+(4 session slots, 4 lanes), with host-memory operands where the offload cache has them.
 """
 
 import functools
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax import export
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kernels_pallas import kv_formats as kvf
 
@@ -21,39 +23,60 @@ it = importlib.import_module("kernels_pallas.indexer_topk")
 hg = importlib.import_module("kernels_pallas.hot_gather")
 fr = importlib.import_module("kernels_pallas.fill_rows")
 frd = importlib.import_module("kernels_pallas.fill_round")
+cb = importlib.import_module("kernels_pallas.copy_blocks")
 
 S = jax.ShapeDtypeStruct
 I32 = jnp.int32
 K, H, L, N = 2048, 32768, 9, 50176  # top-k, hot rows, cache layers (+ MTP), capacity at 50K
+SLOTS, B, T = 4, 4, 4  # session slots, lanes of the step, MTP verify rows
+P, POOL_PAGES = 64, 2048  # copyback_every (rows per page), pages in the host pool
+# pinned_host operands: the aval's memory space comes from a NamedSharding's memory kind
+HOST = NamedSharding(Mesh(jax.devices()[:1], ("x",)), PartitionSpec(), memory_kind="pinned_host")
 
 
-def _planes(fmt, *lead):
+def _planes(fmt, *lead, sharding=None):
     """Abstract planes of ``fmt`` with leading dims ``lead``."""
     shapes = jax.eval_shape(functools.partial(kvf.pack, fmt), S((*lead, 512), jnp.float32),
                             S((*lead, 64), jnp.float32))
-    return {n: S(v.shape, v.dtype) for n, v in shapes.items()}
+    return {n: S(v.shape, v.dtype, sharding=sharding) for n, v in shapes.items()}
+
+
+def _fill_round_args(M):
+    maps = dict(pin_round=S((L, SLOTS, H), I32), position_of_slot=S((L, SLOTS, H), I32),
+                slot_of_position=S((L, SLOTS, N), I32), rounds=S((L, SLOTS), I32), clock=S((L, SLOTS), I32),
+                counters=S((L, SLOTS, 5), I32))
+    rnd = dict(pos=S((B, M), I32), source=S((B, M), I32), slot=S((B, M), I32), valid=S((B, M), jnp.bool_))
+    return maps, (rnd,) * 8, S((B,), I32), S((B,), jnp.bool_)
 
 
 def _cases():
     for fmt in kvf.KV_FORMATS:
         yield f"gather_rows_{fmt}", functools.partial(gr.gather_rows, kv_format=fmt, out_dtype=jnp.bfloat16), (
-            _planes(fmt, L, N), S((1, K), I32))
+            _planes(fmt, L * SLOTS, N), S((B,), I32), S((B, K), I32))
     yield "indexer_scores", functools.partial(it.indexer_scores, softmax_scale=128 ** -0.5), (
-        S((1, 1, 32, 128), jnp.bfloat16), S((1, 1, 32), jnp.float32), S((1, N, 128), jnp.bfloat16), S((1, 1), I32))
-    yield "topk_positions", functools.partial(it.topk_positions, k=K), (S((1, 1, N), jnp.float32),)
+        S((B, 1, 32, 128), jnp.bfloat16), S((B, 1, 32), jnp.float32), S((L * SLOTS, N, 128), jnp.bfloat16),
+        S((B,), I32), S((B, 1), I32))
+    yield "topk_positions", functools.partial(it.topk_positions, k=K), (S((B, 1, N), jnp.float32),)
     for fmt in kvf.KV_FORMATS:
         yield f"hot_gather_{fmt}", functools.partial(hg.hot_gather, kv_format=fmt, out_dtype=jnp.bfloat16,
                                                           block_rows=hg.DEFAULT_BLOCK_ROWS,
                                                           num_warps=hg.DEFAULT_NUM_WARPS), (
-            S((K,), I32), S((K,), I32), _planes(fmt, L * 2048), _planes(fmt, L * H), _planes(fmt, 451584))
+            S((B * K,), I32), S((B * K,), I32), _planes(fmt, L * SLOTS * 2048), _planes(fmt, L * SLOTS * H),
+            _planes(fmt, POOL_PAGES * L * P, sharding=HOST))
     layers = tuple(range(8))
-    yield "fill_rows", functools.partial(fr.fill_rows, layers=layers, sessions=1, hot_rows=H), (
-        _planes("q8g64", L * H), tuple(_planes("q8g64", K) for _ in layers), S((8, 1, K), I32), S((8, 1, K), I32),
-        S((8, 1), I32))
-    maps = dict(pin_round=S((L, 1, H), I32), position_of_slot=S((L, 1, H), I32), slot_of_position=S((L, 1, N), I32),
-                rounds=S((L, 1), I32), clock=S((L, 1), I32), counters=S((L, 1, 5), I32))
-    rnd = dict(pos=S((1, K), I32), source=S((1, K), I32), slot=S((1, K), I32), valid=S((1, K), jnp.bool_))
-    yield "fill_round", functools.partial(frd.fill_round, layers=layers, hot_rows=H), (maps, (rnd,) * 8)
+    yield "fill_rows", functools.partial(fr.fill_rows, layers=layers, sessions=SLOTS, hot_rows=H), (
+        _planes("q8g64", L * SLOTS * H), tuple(_planes("q8g64", B * K) for _ in layers), S((8, B, K), I32),
+        S((8, B, K), I32), S((8, B), I32), S((B,), I32))
+    yield "fill_round", functools.partial(frd.fill_round, layers=layers, hot_rows=H), _fill_round_args(K)
+    # MTP verify: T rows' selections in one round, positions repeated up to T times
+    yield "fill_round_repeats", functools.partial(frd.fill_round, layers=layers, hot_rows=H, distinct=False,
+                                                  max_repeats=T), _fill_round_args(T * K)
+    ring, pool = _planes("fp8g128", L * SLOTS * 2 * P), _planes("fp8g128", POOL_PAGES * L * P, sharding=HOST)
+    NB = B * L * 2  # two pages per lane and layer
+    idx = (S((NB,), I32),) * 3
+    copy = functools.partial(cb.copy_blocks, block_size=P)
+    yield "copy_blocks_to_host", copy, (pool, ring, *idx)  # copyback: ring rows into the host pool
+    yield "copy_blocks_from_host", copy, (_planes("fp8g128", B * N), pool, *idx)  # bulk read into a device buffer
 
 
 CASES = list(_cases())
@@ -67,3 +90,5 @@ def test_kernel_lowers_for_gpu(platform, name, fn, args):
     text = exported.mlir_module()
     # the kernel became a Triton call (not an XLA fallback), named as its pallas_call
     assert "__gpu$xla.gpu.triton" in text, name
+    if any(getattr(a, "sharding", None) is HOST for a in jax.tree.leaves(args)):
+        assert 'mhlo.memory_kind = "pinned_host"' in text, "the host operand reaches the kernel where it lives"

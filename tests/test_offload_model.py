@@ -31,12 +31,12 @@ def prompts(lengths, seed=0):
     return [rng.integers(0, CFG.vocab_size, size=n).tolist() for n in lengths]
 
 
-def run_both(model, cc, lengths, new_tokens):
+def run_both(model, cc, lengths, new_tokens, **kw):
     ps = prompts(lengths)
     res = glm53.generate(model, ps, max_new_tokens=new_tokens, cache=cc.replace(mode="resident"),
-                         return_logits=True)
+                         return_logits=True, **kw)
     off = glm53.generate(model, ps, max_new_tokens=new_tokens, cache=cc.replace(mode="offload"),
-                         return_logits=True)
+                         return_logits=True, **kw)
     return res, off
 
 
@@ -63,7 +63,9 @@ def test_offload_bit_identical_to_resident(model, case):
     assert stats is not None and res.cache_stats is None
     total_lookups = stats["hits"] + stats["misses"] + stats["ring_reads"]
     assert total_lookups > 0 and stats["misses"] > 0 and stats["hits"] > 0
-    assert stats["bytes_from_host"] == stats["misses"] * kernels_pallas.kv_formats.get_format(cc.kv_format).bytes_per_row
+    row = kernels_pallas.kv_formats.get_format(cc.kv_format).bytes_per_row
+    assert stats["bytes_from_host"] == stats["misses"] * row
+    assert stats["bulk_bytes_from_host"] > 0 and stats["bulk_bytes_from_host"] % row == 0  # prefill reads in bulk
     assert stats["copybacks"] == sum((n + new - 1) // cc.copyback_every for n in lengths)
     if case == "q8g64-min-hot":
         assert stats["evictions"] > 0  # the hot cache really turned over
@@ -83,14 +85,10 @@ def test_kernels_inside_the_model_match(model):
     """The Pallas kernels (interpreted on CPU) inside the whole offload model give the same tokens and logits as
     the jnp references do (bit-identical gathers; indexer scores may differ in summation order, so logits are
     compared to float tolerance)."""
-    from kernels_pallas import ops
-
     cc = CacheConfig(kv_format="q8g64", copyback_every=16, prefill_chunk=16, hot_rows=64, mode="offload")
     ps = prompts([40])
     ref = glm53.generate(model, ps, max_new_tokens=4, cache=cc, return_logits=True)
-    model_k = glm53.from_config(CFG, seed=3, dtype="float32")  # fresh jit caches: retrace with the kernels
-    with ops.force_impl("pallas"):
-        ker = glm53.generate(model_k, ps, max_new_tokens=4, cache=cc, return_logits=True)
+    ker = glm53.generate(model, ps, max_new_tokens=4, cache=cc, return_logits=True, kernels="pallas")
     assert ker.tokens == ref.tokens
     np.testing.assert_allclose(ker.logits, ref.logits, rtol=1e-5, atol=1e-5)
 
@@ -99,13 +97,10 @@ def test_offload_bit_identical_to_resident_with_the_kernels(model):
     """The GPU path, interpreted: with every Pallas kernel (hot gather, fill_round, fill_rows, gather_rows, indexer)
     in both modes, offload decode still gives resident's tokens and logits bit for bit, through decode fills that
     evict."""
-    from kernels_pallas import ops
-
     cc = CASES["q8g64-min-hot"][0]
-    model_k = glm53.from_config(CFG, seed=3, dtype="float32")  # fresh jit caches: retrace with the kernels
-    with ops.force_impl("pallas"):
-        # prompts longer than the 64 hot slots hold, so the hot cache is full when decode starts filling
-        res, off = run_both(model_k, cc, [100, 90], 12)
+    # prompts far longer than the 64 hot slots: prefill reads them in bulk (the hot cache starts empty), and decode
+    # fills the hot cache and then evicts
+    res, off = run_both(model, cc, [100, 90], 30, kernels="pallas")
     assert off.tokens == res.tokens
     assert np.array_equal(off.logits, res.logits)
     assert off.cache_stats["decode"]["evictions"] > 0 and off.cache_stats["decode"]["fills"] > 0
@@ -123,11 +118,12 @@ def test_history_planes_live_in_pinned_host(model):
                                            hot_rows=64))
     kv = res.cache
     assert kv.mode == "offload"
-    for plane in kv.history.values():
+    for plane in kv.pool.values():
         assert plane.sharding.memory_kind == "pinned_host"
-    for plane in kv.offload.hot.values():
+    for plane in kv.hot.values():
         assert plane.sharding.memory_kind == "device"
-    assert int(kv.offload.host_len[0]) == 32 and int(kv.lengths[0]) == 42
+    # 42 rows processed (the last sampled token is pending); complete 16-row pages are in host memory
+    assert int(kv.host_len[0]) == 32 and int(kv.sessions.lengths[0]) == 42
 
 
 def test_selection_override_controls_locality_and_stays_bit_identical(model):

@@ -1,6 +1,6 @@
 """Checks and times the Pallas kernels against their references.
 
-GPU:  python -m kernels_pallas.bench_kernels --out results.json
+GPU:  python -m experiments.bench_kernels --out results.json
 CPU smoke test (tiny sizes, interpreted kernels): add --tiny.
 
 Each op: random data at GLM-5 sizes, kernel == reference (bit-exact for gather and
@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import kv_formats
 from glm53.provenance import provenance
+from kernels_pallas import kv_formats
 from kernels_pallas.gather_rows import gather_rows, gather_rows_reference
 from kernels_pallas.indexer_topk import (
     indexer_scores,
@@ -60,10 +60,11 @@ def _random_planes(fmt_name: str, S: int, N: int, seed: int):
 def bench_gather(N, M, fmt, interpret, iters):
     S = 1
     planes = _random_planes(fmt, S, N, seed=0)
+    plane_of_lane = jnp.zeros((S,), jnp.int32)
     pos = jnp.sort(jax.random.randint(jax.random.key(1), (S, M), 0, N), axis=-1)
     kw = dict(kv_format=fmt, out_dtype=jnp.bfloat16, block_rows=16)
-    kern = lambda: gather_rows(planes, pos, interpret=interpret, **kw)
-    ref = lambda: gather_rows_reference(planes, pos, **kw)
+    kern = lambda: gather_rows(planes, plane_of_lane, pos, interpret=interpret, **kw)
+    ref = lambda: gather_rows_reference(planes, plane_of_lane, pos, **kw)
     ok = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(kern(), ref()))
     return dict(
         op="gather_rows",
@@ -80,10 +81,11 @@ def bench_indexer(N, T, k, interpret, iters, Hi=32, D=128, block_keys=128):
     q = jax.random.normal(ks[0], (S, T, Hi, D), jnp.float32).astype(jnp.bfloat16)
     w = jax.random.normal(ks[1], (S, T, Hi), jnp.float32)
     keys = jax.random.normal(ks[2], (S, N, D), jnp.float32).astype(jnp.bfloat16)
+    key_plane = jnp.zeros((S,), jnp.int32)
     qpos = jnp.full((S, T), N - T, jnp.int32) + jnp.arange(T, dtype=jnp.int32)
     kw = dict(softmax_scale=D**-0.5, block_keys=block_keys)
-    kern = lambda: indexer_scores(q, w, keys, qpos, interpret=interpret, **kw)
-    ref = lambda: indexer_scores_reference(q, w, keys, qpos, **kw)
+    kern = lambda: indexer_scores(q, w, keys, key_plane, qpos, interpret=interpret, **kw)
+    ref = lambda: indexer_scores_reference(q, w, keys, key_plane, qpos, **kw)
     a, b = np.asarray(kern()), np.asarray(ref())
     fin = np.isfinite(b)
     ok = bool(np.array_equal(np.isfinite(a), fin) and np.allclose(a[fin], b[fin], rtol=1e-5, atol=1e-4))

@@ -1,0 +1,244 @@
+"""Many sessions decoding together, offload vs resident: the article's ten-sessions experiment, and a large append.
+
+    python -m experiments.sessions_ab --config=configs/h200_bench.py --config.run.prompt_len=50000 \
+        --config.run.max_new_tokens=128 --sessions=10 --pairs=2 --mtp=0,3 --append=4096 --out=$OUT/sessions_ab.json
+
+Each mode builds one engine of ``--sessions`` slots. The histories: one prompt of ``prompt_len`` tokens is
+prefilled, ``--sessions - 1`` forks copy it *with their own host pages* (``fork(share_pages=False)``: ten 50K
+prefills would not fit the device time; the copies make every session's history its own host memory, as ten
+prefills would), and each session then appends its own 16 random tokens, so they decode different tokens.
+
+For every MTP depth, after an untimed warm-up (compilation), ``--pairs`` interleaved pairs (resident first, then
+offload first, ...) each generate ``max_new_tokens`` tokens for every session in one ``Engine.generate`` call, then
+roll the sessions back to where they were, so every run starts from the same state. Random weights accept almost no
+drafts, so MTP runs force acceptance (``accept_override``: every draft accepted; outputs are then compared between
+modes only) and also record the model's real verdicts on the same drafts (``acceptance_real``). Reported per run: aggregate and per-session tokens/s,
+acceptance per draft position, hit rates, host step-call percentiles (stalls), copyback steps, device memory (peak
+and in use) and host bytes actually allocated. Tokens must be identical between modes in every pair; a short run per
+depth also compares the logits bit for bit.
+
+Last, ``--append`` tokens are appended to one session of each engine in interleaved pairs (``append_ab``): the time
+of a large append to a long offloaded history against resident, outputs compared after it.
+"""
+
+import json
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+import glm53
+from experiments import workloads
+from glm53.provenance import provenance
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment config")
+flags.DEFINE_string("out", "", "write the results JSON here")
+flags.DEFINE_integer("sessions", 10, "sessions decoding together")
+flags.DEFINE_integer("pairs", 2, "interleaved resident/offload pairs per setting")
+flags.DEFINE_list("mtp", ["0", "3"], "MTP depths")
+flags.DEFINE_enum("workload", "local99", ["local99", "indexer"], "DSA selection: local99 override or the indexer's")
+flags.DEFINE_integer("suffix", 16, "tokens each session appends to the shared history so the sessions diverge")
+flags.DEFINE_integer("check_tokens", 8, "tokens of the logits check run per depth (also the warm-up)")
+flags.DEFINE_integer("append", 4096, "large append measured after the decode settings (0: skip)")
+
+
+def device_memory() -> dict:
+    stats = jax.devices()[0].memory_stats() or {}
+    return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats}
+
+
+def build(model, cc, c, n_sessions: int) -> tuple[glm53.Engine, list, dict]:
+    rng = np.random.default_rng(c.run.seed)
+    history = rng.integers(0, model.config.vocab_size, c.run.prompt_len).tolist()
+    e = glm53.Engine(model, cc, max_sessions=n_sessions)
+    t = time.perf_counter()
+    root = e.open(history, progress=True)
+    jax.block_until_ready(e.cache)
+    t_prefill = time.perf_counter() - t
+    sids = [root] + [e.fork(root, share_pages=False) for _ in range(n_sessions - 1)]
+    for i, s in enumerate(sids):
+        e.append(s, np.random.default_rng(1000 + i).integers(0, model.config.vocab_size, FLAGS.suffix).tolist())
+    jax.block_until_ready(e.cache)
+    return e, sids, {"prefill_s": t_prefill, "prefill_tokens_per_s": c.run.prompt_len / t_prefill}
+
+
+def run(e: glm53.Engine, sids: list, n: int, depth: int, accept, selection, logits=False) -> dict:
+    before = {s: e.stats(s) for s in sids}
+    out = e.generate({s: n for s in sids}, mtp=depth, accept_override=accept, selection_override=selection,
+                     return_logits=logits)
+    r = e.last_run
+    res = {"tokens": [out[s] for s in sids], "report": r}
+    if e.offload:
+        after = {s: e.stats(s) for s in sids}
+        rates = []
+        for s in sids:
+            h = after[s]["hits"] - before[s]["hits"]
+            m = after[s]["misses"] - before[s]["misses"]
+            rates.append(h / (h + m) if h + m else None)
+        res["hit_rate_per_session"] = rates
+        h = sum(after[s]["hits"] - before[s]["hits"] for s in sids)
+        m = sum(after[s]["misses"] - before[s]["misses"] for s in sids)
+        res["hit_rate"] = h / (h + m) if h + m else None
+    for s in sids:  # back to the same state for the next run
+        e.rollback(s, len(out[s]))
+    return res
+
+
+def figures(res: dict, n_sessions: int) -> dict:
+    r = res["report"]
+    calls = np.asarray(r.step_call_s) * 1e3
+    pct = dict(zip(("p50", "p90", "p99", "max"), np.percentile(calls, [50, 90, 99, 100]).tolist())) if len(calls) \
+        else {}
+    total = sum(len(t) for t in res["tokens"])
+    return {
+        # every session's tokens after its first (the first is the previous token's, sampled before the loop)
+        "aggregate_tokens_per_s": r.decode_tokens / r.decode_s,
+        "per_session_tokens_per_s": [(len(t) - 1) / r.decode_s for t in res["tokens"]],
+        "tokens_total": total, "decode_s": r.decode_s, "first_token_s": r.first_token_s, "steps": r.steps,
+        "mtp_proposed": r.mtp_proposed, "mtp_accepted": r.mtp_accepted, "mtp_committed": r.mtp_committed,
+        "acceptance_real": r.acceptance, "tokens_per_step_per_session": r.decode_tokens / max(r.steps, 1) / n_sessions,
+        "step_call_ms": pct, "step_call_p99_over_median": pct["p99"] / pct["p50"] if pct else None,
+        "copyback_steps": r.copyback_steps, "hit_rate": res.get("hit_rate"),
+        "hit_rate_per_session": res.get("hit_rate_per_session"), "compile_s": r.compile_s,
+    }
+
+
+def main(_):
+    c = FLAGS.config
+    cc = glm53.CacheConfig.from_config_dict(c.cache)
+    model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
+    depths = [int(d) for d in FLAGS.mtp]
+    S, new = FLAGS.sessions, c.run.max_new_tokens
+    max_len = c.run.prompt_len + FLAGS.suffix + max(new, FLAGS.append + FLAGS.check_tokens) + max(depths) + 64
+    K = min(model.config.index_topk, max_len)
+    history = c.run.prompt_len
+    results = {"config": c.to_dict(), **provenance(), "sessions": S, "workload": FLAGS.workload,
+               "histories": "one prefill, forks with their own host pages, a distinct 16-token suffix each",
+               "settings": {}}
+    engines = {}
+    for mode in ("resident", "offload"):
+        e, sids, fig = build(model, cc.replace(mode=mode, max_len=max_len), c, S)
+        rep = e.memory_report()
+        engines[mode] = (e, sids)
+        results.setdefault("build", {})[mode] = {**fig, "device_memory": device_memory(),
+                                                 "device_cache_bytes": rep["device"]["cache_bytes"],
+                                                 "host_pool_bytes": rep["host"]["pool_bytes"],
+                                                 "host_used_bytes": rep["host"]["used_bytes"]}
+        print(f"[{mode}] {S} sessions of {history} + {FLAGS.suffix} tokens: prefill {fig['prefill_s']:.1f} s; "
+              f"device cache {rep['device']['cache_bytes'] / 2**30:.2f} GiB, host pool "
+              f"{rep['host']['pool_bytes'] / 2**30:.2f} GiB ({rep['host']['used_bytes'] / 2**30:.2f} GiB in use)",
+              flush=True)
+
+    def selection(seed):
+        if FLAGS.workload == "indexer":
+            return None
+        return workloads.local99_sessions(K, history, seed, S)
+
+    # MTP: forced acceptance (every draft); its runs also record the model's real verdicts (acceptance_real).
+    settings = [(d, None) for d in depths if d == 0] + [(d, d) for d in depths if d > 0]
+    for depth, accept in settings:
+        name = f"mtp{depth}" + ("" if not depth else ("_forced" if accept is not None else "_real"))
+        entry = {"mtp": depth, "accept_override": accept, "pairs": []}
+        # The warm-up (it compiles every shape of the setting) is also the logits check: offload == resident bit
+        # for bit.
+        check = {}
+        for mode, (e, sids) in engines.items():
+            check[mode] = run(e, sids, FLAGS.check_tokens, depth, accept, selection(1), logits=True)
+        r, o = check["resident"], check["offload"]
+        entry["check_tokens_identical"] = r["tokens"] == o["tokens"]
+        entry["check_logits_identical"] = all(
+            np.array_equal(r["report"].logits[a], o["report"].logits[b])
+            for a, b in zip(engines["resident"][1], engines["offload"][1]))
+        for p in range(FLAGS.pairs):
+            order = ("resident", "offload") if p % 2 == 0 else ("offload", "resident")
+            runs = {}
+            for mode in order:
+                e, sids = engines[mode]
+                runs[mode] = run(e, sids, new, depth, accept, selection(10 + p))
+                runs[mode]["device_memory"] = device_memory()
+            fr, fo = figures(runs["resident"], S), figures(runs["offload"], S)
+            pair = {"order": order, "tokens_identical": runs["resident"]["tokens"] == runs["offload"]["tokens"],
+                    "resident": fr, "offload": fo,
+                    "offload_loss_pct": 100 * (1 - fo["aggregate_tokens_per_s"] / fr["aggregate_tokens_per_s"]),
+                    "device_memory": {m: runs[m]["device_memory"] for m in order}}
+            entry["pairs"].append(pair)
+            print(f"[{name} pair {p}] resident {fr['aggregate_tokens_per_s']:.1f} tok/s, offload "
+                  f"{fo['aggregate_tokens_per_s']:.1f} tok/s, loss {pair['offload_loss_pct']:.2f}%, tokens identical "
+                  f"{pair['tokens_identical']}; hit rate {fo['hit_rate']}; acceptance real {fo['acceptance_real']}, "
+                  f"committed {fo['mtp_committed']}/{fo['mtp_proposed']}; step call p99/p50 resident "
+                  f"{fr['step_call_p99_over_median']:.2f}, offload {fo['step_call_p99_over_median']:.2f} "
+                  f"(ms {fo['step_call_ms']}); copyback steps {fo['copyback_steps'][:8]}", flush=True)
+        res_s = sum(1 / q["resident"]["aggregate_tokens_per_s"] for q in entry["pairs"])
+        off_s = sum(1 / q["offload"]["aggregate_tokens_per_s"] for q in entry["pairs"])
+        entry["summary"] = {
+            "pooled_loss_pct": 100 * (1 - res_s / off_s),
+            "losses_pct": [q["offload_loss_pct"] for q in entry["pairs"]],
+            "all_tokens_identical": all(q["tokens_identical"] for q in entry["pairs"])
+            and entry["check_tokens_identical"], "logits_identical": entry["check_logits_identical"],
+            "offload_step_call_p99_over_median": [q["offload"]["step_call_p99_over_median"] for q in entry["pairs"]]}
+        print(f"[{name}] {entry['summary']}", flush=True)
+        results["settings"][name] = entry
+        if FLAGS.out:  # after every setting, so a run cut short still leaves what it measured
+            with open(FLAGS.out, "w") as f:
+                json.dump(results, f, indent=2, default=str)
+    if FLAGS.append:
+        results["append"] = append_ab(engines, model.config.vocab_size, c)
+        if FLAGS.out:
+            with open(FLAGS.out, "w") as f:
+                json.dump(results, f, indent=2, default=str)
+
+
+def append_ab(engines: dict, vocab: int, c) -> dict:
+    """A large append to the first session of each engine (a long offloaded history against a resident one):
+    timed until the cache is ready (chunks, their copybacks, the settle), then a few tokens generated and compared
+    bit for bit, then rolled back. Interleaved pairs; the prefill's chunk shapes are reused, so nothing compiles."""
+    n = FLAGS.append
+    out = {"append_tokens": n, "history_tokens": c.run.prompt_len + FLAGS.suffix, "pairs": []}
+    for p in range(FLAGS.pairs):
+        ids = np.random.default_rng(5000 + p).integers(0, vocab, n).tolist()
+        order = ("resident", "offload") if p % 2 == 0 else ("offload", "resident")
+        runs = {}
+        for mode in order:
+            e, sids = engines[mode]
+            s = sids[0]
+            before = e.stats(s)
+            jax.block_until_ready(e.cache)
+            t = time.perf_counter()
+            e.append(s, ids)
+            jax.block_until_ready(e.cache)
+            dt = time.perf_counter() - t
+            after = e.stats(s)
+            # every session decodes a few tokens (the decode shape the settings compiled); session 0's are compared
+            gen = e.generate({x: FLAGS.check_tokens for x in sids}, return_logits=True)
+            runs[mode] = {"append_s": dt, "tokens": gen[s], "logits": e.last_run.logits[s],
+                          "bulk_bytes_from_host": after.get("bulk_bytes_from_host", 0)
+                          - before.get("bulk_bytes_from_host", 0), "transient_bytes": e.transient_bytes()}
+            e.rollback(s, n + FLAGS.check_tokens)
+            for x in sids[1:]:
+                e.rollback(x, FLAGS.check_tokens)
+        r, o = runs["resident"], runs["offload"]
+        pair = {"order": order, "resident_append_s": r["append_s"], "offload_append_s": o["append_s"],
+                "resident_append_tokens_per_s": n / r["append_s"], "offload_append_tokens_per_s": n / o["append_s"],
+                "offload_extra_pct": 100 * (o["append_s"] / r["append_s"] - 1),
+                "tokens_identical": r["tokens"] == o["tokens"],
+                "logits_identical": bool(np.array_equal(r["logits"], o["logits"])),
+                "offload_bulk_bytes_from_host": o["bulk_bytes_from_host"],
+                "offload_transient_bytes": o["transient_bytes"]}
+        out["pairs"].append(pair)
+        print(f"[append pair {p}] {n} tokens onto {out['history_tokens']}: resident {r['append_s']:.3f} s, offload "
+              f"{o['append_s']:.3f} s ({pair['offload_extra_pct']:+.2f}%), bulk read "
+              f"{pair['offload_bulk_bytes_from_host'] / 2**30:.2f} GiB, outputs identical {pair['tokens_identical']}"
+              f"/{pair['logits_identical']}", flush=True)
+    r_s = sum(q["resident_append_s"] for q in out["pairs"])
+    o_s = sum(q["offload_append_s"] for q in out["pairs"])
+    out["summary"] = {"pooled_offload_extra_pct": 100 * (o_s / r_s - 1),
+                      "all_identical": all(q["tokens_identical"] and q["logits_identical"] for q in out["pairs"])}
+    print(f"[append] {out['summary']}", flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    app.run(main)

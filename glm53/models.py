@@ -1,0 +1,154 @@
+"""``Model``: a GLM-5 module, its parameters, its tokenizer and its jitted steps; and the ways to get one
+(``from_config``, ``from_pretrained``, ``load``)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm53 import checkpoint
+from glm53.config import CacheConfig, ConfigError, ModelConfig
+from glm53.engine import Engine
+from glm53.model import GLM5
+from glm53.params import init_params, num_params, resolve_dtype
+from glm53.steps import Steps
+
+
+class Model:
+    """GLM-5 weights plus the jitted steps that run them.
+
+    ``forward(token_ids)`` gives the logits of a whole sequence; ``glm53.generate`` and ``glm53.Engine`` decode;
+    ``draft`` runs the MTP module; ``save`` writes an orbax checkpoint that ``glm53.load`` reads. ``cache_config``
+    is the default cache of engines built on the model.
+    """
+
+    def __init__(self, config: ModelConfig, params: Any, dtype=jnp.bfloat16, *,
+                 cache_config: CacheConfig | None = None, tokenizer=None):
+        self.config = config
+        self.dtype = resolve_dtype(dtype)
+        self.params = params
+        self.cache_config = cache_config or CacheConfig(kv_format="f32" if self.dtype == jnp.float32 else "bf16")
+        if self.cache_config.mode == "offload":  # sizes that cannot work fail here, before any run
+            from glm53 import offload
+            offload.validate(config, self.cache_config)
+        self.tokenizer = tokenizer
+        self.module = GLM5(config, self.dtype)
+        self.steps = Steps(self.module)
+        self._digest: str | None = None
+
+    def __repr__(self):
+        return (f"Model({self.config.num_hidden_layers} layers, hidden {self.config.hidden_size}, "
+                f"{self.num_params() / 1e6:.1f}M params, dtype {jnp.dtype(self.dtype).name}, "
+                f"cache {self.cache_config.mode}/{self.cache_config.kv_format})")
+
+    def num_params(self) -> int:
+        return num_params(self.params)
+
+    def params_digest(self) -> str:
+        """A digest of the parameters (shapes, dtypes and up to 4,096 values of every tensor): what a saved session
+        records, so it is never restored into other weights."""
+        if self._digest is None:
+            h = hashlib.sha256()
+            for path, leaf in jax.tree_util.tree_leaves_with_path(self.params):
+                h.update(jax.tree_util.keystr(path).encode())
+                h.update(f"{leaf.shape}{leaf.dtype}".encode())
+                h.update(np.asarray(leaf.reshape(-1)[:4096]).tobytes())
+            self._digest = h.hexdigest()
+        return self._digest
+
+    # ---- validation shared by every entry point ----
+    def check_tokens(self, ids, what: str = "prompt") -> np.ndarray:
+        arr = np.asarray(ids)
+        if arr.ndim != 1:
+            raise ValueError(f"{what} must be a 1-D sequence of token ids, got shape {arr.shape}")
+        if arr.size == 0:
+            raise ValueError(f"{what} is empty: at least one token is needed")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{what} must hold integer token ids, got dtype {arr.dtype}")
+        bad = (arr < 0) | (arr >= self.config.vocab_size)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{what} has token id {int(arr[i])} at index {i}, outside the vocabulary "
+                             f"[0, {self.config.vocab_size})")
+        return arr.astype(np.int32)
+
+    def check_length(self, total: int, what: str) -> None:
+        if total > self.config.max_position_embeddings:
+            raise ValueError(f"{what} needs {total} positions but the model has max_position_embeddings="
+                             f"{self.config.max_position_embeddings}")
+
+    # ---- public API ----
+    def forward(self, token_ids, *, cache_config: CacheConfig | None = None, progress: bool = False,
+                kernels: str = "auto") -> np.ndarray:
+        """Float32 logits ``[T, vocab]`` of every position of one sequence (the chunked prefill path)."""
+        ids = self.check_tokens(token_ids, "token_ids").tolist()
+        self.check_length(len(ids), "forward")
+        cc = (cache_config or self.cache_config).replace(max_len=len(ids))
+        engine = Engine(self, cc, max_sessions=1, kernels=kernels)
+        _, outs = engine.forward_outputs(ids, "logits", progress=progress)
+        return np.concatenate([np.asarray(o[0], np.float32) for o in outs], axis=0)[: len(ids)]
+
+    def draft(self, token_ids, *, kernels: str = "auto") -> np.ndarray:
+        """MTP draft logits of one sequence: row i predicts token i+2 from the main model's hidden state at i and
+        token i+1. Returns float32 ``[T-1, vocab]``."""
+        if not self.config.num_nextn_predict_layers:
+            raise ValueError("this model has no MTP module (num_nextn_predict_layers=0)")
+        ids = self.check_tokens(token_ids, "token_ids").tolist()
+        if len(ids) < 2:
+            raise ValueError("draft needs at least 2 tokens (a position and its next token)")
+        self.check_length(len(ids), "draft")
+        engine = Engine(self, self.cache_config.replace(mode="resident", max_len=len(ids)), max_sessions=1,
+                        kernels=kernels)
+        _, outs = engine.forward_outputs(ids, "hidden")
+        hidden = jnp.concatenate(outs, axis=1)[:, : len(ids) - 1]
+        T = len(ids) - 1
+        lanes, _ = engine._lanes([0])
+        nxt = jnp.asarray(ids[1:], jnp.int32)[None]
+        engine.cache, logits = self.steps("mtp_forward", self.params, engine.cache, lanes, hidden, nxt,
+                                          jnp.asarray([T], jnp.int32), kernels=kernels)
+        return np.asarray(logits[0], np.float32)
+
+    def save(self, directory: str) -> None:
+        checkpoint.write_native(directory, self.config, self.params, self.dtype, self.cache_config, self.tokenizer)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Constructors
+# ----------------------------------------------------------------------------------------------------------------
+def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype="bfloat16",
+                cache_config: CacheConfig | None = None) -> Model:
+    """A randomly initialised model (normal(0, initializer_range) matrices, unit norms) for research/benchmarks.
+    ``config``: a ``ModelConfig``, or a mapping/ConfigDict of its fields."""
+    if not isinstance(config, ModelConfig):
+        if hasattr(config, "to_dict"):
+            config = config.to_dict()
+        config = ModelConfig.from_config_dict(config)
+    dtype = resolve_dtype(dtype)
+    return Model(config, init_params(config, dtype, seed), dtype, cache_config=cache_config)
+
+
+def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None,
+                    cache_config: CacheConfig | None = None) -> Model:
+    """Load an HF-format GLM-5 (``glm_moe_dsa``) directory: ``config.json`` plus ``model.safetensors`` or shards
+    with ``model.safetensors.index.json``; per-expert tensor names (``mlp.experts.E.gate_proj.weight``) as published
+    and as transformers' ``save_pretrained`` writes them, or fused ``mlp.experts.gate_up_proj``. Tensors stream one
+    at a time from the memory-mapped files to the device and are checked to be finite; a ``tokenizer.json`` beside
+    the weights is attached."""
+    dtype = resolve_dtype(dtype)
+    cfg, params, tokenizer = checkpoint.read_hf(path, dtype)
+    if kv_format is not None:
+        cache_config = (cache_config or CacheConfig()).replace(kv_format=kv_format)
+    return Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer)
+
+
+def load(directory: str, *, dtype=None) -> Model:
+    """Read a directory written by ``Model.save``."""
+    cfg, params, dtype, cache_config, tokenizer = checkpoint.read_native(directory, dtype)
+    try:
+        return Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer)
+    except ConfigError as e:
+        raise checkpoint.CheckpointError(f"{directory}: its cache config cannot work with its model: {e}") from e

@@ -1,0 +1,170 @@
+"""Session saves on disk: atomic, versioned, checksummed. Plain functions of numpy arrays and a metadata dict (the
+engine decides what goes in; ``Engine.save`` / ``Engine.restore``).
+
+Layout of a save directory::
+
+    directory/
+      LATEST                 the name of the newest complete version (replaced atomically, last)
+      v000002/
+        session.json         format, version, metadata, and a sha256 of every array's bytes
+        arrays/              orbax checkpoint of the arrays (history rows, indexer keys, hidden state)
+
+A new save is written into a temporary directory, renamed into place, and only then named in ``LATEST``
+(``os.replace`` of a small file: atomic on POSIX). A crash anywhere before that leaves ``LATEST`` naming the
+previous save, which restores as it was; a half-written version directory is never named and is swept away by the
+next save. Restoring verifies every array against its checksum, so flipped bits on disk are an error that names the
+array, not a session that silently continues from different rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+
+import numpy as np
+
+FORMAT = "glm53-session"
+VERSION = 1
+_VERSION_RE = re.compile(r"^v(\d{6})$")
+
+
+class SessionFileError(ValueError):
+    """A session save that cannot be restored here: missing, corrupted, or made for another model or format (the
+    message names what differs)."""
+
+
+def _digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).view(np.uint8).tobytes()).hexdigest()
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in tree.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, name + "/"))
+        else:
+            out[name] = v
+    return out
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _versions(directory: str) -> list[int]:
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(m.group(1)) for m in (_VERSION_RE.match(n) for n in os.listdir(directory)) if m)
+
+
+def latest(directory: str) -> str | None:
+    """The newest complete save in ``directory`` (its version directory), or None."""
+    path = os.path.join(directory, "LATEST")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        name = f.read().strip()
+    if not _VERSION_RE.match(name):
+        raise SessionFileError(f"{path} names {name!r}, not a version directory: the save is corrupted")
+    return os.path.join(directory, name)
+
+
+def write(directory: str, arrays: dict, meta: dict, *, _before_commit=None) -> str:
+    """Save ``arrays`` (a nested dict of numpy arrays) and ``meta`` (JSON-serialisable) as the newest version in
+    ``directory``. Returns the version directory. ``_before_commit`` (tests) runs after the data is written and
+    before the save is named in LATEST: an exception there must leave the previous save intact."""
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(directory)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise FileExistsError(f"{directory} exists and is not a directory")
+    os.makedirs(directory, exist_ok=True)
+    for name in os.listdir(directory):  # debris of saves that crashed before their rename
+        if name.startswith(".tmp-"):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    number = (max(_versions(directory)) + 1) if _versions(directory) else 1
+    final = os.path.join(directory, f"v{number:06d}")
+    tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
+    os.makedirs(tmp)
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(os.path.join(tmp, "arrays"), arrays)
+    ckptr.wait_until_finished()
+    flat = _flatten(arrays)
+    doc = {"format": FORMAT, "version": VERSION, "meta": meta,
+           "arrays": {k: {"shape": list(v.shape), "dtype": str(v.dtype), "sha256": _digest(v)} for k, v in flat.items()}}
+    with open(os.path.join(tmp, "session.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    os.rename(tmp, final)
+    _fsync_dir(directory)
+    if _before_commit is not None:
+        _before_commit()
+    pointer = os.path.join(directory, f".LATEST-{uuid.uuid4().hex}")
+    with open(pointer, "w") as f:
+        f.write(os.path.basename(final))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, os.path.join(directory, "LATEST"))
+    _fsync_dir(directory)
+    for v in _versions(directory):  # older complete versions: superseded
+        if v != number:
+            shutil.rmtree(os.path.join(directory, f"v{v:06d}"), ignore_errors=True)
+    return final
+
+
+def read(directory: str) -> tuple[dict, dict]:
+    """(meta, arrays) of the newest save in ``directory``, every array checked against its checksum."""
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(directory)
+    if not os.path.isdir(directory):
+        raise SessionFileError(f"no session save at {directory}: not a directory")
+    version = latest(directory)
+    if version is None:
+        raise SessionFileError(f"{directory} holds no complete session save (no LATEST file): not a glm53 session "
+                               "directory, or its first save never completed")
+    doc_path = os.path.join(version, "session.json")
+    try:
+        with open(doc_path) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise SessionFileError(f"{doc_path} is missing: the save is corrupted") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SessionFileError(f"{doc_path} is not valid JSON: the save is corrupted ({e})") from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise SessionFileError(f"{doc_path} is not a glm53 session save")
+    if doc.get("version") != VERSION:
+        raise SessionFileError(f"{doc_path} has session format version {doc.get('version')}, this glm53 reads "
+                               f"version {VERSION}")
+    try:
+        arrays = ocp.StandardCheckpointer().restore(os.path.join(version, "arrays"))
+    except Exception as e:  # orbax / tensorstore raise many types for damaged files
+        raise SessionFileError(f"cannot read the arrays of {version}: the save is corrupted ({type(e).__name__}: "
+                               f"{str(e)[:300]})") from e
+    flat = _flatten(arrays)
+    expected = doc.get("arrays", {})
+    if set(flat) != set(expected):
+        raise SessionFileError(f"{version}: arrays {sorted(flat)} do not match the ones recorded "
+                               f"{sorted(expected)}: the save is corrupted")
+    for name, a in flat.items():
+        want = expected[name]
+        if list(a.shape) != want["shape"] or str(a.dtype) != want["dtype"]:
+            raise SessionFileError(f"{version}: array {name} is {a.dtype}{list(a.shape)}, recorded as "
+                                   f"{want['dtype']}{want['shape']}: the save is corrupted")
+        if _digest(a) != want["sha256"]:
+            raise SessionFileError(f"{version}: array {name} does not match its checksum: the save is corrupted")
+    return doc["meta"], arrays

@@ -1,0 +1,370 @@
+"""The Engine's session lifecycle: offload is bit-identical to resident through MTP verify, append, rollback, fork,
+multi-session batching, and a session is what it would be alone; admission refuses what does not fit and changes
+nothing; memory is reported as JAX allocated it.
+
+Every comparison of the two cache modes runs the same script on a resident and an offload engine of the same
+model and requires the same tokens and bit-identical logits.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import glm53
+from glm53 import AdmissionError
+from engine_common import CC, CFG, engine, ids, make_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+def both(model, script, max_sessions=1, **kw):
+    """Run ``script(engine) -> list of (tokens, logits)`` on a resident and an offload engine."""
+    return {m: script(engine(model, m, max_sessions, **kw)) for m in ("resident", "offload")}
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for (ta, la), (tb, lb) in zip(a, b):
+        assert ta == tb
+        assert la.dtype == lb.dtype and la.shape == lb.shape and np.array_equal(la, lb)
+
+
+def gen(e, reqs, **kw):
+    out = e.generate(reqs, return_logits=True, **kw)
+    return [(out[s], e.last_run.logits[s]) for s in reqs]
+
+
+# -------------------------------------------------------------------------------------------------------------
+# MTP speculative decoding
+# -------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_mtp_offload_bit_identical_and_greedy_equals_plain(model, depth):
+    prompt = ids(170, seed=depth)
+
+    def script(e):
+        sid = e.open(prompt)
+        res = gen(e, {sid: 24}, mtp=depth)
+        run = e.last_run
+        # every verify step proposed `depth` drafts; a drafts accepted emit a + 1 tokens
+        assert run.mtp_proposed == [run.steps] * depth
+        assert all(a <= p for a, p in zip(run.mtp_accepted, run.mtp_proposed))
+        assert all(run.mtp_accepted[j + 1] <= run.mtp_accepted[j] for j in range(depth - 1))
+        assert len(res[0][0]) == 24 and e.tokens(sid)[-24:] == res[0][0]
+        assert e.stats(sid)["mtp_proposed"][:depth] == run.mtp_proposed
+        return res
+
+    out = both(model, script)
+    assert_same(out["resident"], out["offload"])
+    plain = engine(model, "resident")
+    sid = plain.open(prompt)
+    tokens = plain.generate({sid: 24}, return_logits=True)[sid]
+    assert tokens == out["resident"][0][0]  # greedy MTP == greedy without MTP
+    # verify rows are computed T at a time instead of one by one: the same logits up to float32 rounding
+    np.testing.assert_allclose(plain.last_run.logits[sid], out["resident"][0][1], rtol=1e-4, atol=1e-4)
+
+
+def test_mtp_forced_acceptance_offload_matches_resident(model):
+    """With every draft accepted (the benchmarks' override), verify rows commit in full, fill with repeated
+    positions, and copy back pages mid-run: still bit-identical."""
+    prompt = ids(150, seed=11)
+
+    def script(e):
+        sid = e.open(prompt)
+        res = gen(e, {sid: 40}, mtp=3, accept_override=3)
+        run = e.last_run
+        # 1 sampled token, then 4 per step; the 10th step is clamped to the 3 tokens left
+        assert run.steps == 10 and run.mtp_committed == [10, 10, 9] and run.mtp_proposed == [10] * 3
+        assert all(a <= p for a, p in zip(run.mtp_accepted, run.mtp_proposed))  # the model's own verdicts
+        st = e.stats(sid)
+        if e.offload:
+            assert st["copybacks"] == (150 + 40 - 2) // 16 and st["fills"] > 0 and st["misses"] > 0
+        return res
+
+    out = both(model, script)
+    assert_same(out["resident"], out["offload"])
+
+
+def test_mtp_sampling_offload_matches_resident(model):
+    def script(e):
+        sid = e.open(ids(130, seed=5))
+        return gen(e, {sid: 16}, mtp=2, temperature=1.3, top_p=0.9, seed=7)
+
+    out = both(model, script)
+    assert_same(out["resident"], out["offload"])
+
+
+# -------------------------------------------------------------------------------------------------------------
+# append, rollback, fork
+# -------------------------------------------------------------------------------------------------------------
+def test_lifecycle_open_generate_append_rollback(model):
+    """open -> generate -> append (longer than the hot cache) -> generate -> rollback (into host pages) ->
+    generate with MTP -> rollback of only the pending token -> generate."""
+    def script(e):
+        sid = e.open(ids(90, seed=1))
+        out = gen(e, {sid: 10})
+        e.append(sid, ids(200, seed=2))  # 200 > 128 hot slots
+        out += gen(e, {sid: 12})
+        e.rollback(sid, 57)  # back into pages already in host memory
+        assert len(e.tokens(sid)) == 90 + 10 + 200 + 12 - 57
+        out += gen(e, {sid: 9}, mtp=2)
+        e.rollback(sid, 1)  # the pending token only
+        out += gen(e, {sid: 6})
+        if e.offload:
+            assert e.stats(sid)["evictions"] > 0
+        return out
+
+    out = both(model, script)
+    assert_same(out["resident"], out["offload"])
+
+
+def test_rollback_then_generate_equals_fresh_session(model):
+    """After a rollback the session continues as a session opened on the shorter history does."""
+    e = engine(model, "offload", 2)
+    base = ids(140, seed=3)
+    sid = e.open(base)
+    e.generate({sid: 20})
+    e.rollback(sid, 20 + 30)  # into the prompt
+    assert e.tokens(sid) == base[:110]
+    got = e.generate({sid: 10})[sid]
+    ref = e.open(base[:110])
+    want = e.generate({ref: 10})[ref]
+    assert got == want
+
+
+def test_fork_then_diverge_equals_each_alone(model):
+    a_ids, b_ids, c_ids = ids(130, seed=4), ids(23, seed=5), ids(41, seed=6)
+
+    def forked(e):
+        p = e.open(a_ids)
+        e.generate({p: 8})
+        c = e.fork(p)
+        assert e.tokens(c) == e.tokens(p)
+        e.append(p, b_ids)
+        e.append(c, c_ids)
+        out = e.generate({p: 10, c: 10})
+        return out[p], out[c]
+
+    def alone(e, extra):
+        s = e.open(a_ids)
+        e.generate({s: 8})
+        e.append(s, extra)
+        return e.generate({s: 10})[s]
+
+    for mode in ("resident", "offload"):
+        tp, tc = forked(engine(model, mode, 2))
+        assert tp == alone(engine(model, mode), b_ids)
+        assert tc == alone(engine(model, mode), c_ids)
+        assert tp != tc
+
+
+def test_fork_shares_host_pages_and_close_frees_them(model):
+    e = engine(model, "offload", 3)
+    p = e.open(ids(150, seed=7))
+    rep = e.memory_report()
+    pages_parent = rep["sessions"][p]["host_pages"]
+    used = rep["host"]["used_pages"]
+    c = e.fork(p)
+    rep = e.memory_report()
+    assert rep["host"]["used_pages"] == used  # nothing copied in host memory
+    assert rep["sessions"][c]["shared_pages"] == 150 // CC.copyback_every == rep["sessions"][p]["shared_pages"]
+    e.close(p)
+    rep = e.memory_report()
+    # the child keeps the 9 complete pages; the parent's partial page went back to the pool
+    assert rep["sessions"][c]["shared_pages"] == 0 and rep["host"]["used_pages"] == 150 // CC.copyback_every
+    assert pages_parent == -(-150 // CC.copyback_every)
+    e.generate({c: 5})
+    e.close(c)
+    assert e.memory_report()["host"]["used_pages"] == 0
+    # share_pages=False: the child gets copies of the parent's pages, and decodes the same
+    p = e.open(ids(150, seed=7))
+    c = e.fork(p, share_pages=False)
+    rep = e.memory_report()
+    assert rep["sessions"][c]["shared_pages"] == 0 and rep["host"]["used_pages"] == 10 + 9
+    assert e.generate({p: 6, c: 6}) == {p: e.tokens(p)[-6:], c: e.tokens(p)[-6:]}
+
+
+# -------------------------------------------------------------------------------------------------------------
+# many sessions
+# -------------------------------------------------------------------------------------------------------------
+LENGTHS = [60, 140, 35, 200, 90, 17, 120, 75]
+
+
+def test_eight_sessions_join_and_leave_each_equals_alone(model):
+    """8 sessions of different lengths open and close at different steps; every session's tokens equal a run of
+    it alone (one engine of one slot), and offload gives resident's tokens and logits bit for bit."""
+    def script(e):
+        sids = {}
+        record = {}
+        for i in range(3):
+            sids[i] = e.open(ids(LENGTHS[i], seed=20 + i))
+        for r, (s, t) in zip([0, 1, 2], gen(e, {sids[i]: 6 for i in range(3)})):
+            record.setdefault(r, []).append((s, t))
+        for i in range(3, 8):
+            sids[i] = e.open(ids(LENGTHS[i], seed=20 + i))
+        e.close(sids[1])
+        live = [0, 2, 3, 4, 5, 6, 7]
+        for r, x in zip(live, gen(e, {sids[i]: 5 for i in live})):
+            record.setdefault(r, []).append(x)
+        e.close(sids[4])
+        live = [0, 2, 3, 5, 6, 7]
+        for r, x in zip(live, gen(e, {sids[i]: 4 for i in live}, mtp=1)):
+            record.setdefault(r, []).append(x)
+        return record
+
+    out = both(model, script, max_sessions=8)
+    for r in out["resident"]:
+        assert_same(out["resident"][r], out["offload"][r])
+    # alone: the same calls for one session
+    for r, calls in out["resident"].items():
+        e = engine(model, "resident")
+        s = e.open(ids(LENGTHS[r], seed=20 + r))
+        plan = {0: [6, 5, 4], 1: [6], 2: [6, 5, 4], 3: [5, 4], 4: [5], 5: [5, 4], 6: [5, 4], 7: [5, 4]}[r]
+        for k, (n, (tokens, logits)) in enumerate(zip(plan, calls)):
+            got = e.generate({s: n}, return_logits=True, mtp=1 if n == 4 else 0)[s]
+            assert got == tokens
+            np.testing.assert_allclose(e.last_run.logits[s], logits, rtol=2e-5, atol=2e-5)
+
+
+def test_admission_refuses_over_budget_and_reuses_pages(model):
+    page = glm53.offload.page_bytes(CFG, CC)
+    # 30 pages: two sessions of 200 rows (13 pages each) fit, a third does not
+    e = glm53.Engine(model, CC.replace(mode="offload"), max_sessions=4, host_budget_bytes=30 * page)
+    a = e.open(ids(200, seed=30))
+    b = e.open(ids(200, seed=31))
+    ref = engine(model, "offload", 2)
+    ra, rb = ref.open(ids(200, seed=30)), ref.open(ids(200, seed=31))
+    before = e.memory_report()
+    with pytest.raises(AdmissionError, match="needs 13 host pages .* but 4 of 30 are free"):
+        e.open(ids(200, seed=32))
+    with pytest.raises(AdmissionError, match="host pages"):
+        e.generate({a: 100, b: 100})
+    with pytest.raises(AdmissionError, match="rows but a session slot holds 512"):
+        e.append(a, ids(400))
+    assert e.memory_report() == before  # nothing changed
+    out = e.generate({a: 20, b: 20})  # the others keep decoding correctly
+    want = ref.generate({ra: 20, rb: 20})
+    assert out[a] == want[ra] and out[b] == want[rb]
+    freed = set(p for p in e._session(a).pages if p >= 0)
+    e.close(a)
+    free = set(e._free_pages)
+    c = e.open(ids(150, seed=33))
+    assert set(e._session(c).pages) <= free and set(e._session(c).pages) & freed  # pages of `a` reused
+
+
+def test_slots_are_a_budget(model):
+    e = engine(model, "resident", 2)
+    e.open(ids(20))
+    s = e.open(ids(20))
+    with pytest.raises(AdmissionError, match="needs 1 session slot"):
+        e.open(ids(20))
+    with pytest.raises(AdmissionError, match="session slot"):
+        e.fork(s)
+    e.close(s)
+    e.fork(e.sessions[0])
+
+
+def test_device_budget_is_checked_before_allocating(model):
+    with pytest.raises(AdmissionError, match="device_budget_bytes=1,000"):
+        glm53.Engine(model, CC.replace(mode="offload"), max_sessions=2, device_budget_bytes=1000)
+
+
+# -------------------------------------------------------------------------------------------------------------
+# invariants of the offload cache
+# -------------------------------------------------------------------------------------------------------------
+def test_copyback_only_writes_accepted_rows(model):
+    """Rejected verify rows never reach host memory or the hot cache: after MTP decoding with rejections, every
+    host row below host_len equals the resident row, the partial page's pool page is untouched (zeros), and every
+    hot slot holds a committed position with its resident bytes."""
+    prompt = ids(150, seed=40)
+    res, off = engine(model, "resident"), engine(model, "offload")
+    rs, os_ = res.open(prompt), off.open(prompt)
+    res.generate({rs: 30}, mtp=3)
+    off.generate({os_: 30}, mtp=3)
+    assert off.last_run.mtp_accepted[0] < off.last_run.mtp_proposed[0]  # some drafts were rejected
+    s = off._session(os_)
+    c = off.cache
+    P, L = CC.copyback_every, CFG.num_cache_layers
+    host_len = int(c.host_len[s.slot])
+    assert host_len == s.host_rows == (min(s.processed, s.mtp_processed) // P) * P
+    hist = {n: np.asarray(v)[:, rs] for n, v in res.cache.history.items()}  # [L, N, W]
+    pool = {n: np.asarray(v) for n, v in c.pool.items()}
+    table = np.asarray(c.page_table[s.slot])
+    for k in range(host_len // P):
+        for layer in range(L):
+            r0 = (table[k] * L + layer) * P
+            for n in pool:
+                rows = hist[n][layer, k * P:(k + 1) * P]
+                if layer == L - 1 and (k + 1) * P > s.mtp_processed:
+                    rows = rows[: s.mtp_processed - k * P]
+                np.testing.assert_array_equal(pool[n][r0:r0 + len(rows)], rows)
+    k = host_len // P
+    if k < len(s.pages) and s.pages[k] >= 0:
+        r0 = s.pages[k] * L * P
+        for n in pool:
+            assert not pool[n][r0:r0 + L * P].any(), "rows past the committed length reached host memory"
+    pos = np.asarray(c.position_of_slot)[:, s.slot]  # [L, H]
+    hot = {n: np.asarray(v)[:, s.slot] for n, v in c.hot.items()}
+    for layer in range(L):
+        for h in np.nonzero(pos[layer] >= 0)[0]:
+            p = pos[layer, h]
+            assert p < host_len
+            for n in hot:
+                np.testing.assert_array_equal(hot[n][layer, h], hist[n][layer, p])
+
+
+def test_memory_report_matches_jax_allocations(model):
+    jax.effects_barrier()
+    before = {a.unsafe_buffer_pointer() if hasattr(a, "unsafe_buffer_pointer") else id(a): a
+              for a in jax.live_arrays()}
+    e = engine(model, "offload", 3)
+    for i in range(2):
+        e.open(ids(100 + 30 * i, seed=50 + i))
+    rep = e.memory_report()
+    new = [a for a in jax.live_arrays()
+           if (a.unsafe_buffer_pointer() if hasattr(a, "unsafe_buffer_pointer") else id(a)) not in before]
+    dev = sum(a.nbytes for a in new if a.sharding.memory_kind != "pinned_host")
+    host = sum(a.nbytes for a in new if a.sharding.memory_kind == "pinned_host")
+    leaves = jax.tree_util.tree_leaves(e.cache)
+    assert rep["device"]["cache_bytes"] == sum(a.nbytes for a in leaves if a.sharding.memory_kind != "pinned_host")
+    assert rep["host"]["pool_bytes"] == host == rep["host"]["pages"] * rep["host"]["page_bytes"]
+    assert dev >= rep["device"]["cache_bytes"]  # the cache, plus small arrays the engine keeps (none large)
+    assert dev - rep["device"]["cache_bytes"] < 64 * 1024
+    parts = glm53.memory.cache_bytes(CFG, CC.replace(mode="offload"), 3, e.capacity, e.pool_pages, np.float32)
+    assert sum(parts["device"].values()) == rep["device"]["cache_bytes"]
+    assert parts["host"]["pool"] == rep["host"]["pool_bytes"]
+    assert rep["device"]["per_slot_bytes"] * 3 == rep["device"]["cache_bytes"]
+    used = sum(s["host_pages"] for s in rep["sessions"].values())
+    assert used == rep["host"]["used_pages"] == -(-100 // 16) + -(-130 // 16)
+    assert rep["host"]["free_pages"] == rep["host"]["pages"] - used
+
+
+# -------------------------------------------------------------------------------------------------------------
+# inputs and errors
+# -------------------------------------------------------------------------------------------------------------
+def test_inputs_accept_lists_arrays_and_check_them(model):
+    e = engine(model, "resident", 2)
+    a = e.open(np.asarray(ids(30), np.int64))
+    b = e.open(jax.numpy.asarray(ids(30), jax.numpy.int32))
+    assert e.tokens(a) == e.tokens(b) == ids(30)
+    with pytest.raises(ValueError, match="token id 500 at index 1, outside the vocabulary"):
+        e.append(a, [3, 500])
+    with pytest.raises(ValueError, match="is empty"):
+        e.append(a, [])
+    with pytest.raises(ValueError, match="no tokenizer"):
+        e.append(a, "hello")
+    with pytest.raises(KeyError, match="no open session 99"):
+        e.generate({99: 3})
+    with pytest.raises(TypeError, match="max_new_tokens for session"):
+        e.generate({a: 2.5})
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        e.generate({a: 2}, temperature=float("nan"))
+    with pytest.raises(ValueError, match="mtp must be an int depth"):
+        e.generate({a: 2}, mtp=4)
+    with pytest.raises(ValueError, match="accept_override"):
+        e.generate({a: 2}, accept_override=1)
+    with pytest.raises(ValueError, match="roll back between 1 and 29"):
+        e.rollback(a, 30)
+    assert e.tokens(a) == ids(30)  # nothing changed by the refused calls

@@ -1,0 +1,148 @@
+"""Save / restore of engine sessions: a saved session restored anywhere (a new process, the other cache mode,
+another hot-cache size) continues exactly as the uninterrupted session; saves are atomic; incompatible or corrupted
+saves are clear errors that change nothing."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import glm53
+from glm53 import SessionFileError, session_io
+from engine_common import CC, engine, ids, make_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+def history(e, sid):
+    """Open a session and bring it mid-stream: generated, then appended (the ring holds a partial page)."""
+    del sid
+    s = e.open(ids(150, seed=60))
+    e.generate({s: 9}, mtp=2)
+    e.append(s, ids(21, seed=61))
+    return s
+
+
+def cont(e, sid):
+    out = e.generate({sid: 12}, return_logits=True, mtp=1)
+    first = (out[sid], e.last_run.logits[sid])
+    out = e.generate({sid: 6}, return_logits=True, temperature=0.9, seed=3)
+    return [first, (out[sid], e.last_run.logits[sid])]
+
+
+def assert_same(a, b):
+    for (ta, la), (tb, lb) in zip(a, b):
+        assert ta == tb and np.array_equal(la, lb)
+
+
+@pytest.mark.parametrize("saved_mode", ["offload", "resident"])
+def test_save_restore_continues_identically_across_modes(model, saved_mode, tmp_path):
+    e = engine(model, saved_mode)
+    s = history(e, None)
+    path = e.save(s, str(tmp_path / "sess"))
+    assert os.path.basename(path).startswith("v")
+    want = cont(e, s)  # the uninterrupted session
+    for mode in ("offload", "resident"):
+        r = engine(model, mode)
+        sid = r.restore(str(tmp_path / "sess"))
+        assert r.tokens(sid) == e.tokens(s)[: len(r.tokens(sid))]
+        assert_same(cont(r, sid), want)
+    # another hot-cache size, restored cold
+    r = glm53.Engine(model, CC.replace(mode="offload", hot_rows=256), max_sessions=1)
+    sid = r.restore(str(tmp_path / "sess"))
+    assert r.stats(sid)["hits"] == 0
+    assert_same(cont(r, sid), want)
+
+
+def test_save_right_after_open_and_after_rollback(model, tmp_path):
+    e = engine(model, "offload", 2)
+    a = e.open(ids(37, seed=62))  # a partial page only
+    e.save(a, str(tmp_path / "a"))
+    b = e.open(ids(120, seed=63))
+    e.generate({b: 10})
+    e.rollback(b, 40)  # into host pages: the pending token's hidden state is stale
+    e.save(b, str(tmp_path / "b"))
+    want = {a: cont(e, a), b: cont(e, b)}
+    r = engine(model, "offload", 2)
+    ra, rb = r.restore(str(tmp_path / "a")), r.restore(str(tmp_path / "b"))
+    assert_same(cont(r, ra), want[a])
+    assert_same(cont(r, rb), want[b])
+
+
+def test_restore_in_a_fresh_process(model, tmp_path):
+    e = engine(model, "offload")
+    s = history(e, None)
+    e.save(s, str(tmp_path / "sess"))
+    want = cont(e, s)
+    script = textwrap.dedent(f"""
+        import sys, numpy as np
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from engine_common import engine, make_model
+        e = engine(make_model(), "resident")
+        sid = e.restore({str(tmp_path / "sess")!r})
+        a = e.generate({{sid: 12}}, return_logits=True, mtp=1)[sid]; la = e.last_run.logits[sid]
+        b = e.generate({{sid: 6}}, return_logits=True, temperature=0.9, seed=3)[sid]; lb = e.last_run.logits[sid]
+        np.savez({str(tmp_path / "out.npz")!r}, a=np.array(a), la=la, b=np.array(b), lb=lb)
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = np.load(tmp_path / "out.npz")
+    assert_same([(got["a"].tolist(), got["la"]), (got["b"].tolist(), got["lb"])], want)
+
+
+def test_save_is_atomic(model, tmp_path):
+    e = engine(model, "offload")
+    s = e.open(ids(50, seed=64))
+    d = str(tmp_path / "sess")
+    e.save(s, d)
+    e.generate({s: 5})
+    tokens_v1 = e.tokens(s)[:50]
+
+    def crash():
+        raise KeyboardInterrupt("power cut")
+
+    with pytest.raises(KeyboardInterrupt):
+        session_io.write(d, {"x": np.zeros(3)}, {"junk": 1}, _before_commit=crash)
+    r = engine(model, "offload")
+    sid = r.restore(d)  # still the first save
+    assert r.tokens(sid) == tokens_v1
+    r.close(sid)
+    e.save(s, d)  # a later save replaces it, and sweeps the crashed version away
+    assert sorted(n for n in os.listdir(d) if n.startswith("v")) == ["v000003"]
+    assert r.tokens(r.restore(d)) == e.tokens(s)
+
+
+def test_incompatible_and_corrupted_saves(model, tmp_path):
+    e = engine(model, "offload")
+    s = e.open(ids(70, seed=65))
+    d = str(tmp_path / "sess")
+    version = e.save(s, d)
+    r = engine(model, "offload")
+    with pytest.raises(SessionFileError, match="kv_format: saved 'q8g64', engine 'bf16'"):
+        glm53.Engine(model, CC.replace(kv_format="bf16"), max_sessions=1).restore(d)
+    other = make_model(seed=4)
+    with pytest.raises(SessionFileError, match="different weights"):
+        engine(other, "offload").restore(d)
+    small = glm53.Engine(model, CC.replace(max_len=64), max_sessions=1)
+    with pytest.raises(glm53.AdmissionError, match="rows but a session slot holds 64"):
+        small.restore(d)
+    with pytest.raises(SessionFileError, match="no complete session save"):
+        r.restore(str(tmp_path))
+    # flipped bytes in the arrays: checksum (or the reader) catches them
+    doc = json.load(open(os.path.join(version, "session.json")))
+    doc["arrays"]["index_keys"]["sha256"] = "0" * 64
+    json.dump(doc, open(os.path.join(version, "session.json"), "w"))
+    with pytest.raises(SessionFileError, match="index_keys does not match its checksum"):
+        r.restore(d)
+    open(os.path.join(version, "session.json"), "w").write("{trunc")
+    with pytest.raises(SessionFileError, match="not valid JSON"):
+        r.restore(d)
+    assert r.sessions == [] and r.memory_report()["host"]["used_pages"] == 0  # nothing changed
