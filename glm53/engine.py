@@ -211,6 +211,10 @@ class Engine:
         else:
             self.pool_pages = 0
             self.page_bytes = 0
+        # Slots and pages allocated beyond the usable ones only where a kernel could not address the arrays
+        # otherwise (glm53.memory.allocated_slots); nothing ever uses them.
+        self.alloc_slots = memory.allocated_slots(self.cfg, cc, self.max_sessions, self.capacity)
+        self.alloc_pages = memory.allocated_pages(self.cfg, cc, self.pool_pages) if self.offload else 0
         # The device budget is checked on the configuration, before anything is allocated.
         need = self._device_need()
         if device_budget_bytes is not None and need["total"] > device_budget_bytes:
@@ -234,12 +238,12 @@ class Engine:
     # ------------------------------------------------------------------------------------------------------------
     def _build(self):
         if self.offload:
-            return offload.init_offload(self.cfg, self.cache_config, self.max_sessions, self.capacity,
-                                        self.pool_pages, self.model.dtype)
-        return init_resident(self.cfg, self.cache_config, self.max_sessions, self.capacity, self.model.dtype)
+            return offload.init_offload(self.cfg, self.cache_config, self.alloc_slots, self.capacity,
+                                        self.alloc_pages, self.model.dtype)
+        return init_resident(self.cfg, self.cache_config, self.alloc_slots, self.capacity, self.model.dtype)
 
     def _device_need(self) -> dict:
-        parts = memory.cache_bytes(self.cfg, self.cache_config, self.max_sessions, self.capacity, self.pool_pages,
+        parts = memory.cache_bytes(self.cfg, self.cache_config, self.alloc_slots, self.capacity, self.alloc_pages,
                                    self.model.dtype)
         cache = sum(parts["device"].values())
         params = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.model.params))
@@ -713,7 +717,7 @@ class Engine:
         leaves = jax.tree_util.tree_leaves(self.cache)
         device = sum(int(x.nbytes) for x in leaves if x.sharding.memory_kind != "pinned_host")
         host = sum(int(x.nbytes) for x in leaves if x.sharding.memory_kind == "pinned_host")
-        per_slot_device = device // self.max_sessions
+        per_slot_device = device // self.alloc_slots
         sessions = {}
         for sid, s in sorted(self._sessions.items()):
             pages = [p for p in s.pages if p >= 0]
@@ -729,8 +733,10 @@ class Engine:
             "device": {"cache_bytes": device, "per_slot_bytes": per_slot_device,
                        "params_bytes": sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.model.params)),
                        "transient_bytes": self.transient_bytes(), "budget_bytes": self.device_budget_bytes,
-                       "slots": self.max_sessions, "free_slots": len(self._free_slots)},
+                       "slots": self.max_sessions, "allocated_slots": self.alloc_slots,
+                       "free_slots": len(self._free_slots)},
             "host": {"pool_bytes": host, "page_bytes": self.page_bytes, "pages": self.pool_pages,
+                     "allocated_pages": self.alloc_pages,
                      "used_pages": used_pages, "free_pages": len(self._free_pages),
                      "used_bytes": used_pages * self.page_bytes, "budget_bytes": self.host_budget_bytes},
             "sessions": sessions,

@@ -40,3 +40,40 @@ def cache_bytes(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, po
     })
     host["pool"] = max(pool_pages, 1) * L * P * row
     return {"device": device, "host": host}
+
+
+# Pallas' Triton lowering addresses an operand with 32-bit offsets unless the array is larger than 2**32 bytes, and
+# Triton adds a 32-bit offset to a pointer as a signed number: an array of 2**31 or more elements that is at most
+# 2**32 bytes (only 1-byte dtypes can be both: the int8 / fp8 latent planes) is addressed wrongly past element
+# 2**31 (illegal memory accesses on the H200: a 10 x 50K-row cache's int8 latents are 2.5 GB). Such arrays are
+# grown past 2**32 bytes, into the 64-bit regime, instead (phantom slots or pages that nothing uses).
+def _addressable(elements: int, itemsize: int) -> bool:
+    return elements < 2 ** 31 or elements * itemsize > 2 ** 32
+
+
+def _narrow_planes(cc: CacheConfig) -> list[tuple[int, int]]:
+    """(width, itemsize) of the row planes of 1 byte per element."""
+    fmt = kv_formats.get_format(cc.kv_format)
+    return [(shape[-1], np.dtype(dt).itemsize) for shape, dt in fmt.plane_shapes(1).values()
+            if np.dtype(dt).itemsize == 1]
+
+
+def allocated_slots(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int) -> int:
+    """Slots to allocate for ``slots`` sessions so every plane a kernel addresses is addressable (see above)."""
+    from glm53 import offload
+
+    L = cfg.num_cache_layers
+    rows_per_slot = [L * capacity] if cc.mode == "resident" else [L * cc.hot_rows, L * offload.ring_rows_for(cc)]
+    s = slots
+    while not all(_addressable(s * r * w, b) for r in rows_per_slot for w, b in _narrow_planes(cc)):
+        s += 1
+    return s
+
+
+def allocated_pages(cfg: ModelConfig, cc: CacheConfig, pages: int) -> int:
+    """Host pool pages to allocate for ``pages`` usable ones (see above)."""
+    rows_per_page = cfg.num_cache_layers * cc.copyback_every
+    p = max(pages, 1)
+    while not all(_addressable(p * rows_per_page * w, b) for w, b in _narrow_planes(cc)):
+        p = max(p + 1, int(p * 1.01))
+    return p

@@ -55,7 +55,11 @@ def _fill_kernel(entry_ref, victim_ref, n_fill_ref, lane_slot_ref, *refs, layers
             for p in range(n_planes):
                 width = hot_out[p].shape[1]
                 cols = jnp.arange(width, dtype=jnp.int32)[None, :]
-                val = plgpu.load(row_refs[i * n_planes + p].at[src[:, None], cols], mask=mask[:, None], other=0)
+                ref = row_refs[i * n_planes + p]
+                # Masked-off rows are never stored, so they need no fill value; the Triton lowering has no constant
+                # of an fp8 type to fill them with (fp8g128 failed to compile on the H200).
+                fp8 = jnp.issubdtype(ref.dtype, jnp.floating) and jnp.finfo(ref.dtype).bits == 8
+                val = plgpu.load(ref.at[src[:, None], cols], mask=mask[:, None], other=None if fp8 else 0)
                 plgpu.store(hot_out[p].at[dst[:, None], cols], val, mask=mask[:, None])
 
 

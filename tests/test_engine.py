@@ -368,3 +368,23 @@ def test_inputs_accept_lists_arrays_and_check_them(model):
     with pytest.raises(ValueError, match="roll back between 1 and 29"):
         e.rollback(a, 30)
     assert e.tokens(a) == ids(30)  # nothing changed by the refused calls
+
+
+def test_planes_stay_addressable_by_the_kernels():
+    """Pallas' Triton lowering uses 32-bit offsets up to 2**32 bytes, added as signed numbers: 1-byte planes of
+    2**31..2**32 elements would be misaddressed (illegal memory accesses on the H200 with 10 x 50K-row caches).
+    Engines allocate phantom slots / pages to push such planes past 2**32 bytes, and nothing else."""
+    from glm53 import memory
+    from configs import h200_bench
+
+    c = h200_bench.get_config()
+    cfg, cc = glm53.ModelConfig.from_config_dict(c.model), glm53.CacheConfig.from_config_dict(c.cache)
+    L, N = cfg.num_cache_layers, 54272
+    assert 2**31 <= 10 * L * N * 512 <= 2**32  # the q8g64 latent history of 10 resident 54K-row slots
+    s = memory.allocated_slots(cfg, cc, 10, N)
+    assert s * L * N * 512 > 2**32 and (s - 1) * L * N * 512 <= 2**32
+    assert memory.allocated_slots(cfg, cc.replace(kv_format="bf16"), 10, N) == 10  # 2-byte planes: never
+    pages = memory.allocated_pages(cfg, cc.replace(mode="offload"), 8480)
+    assert pages * L * 64 * 512 > 2**32
+    assert memory.allocated_pages(cfg, cc.replace(mode="offload"), 781) == 781
+    assert memory.allocated_slots(cfg, cc.replace(mode="offload"), 10, N) == 10  # hot + ring are small enough

@@ -64,9 +64,10 @@ def _cases():
             S((B * K,), I32), S((B * K,), I32), _planes(fmt, L * SLOTS * 2048), _planes(fmt, L * SLOTS * H),
             _planes(fmt, POOL_PAGES * L * P, sharding=HOST))
     layers = tuple(range(8))
-    yield "fill_rows", functools.partial(fr.fill_rows, layers=layers, sessions=SLOTS, hot_rows=H), (
-        _planes("q8g64", L * SLOTS * H), tuple(_planes("q8g64", B * K) for _ in layers), S((8, B, K), I32),
-        S((8, B, K), I32), S((8, B), I32), S((B,), I32))
+    for fmt in kvf.KV_FORMATS:  # fp8 planes: masked loads must not need an fp8 fill constant
+        yield f"fill_rows_{fmt}", functools.partial(fr.fill_rows, layers=layers, sessions=SLOTS, hot_rows=H), (
+            _planes(fmt, L * SLOTS * H), tuple(_planes(fmt, B * K) for _ in layers), S((8, B, K), I32),
+            S((8, B, K), I32), S((8, B), I32), S((B,), I32))
     yield "fill_round", functools.partial(frd.fill_round, layers=layers, hot_rows=H), _fill_round_args(K)
     # MTP verify: T rows' selections in one round, positions repeated up to T times
     yield "fill_round_repeats", functools.partial(frd.fill_round, layers=layers, hot_rows=H, distinct=False,
