@@ -215,9 +215,10 @@ class ResidentCache(CacheBase):
         history = {n: h.at[:, dst].set(h[:, src]) for n, h in self.history.items()}
         return self.replace(history=history, **self._copy_common(src, dst))
 
-    def truncate_slot(self, slot: Array, length: Array, mtp_length: Array) -> "ResidentCache":
+    def truncate_slot(self, slot: Array, length: Array, mtp_length: Array, kernels: str) -> "ResidentCache":
         """Rollback: rows at and past the new lengths are simply beyond them (causal masks never reach them, and
         the next step overwrites them)."""
+        del kernels
         return self.replace(**self._truncate_common(slot, length, mtp_length))
 
     def read_slot_rows(self, slot: Array, kernels: str) -> dict:

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from glm53 import memory, offload, session_io
 from glm53.cache import Lanes, capacity_for, init_resident
 from glm53.config import CacheConfig, ConfigError
+from kernels_pallas import kv_formats
 
 MAX_MTP_DEPTH = 3
 KERNEL_IMPLS = ("auto", "pallas", "reference")
@@ -255,7 +256,6 @@ class Engine:
         one layer's history for a prefill / append chunk (one lane)."""
         if not self.offload:
             return 0
-        from kernels_pallas import kv_formats
         return self.capacity * kv_formats.get_format(self.cache_config.kv_format).bytes_per_row
 
     def __repr__(self):
@@ -655,7 +655,6 @@ class Engine:
             keys_saved, hidden = arrays["index_keys"], arrays["hidden"]
         except (KeyError, TypeError, ValueError) as e:
             raise session_io.SessionFileError(f"{directory}: the save lacks {e}: it is corrupted") from e
-        from kernels_pallas import kv_formats
         L = self.cfg.num_cache_layers
         planes = kv_formats.get_format(self.cache_config.kv_format).plane_shapes(L, n)
         for name, (shape, dt) in planes.items():
@@ -808,14 +807,18 @@ class _Run:
         self.compile0 = compile_seconds()
         self.decode_tokens = 0
         self.bar = None
+        self.inflight: collections.deque = collections.deque()  # dispatched steps not yet read
+        self.absorb = None
+        self.callbacks: list = []
 
     # ---- emission ----
     def _emit(self, b: int, tokens, logits=None) -> None:
+        """Take a lane's new tokens into its session. Callbacks are queued and run by ``_notify`` once every lane of
+        the step is accounted for: a callback that raises then leaves no session half-updated."""
         s = self.sessions[b]
         for i, t in enumerate(tokens):
             t = int(t)
-            if self.on_token is not None:
-                self.on_token(s.sid, len(self.out[s.sid]), t)
+            self.callbacks.append((s.sid, len(self.out[s.sid]), t))
             self.out[s.sid].append(t)
             s.tokens.append(t)
             s.generated += 1
@@ -823,6 +826,12 @@ class _Run:
                 self.logits[s.sid].append(np.asarray(logits[i], np.float32))
         if self.bar is not None:
             self.bar.update(len(tokens))
+
+    def _notify(self) -> None:
+        calls, self.callbacks = self.callbacks, []
+        if self.on_token is not None:
+            for c in calls:
+                self.on_token(*c)
 
     def _pending(self) -> np.ndarray:
         p = np.zeros(self.bucket, np.int32)
@@ -865,6 +874,11 @@ class _Run:
                 self._decode_loop()
             self.t_end = time.perf_counter()
         finally:
+            # If anything on the host failed mid-loop (a callback, an override), the steps already dispatched have
+            # run on the device: take their tokens into the sessions, so the host table matches the cache.
+            self.on_token = None
+            while self.inflight:
+                self.absorb(*self.inflight.popleft())
             if self.bar is not None:
                 self.bar.close()
         del e
@@ -886,6 +900,7 @@ class _Run:
             self.remaining[b] -= 1
             if int(tok[i]) in stops:
                 self.remaining[b] = 0
+        self._notify()
 
     def _dispatch_ok(self, inflight: collections.deque, absorb, tokens_per_step: int) -> bool:
         """Whether to dispatch another step. The host knows each lane's remaining count as of the last step it
@@ -912,7 +927,8 @@ class _Run:
         pages = offload.copy_pages_for(e.cache_config, 1) if e.offload else 0
         tokens = jnp.asarray(self._pending())
         remaining = jnp.asarray(self.remaining.astype(np.int32))
-        inflight: collections.deque = collections.deque()
+        inflight = self.inflight = collections.deque()
+        self.absorb = self._absorb_decode
         t_loop0 = time.perf_counter()
         while self._dispatch_ok(inflight, self._absorb_decode, 1):
             sel = self._selection(len(inflight))
@@ -945,6 +961,7 @@ class _Run:
                 self.decode_tokens += 1
         self.remaining = remaining.astype(np.int64)
         self._copybacks(before, [self.e._committed(s) for s in self.sessions])
+        self._notify()
 
     def _mtp_loop(self) -> None:
         e = self.e
@@ -972,7 +989,8 @@ class _Run:
             "draft", e.model.params, e.cache, self.lanes, pending, self.seed, self.temperature, self.top_p,
             depth=self.mtp, greedy=self.greedy, kernels=e.kernels)
         remaining = jnp.asarray(self.remaining.astype(np.int32))
-        inflight: collections.deque = collections.deque()
+        inflight = self.inflight = collections.deque()
+        self.absorb = self._absorb_verify
         t_loop0 = time.perf_counter()
         while self._dispatch_ok(inflight, self._absorb_verify, self.mtp + 1):
             sel = self._selection(len(inflight))
@@ -1014,6 +1032,7 @@ class _Run:
                 s.mtp_accepted[j] += int(accepted[b] > j)
         self.remaining = remaining.astype(np.int64)
         self._copybacks(before, [self.e._committed(s) for s in self.sessions])
+        self._notify()
 
     def report(self) -> RunReport:
         logits = None

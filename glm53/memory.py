@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from glm53 import offload
 from glm53.config import CacheConfig, ModelConfig
 from kernels_pallas import kv_formats
 
@@ -17,8 +18,6 @@ from kernels_pallas import kv_formats
 def cache_bytes(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, pool_pages: int, dtype) -> dict:
     """``{"device": {part: bytes}, "host": {part: bytes}}`` of a cache of ``slots`` slots of ``capacity`` rows
     (offload: with a host pool of ``pool_pages`` pages). Parts are the cache pytree's fields."""
-    from glm53 import offload  # sizes only; offload imports nothing from here
-
     fmt = kv_formats.get_format(cc.kv_format)
     L, S, N = cfg.num_cache_layers, slots, capacity
     row = fmt.bytes_per_row
@@ -60,8 +59,6 @@ def _narrow_planes(cc: CacheConfig) -> list[tuple[int, int]]:
 
 def allocated_slots(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int) -> int:
     """Slots to allocate for ``slots`` sessions so every plane a kernel addresses is addressable (see above)."""
-    from glm53 import offload
-
     L = cfg.num_cache_layers
     rows_per_slot = [L * capacity] if cc.mode == "resident" else [L * cc.hot_rows, L * offload.ring_rows_for(cc)]
     s = slots

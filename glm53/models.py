@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm53 import checkpoint
+from glm53 import checkpoint, offload
 from glm53.config import CacheConfig, ConfigError, ModelConfig
 from glm53.engine import Engine
 from glm53.model import GLM5
@@ -33,7 +33,6 @@ class Model:
         self.params = params
         self.cache_config = cache_config or CacheConfig(kv_format="f32" if self.dtype == jnp.float32 else "bf16")
         if self.cache_config.mode == "offload":  # sizes that cannot work fail here, before any run
-            from glm53 import offload
             offload.validate(config, self.cache_config)
         self.tokenizer = tokenizer
         self.module = GLM5(config, self.dtype)

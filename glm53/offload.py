@@ -16,7 +16,7 @@ second implementation of the cache interface in ``glm53.cache``:
 * **Copyback inside the step, first.** A step begins by writing every page whose rows became final in earlier
   steps (all layers, the MTP layer one position behind) from the ring to its pool page with one Pallas kernel
   (``kernels_pallas.copy_blocks``, zero-copy writes), then does its reads. Measured on the H200
-  (``.probe`` runs recorded in experiments/results/copyback_in_step.json): a separate copyback call between steps
+  (probes recorded in experiments/results/copyback_in_step.json): a separate copyback call between steps
   blocked the host for ~3x a step (its donation of the pool waits for the queued steps that read it) and made every
   copyback step a stall; a write placed *after* the step's reads of the pool made XLA copy the whole pool twice per
   step (it cannot order an aliased write after readers it does not depend on); written first, nothing is copied,

@@ -271,9 +271,7 @@ def write_pages(cache, buf, pages, *, kernels: str):
 
 
 def truncate_slot(cache, slot, length, mtp_length, *, kernels: str):
-    if cache.mode == "offload":
-        return cache.truncate_slot(slot, length, mtp_length, kernels), None
-    return cache.truncate_slot(slot, length, mtp_length), None
+    return cache.truncate_slot(slot, length, mtp_length, kernels), None
 
 
 def flush_slot(cache, slot, *, kernels: str):

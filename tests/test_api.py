@@ -408,3 +408,52 @@ def test_load_on_non_glm53_dir(ckpt, tmp_path):
         glm53.load(str(ckpt))
     with pytest.raises(CheckpointError, match="not a glm53 checkpoint"):
         glm53.load(str(tmp_path / "empty"))
+
+
+def test_non_finite_weights_are_refused_by_name(ckpt):
+    """Corrupted tensor bytes (here: NaNs and infs written into a weight) load without complaint from safetensors;
+    glm53 refuses them on load and names the tensor."""
+    import torch
+
+    def corrupt(t):
+        w = t["model.layers.1.self_attn.q_b_proj.weight"].clone()
+        w[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+        t["model.layers.1.self_attn.q_b_proj.weight"] = w
+
+    _rewrite(ckpt, corrupt)
+    with pytest.raises(CheckpointError, match=r"model.layers.1.self_attn.q_b_proj.weight holds 3 non-finite"):
+        glm53.from_pretrained(str(ckpt))
+
+
+def test_corrupt_native_checkpoint_metadata(model, tmp_path):
+    d = tmp_path / "ckpt"
+    model.save(str(d))
+    meta = d / "glm53.json"
+    good = meta.read_text()
+    meta.write_text(good[: len(good) // 2])
+    with pytest.raises(CheckpointError, match="glm53.json is not valid JSON"):
+        glm53.load(str(d))
+    meta.write_text(json.dumps({**json.loads(good), "dtype": "float7"}))
+    with pytest.raises(CheckpointError, match="incomplete or inconsistent"):
+        glm53.load(str(d))
+    meta.write_text(good)
+    assert glm53.load(str(d)).config == model.config
+
+
+def test_generate_rejects_bad_numbers_up_front(model):
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        glm53.generate(model, [P1], max_new_tokens=2, temperature=float("nan"))
+    with pytest.raises(TypeError, match="max_new_tokens must be an int"):
+        glm53.generate(model, [P1], max_new_tokens=2.5)
+    with pytest.raises(ValueError, match="top_p must be a finite number"):
+        glm53.generate(model, [P1], max_new_tokens=2, top_p=float("inf"))
+    with pytest.raises(ValueError, match="mtp > 0 needs an MTP module|accept_override"):
+        glm53.generate(model, [P1], max_new_tokens=2, accept_override=2)
+
+
+def test_generate_reports_compilation_apart(model):
+    fresh = glm53.from_config(CFG, seed=0, dtype="float32", cache_config=CacheConfig(kv_format="f32"))
+    first = glm53.generate(fresh, [P1[:7]], max_new_tokens=3)
+    again = glm53.generate(fresh, [P1[:7]], max_new_tokens=3)
+    assert first.compile_s > 0 and "compilation" in first.summary()
+    assert again.compile_s < first.compile_s and again.tokens == first.tokens

@@ -388,3 +388,21 @@ def test_planes_stay_addressable_by_the_kernels():
     assert pages * L * 64 * 512 > 2**32
     assert memory.allocated_pages(cfg, cc.replace(mode="offload"), 781) == 781
     assert memory.allocated_slots(cfg, cc.replace(mode="offload"), 10, N) == 10  # hot + ring are small enough
+
+
+def test_a_failing_callback_leaves_the_session_consistent(model):
+    """on_token raising mid-generate: the steps already dispatched are still taken into the session, which then
+    continues exactly like a session that was never interrupted."""
+    e, ref = engine(model, "offload"), engine(model, "offload")
+    s, r = e.open(ids(60, seed=70)), ref.open(ids(60, seed=70))
+
+    def boom(sid, i, tok):
+        if i == 5:
+            raise RuntimeError("client went away")
+
+    with pytest.raises(RuntimeError, match="client went away"):
+        e.generate({s: 12}, on_token=boom)
+    n = len(e.tokens(s)) - 60
+    assert 6 <= n <= 12
+    want = ref.generate({r: n + 8})[r]
+    assert e.generate({s: 8})[s] == want[n:] and e.tokens(s) == ref.tokens(r)
