@@ -81,9 +81,6 @@ def main(_):
     hist_out = {n: host_sh for n in hist_np}
     step_ro = jax.jit(work, donate_argnums=(0,))
     copyback = jax.jit(write, donate_argnums=(0,), out_shardings=hist_out)
-    step_first = jax.jit(lambda x, h, at: (work(x, write(h, at)), write(h, at) if False else None)[0:1]
-                         and None, donate_argnums=(0, 1)) if False else None
-
     def first(x, h, at):
         h = write(h, at)
         return work(x, h), h
@@ -94,7 +91,6 @@ def main(_):
 
     jits = {"in_step_first": jax.jit(first, donate_argnums=(0, 1), out_shardings=(dev_sh, hist_out)),
             "in_step_after": jax.jit(after, donate_argnums=(0, 1), out_shardings=(dev_sh, hist_out))}
-    del step_first
 
     def history_copies(fn) -> int:
         """Copies of the whole history in the compiled step."""

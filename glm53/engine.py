@@ -565,6 +565,8 @@ class Engine:
             if self._assign_pages(s, rows[s.sid]):
                 self._push_pages(s)
             s.sampler = {"seed": int(seed), "temperature": float(temperature), "top_p": float(top_p)}
+            if len(s.pending) > 1:  # only after an interrupted append: process all but the last first
+                self._chunk_steps(s, s.pending[:-1])
         run = _Run(self, sessions, reqs, mtp=mtp, greedy=float(temperature) == 0.0, seed=int(seed),
                    temperature=float(temperature), top_p=float(top_p), stop=stop, on_token=on_token,
                    return_logits=return_logits, progress=progress, selection_override=selection_override,

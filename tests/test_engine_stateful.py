@@ -136,6 +136,6 @@ class EngineMachine(RuleBasedStateMachine):
         assert rep["host"]["used_pages"] + rep["host"]["free_pages"] == rep["host"]["pages"]
 
 
-EngineMachine.TestCase.settings = settings(max_examples=5, stateful_step_count=10, deadline=None,
+EngineMachine.TestCase.settings = settings(max_examples=3, stateful_step_count=10, deadline=None,
                                           suppress_health_check=list(HealthCheck))
 test_engine_state_machine = EngineMachine.TestCase
