@@ -4,9 +4,10 @@
         --config.run.max_new_tokens=64 --workload=local99 --out=experiments/results/profile_decode_50k.json
 
 Each mode runs one untimed generate (compilation), then one generate under ``jax.profiler.trace``. From the trace's
-device plane it sums, for the decode step's module and the copyback module, every kernel's device time per decode
-step, and attributes kernels to source code through the compiled HLO's ``op_name`` metadata (Flax module paths and
-the ``jax.named_scope``s of ``glm53.offload``: ``offload_classify``, ``offload_gather``, ``offload_fill``, ...).
+device plane it sums, for the decode step's module (``jit_decode``; offload's copyback runs inside it, first), every
+kernel's device time per decode step, and attributes kernels to source code through the compiled HLO's ``op_name``
+metadata (Flax module paths and the ``jax.named_scope``s of ``glm53.offload``: ``offload_copyback``,
+``offload_classify``, ``offload_gather``, ``offload_fill``, ...).
 ``span`` is the device timeline from the first to the last decode kernel per step; ``idle`` is the time in it when
 nothing ran, charged to the kernel that ended each gap (``idle_before_*``): launch gaps and waits on the host, which
 kernel sums alone would hide. The trace runs without the Python tracer, whose overhead would create gaps itself.
@@ -95,8 +96,7 @@ def device_events(path: str) -> list:
 
 def kernel_scope(name: str, hlo_op: str, module: str, op_names: dict) -> tuple[str, str]:
     """(scope, op_name) of one kernel event."""
-    if "copyback" in module:
-        return "copyback", ""
+    del module  # every decode kernel, copyback included, runs in the decode module
     for key, scope in KERNEL_SCOPES:
         if key in name:
             return scope, ""
