@@ -227,6 +227,7 @@ class Engine:
         self.device_budget_bytes = device_budget_bytes
         self.host_budget_bytes = host_budget_bytes
         self.cache = self._build()
+        self._steps: dict = {}
         self._free_slots = list(range(self.max_sessions))
         self._free_pages = collections.deque(range(self.pool_pages))
         self._refs = np.zeros(self.pool_pages, np.int64)
@@ -267,14 +268,7 @@ class Engine:
     # inputs
     # ------------------------------------------------------------------------------------------------------------
     def _ids(self, ids, what: str) -> list:
-        """Token ids from a list, a numpy / JAX array or a string (with the model's tokenizer), checked."""
-        if isinstance(ids, str):
-            if self.model.tokenizer is None:
-                raise ValueError(f"{what} is a string but the model has no tokenizer attached "
-                                 "(glm53.Tokenizer.from_file(...), or from_pretrained on a directory with "
-                                 "tokenizer.json)")
-            ids = self.model.tokenizer.encode(ids)
-        return self.model.check_tokens(ids, what).tolist()
+        return self.model.token_ids(ids, what)
 
     def _session(self, sid) -> Session:
         if isinstance(sid, bool) or not isinstance(sid, (int, np.integer)):
@@ -358,9 +352,16 @@ class Engine:
     # ------------------------------------------------------------------------------------------------------------
     # running steps
     # ------------------------------------------------------------------------------------------------------------
+    def _step(self, name: str):
+        """The jitted step ``name`` for this engine's cache (its placement never changes)."""
+        fn = self._steps.get(name)
+        if fn is None:
+            fn = self._steps[name] = self.model.steps.for_cache(name, self.cache)
+        return fn
+
     def _run(self, name: str, *args, **kw):
         """Run a lifecycle step on the cache (donated) and keep the new cache."""
-        self.cache, out = self.model.steps(name, *args, **kw)
+        self.cache, out = self._step(name)(*args, **kw)
         return out
 
     def _lanes(self, slots: list) -> tuple[Lanes, int]:
@@ -387,8 +388,8 @@ class Engine:
             committed = min(s.processed, s.mtp_processed) if self._has_mtp else s.processed
             # Bulk when the chunk's selections could touch more rows than the whole host history holds.
             bulk = self.offload and C * self.topk >= (committed // self.page_rows) * self.page_rows
-            self.cache, out = self.model.steps(
-                "chunk", self.model.params, self.cache, lanes, jnp.asarray(toks),
+            self.cache, out = self._step("chunk")(
+                self.model.params, self.cache, lanes, jnp.asarray(toks),
                 jnp.asarray([len(part)], jnp.int32), outputs=outputs or "none", kernels=self.kernels, bulk=bulk,
                 copy_pages=pages)
             start = s.processed
@@ -936,8 +937,8 @@ class _Run:
             sel = self._selection(len(inflight))
             t = time.perf_counter()
             rem_in = remaining
-            e.cache, (tokens, logits, remaining) = e.model.steps(
-                "decode", e.model.params, e.cache, self.lanes, tokens, remaining, self.seed, self.temperature,
+            e.cache, (tokens, logits, remaining) = e._step("decode")(
+                e.model.params, e.cache, self.lanes, tokens, remaining, self.seed, self.temperature,
                 self.top_p, self.stop, sel, greedy=self.greedy, kernels=e.kernels, copy_pages=pages)
             self.call_s.append(time.perf_counter() - t)
             self.steps += 1
@@ -975,8 +976,8 @@ class _Run:
             rem = np.zeros(self.bucket, np.int32)
             rem[stale] = self.remaining[stale]
             before = self.remaining.copy()
-            e.cache, (tok, logits, rem_after) = e.model.steps(
-                "decode", e.model.params, e.cache, self.lanes, jnp.asarray(self._pending()), jnp.asarray(rem),
+            e.cache, (tok, logits, rem_after) = e._step("decode")(
+                e.model.params, e.cache, self.lanes, jnp.asarray(self._pending()), jnp.asarray(rem),
                 self.seed, self.temperature, self.top_p, self.stop, self._selection(0), greedy=self.greedy,
                 kernels=e.kernels, copy_pages=pages)
             self.steps += 1
@@ -987,8 +988,8 @@ class _Run:
             self._absorb_decode(tok, np.where(mask, rem_after, self.remaining), logits if self.return_logits
                                 else None, before_rem)
         pending = jnp.asarray(self._pending())
-        e.cache, (drafts, draft_p) = e.model.steps(
-            "draft", e.model.params, e.cache, self.lanes, pending, self.seed, self.temperature, self.top_p,
+        e.cache, (drafts, draft_p) = e._step("draft")(
+            e.model.params, e.cache, self.lanes, pending, self.seed, self.temperature, self.top_p,
             depth=self.mtp, greedy=self.greedy, kernels=e.kernels)
         remaining = jnp.asarray(self.remaining.astype(np.int32))
         inflight = self.inflight = collections.deque()
@@ -997,8 +998,8 @@ class _Run:
         while self._dispatch_ok(inflight, self._absorb_verify, self.mtp + 1):
             sel = self._selection(len(inflight))
             t = time.perf_counter()
-            e.cache, outs = e.model.steps(
-                "verify", e.model.params, e.cache, self.lanes, pending, drafts, draft_p, remaining, self.seed,
+            e.cache, outs = e._step("verify")(
+                e.model.params, e.cache, self.lanes, pending, drafts, draft_p, remaining, self.seed,
                 self.temperature, self.top_p, self.stop, sel, greedy=self.greedy,
                 accept_override=self.accept_override, kernels=e.kernels, copy_pages=pages)
             emitted, n_emit, logits, pending, drafts, draft_p, remaining, accepted = outs

@@ -95,15 +95,7 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     else:
         raise TypeError(f"cache must be 'resident', 'offload' or a glm53.CacheConfig, got {type(cache).__name__}")
     prompts = _prompt_list(prompts)
-    toks = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            if model.tokenizer is None:
-                raise ValueError(f"prompt {i} is a string but the model has no tokenizer attached "
-                                 "(glm53.Tokenizer.from_file(...), or from_pretrained on a directory with "
-                                 "tokenizer.json)")
-            p = model.tokenizer.encode(p)
-        toks.append(model.check_tokens(p, f"prompt {i}").tolist())
+    toks = [model.token_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
     lens = [len(t) for t in toks]
     # positions a run can write: the prompt, the new tokens, and the drafts of the last MTP step
     total = max(lens) + max_new_tokens + mtp

@@ -75,6 +75,16 @@ class Model:
                              f"[0, {self.config.vocab_size})")
         return arr.astype(np.int32)
 
+    def token_ids(self, ids, what: str = "prompt") -> list[int]:
+        """Token ids from a list, a numpy / JAX array or a string (with the attached tokenizer), checked."""
+        if isinstance(ids, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{what} is a string but the model has no tokenizer attached "
+                                 "(glm53.Tokenizer.from_file(...), or from_pretrained on a directory with "
+                                 "tokenizer.json)")
+            ids = self.tokenizer.encode(ids)
+        return self.check_tokens(ids, what).tolist()
+
     def check_length(self, total: int, what: str) -> None:
         if total > self.config.max_position_embeddings:
             raise ValueError(f"{what} needs {total} positions but the model has max_position_embeddings="

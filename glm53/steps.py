@@ -356,6 +356,11 @@ class Steps:
         cache = args[1] if with_model else args[0]
         return self._jit(name, cache)(*args, **kw)
 
+    def for_cache(self, name: str, cache):
+        """The jitted step ``name`` for caches placed like ``cache``: callers whose cache keeps its placement (an
+        engine) look it up once instead of walking the cache's leaves at every call (~15 us a step)."""
+        return self._jit(name, cache)
+
     def sample_first(self, params, cache, lanes, seed, temperature, top_p, *, greedy: bool):
         return self._sample_first(params, cache, lanes, seed, temperature, top_p, greedy=greedy)
 
