@@ -55,6 +55,8 @@ def get_config() -> ml_collections.ConfigDict:
         kv_format="q8g64",  # f32 | bf16 | q8g64 | fp8g128; q8g64 = 656 B per row
         max_len=0,  # rows per session; 0 = prompt + new tokens
         prefill_chunk=1024,  # tokens per prefill step (power of two)
+        index_keys="model",  # DSA indexer keys: model (the model dtype) | fp8 (e4m3 + a scale per key)
+        indexer_precision="highest",  # indexer scores: highest | bf16 | fp8 (needs index_keys=fp8)
         hot_rows=32768,  # offload: hot-cache slots per layer and session
         copyback_every=64,  # offload: rows per batched ring -> host copy
         ring_rows=0,  # offload: ring rows, at least (raised to a power of two holding a page + a chunk)

@@ -36,6 +36,8 @@ def get_config() -> ml_collections.ConfigDict:
         kv_format="f32",  # f32 | bf16 | q8g64 | fp8g128
         max_len=0,  # rows per session; 0 = prompt + new tokens
         prefill_chunk=64,  # tokens per prefill step (power of two)
+        index_keys="model",  # DSA indexer keys: model (the model dtype) | fp8 (e4m3 + a scale per key)
+        indexer_precision="highest",  # indexer scores: highest | bf16 | fp8 (needs index_keys=fp8)
         hot_rows=256,  # offload: hot-cache slots per layer (>= index_topk + ring rows, a power of two)
         copyback_every=16,  # offload: rows per batched ring -> host copy
         ring_rows=0,  # offload: ring rows, at least (raised to a power of two holding a page + a chunk)

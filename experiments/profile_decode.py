@@ -15,10 +15,8 @@ Figures are device time, not a speed benchmark: use ``experiments.offload_ab`` f
 """
 
 import collections
-import glob
 import json
 import os
-import re
 import tempfile
 
 import jax
@@ -28,6 +26,7 @@ from ml_collections import config_flags
 
 import glm53
 from experiments import workloads
+from experiments.trace_util import device_events, find_xplane, kernel_scope, op_names_from_hlo, trace_options
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
@@ -37,71 +36,7 @@ flags.DEFINE_enum("workload", "local99", ["indexer", "local99"], "selection: the
 flags.DEFINE_list("modes", ["resident", "offload"], "cache modes to profile")
 flags.DEFINE_integer("top", 40, "kernels listed per mode")
 
-# The cache's own scopes (glm53.cache / glm53.offload) name a kernel first; otherwise the Flax module path does.
-CACHE_SCOPES = ("offload_copyback", "offload_classify", "offload_gather", "offload_bulk_read", "offload_ring_write",
-                "offload_fill", "resident_gather", "resident_write")
 DECODE_MODULE = "jit_decode"  # glm53.steps names each compiled step jit_<step>
-
-
-def op_names_from_hlo(hlo_text: str) -> dict[str, str]:
-    """Instruction name -> op_name metadata for every instruction of the compiled module, keyed both as written
-    (``fusion.12``) and as its GPU kernel is named (``fusion_12``: inside command buffers a kernel event carries the
-    command buffer as its hlo_op, and only its own name says which fusion it is)."""
-    out = {}
-    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?metadata=\{[^}]*op_name=\"([^\"]*)\"", hlo_text,
-                         re.M):
-        out[m.group(1)] = m.group(2)
-        out[re.sub(r"[.\-]", "_", m.group(1))] = m.group(2)
-    return out
-
-
-# Kernels whose names say where they come from (Pallas kernels are named by their pallas_call).
-KERNEL_SCOPES = (("hot_gather", "offload_gather"), ("fill_round", "offload_fill"), ("fill_rows", "offload_fill"),
-                 ("copy_blocks", "offload_copyback"), ("gather_rows", "resident_gather"),
-                 ("indexer_scores", "self_attn/indexer"), ("topk", "self_attn/indexer"))
-
-
-def scope_of(op_name: str) -> str:
-    """``offload_fill``, ``self_attn/indexer``, ``mlp``, ``lm_head``, ... for a kernel's op_name."""
-    for s in CACHE_SCOPES:
-        if s in op_name:
-            return s
-    m = re.search(r"GLM5/layers_\d+/(\w+)(?:/(indexer)\b)?", op_name)
-    if m:
-        return "/".join(x for x in m.groups() if x)
-    m = re.search(r"GLM5/(\w+)", op_name)
-    if m:
-        return m.group(1)
-    if "gumbel" in op_name or "argmax" in op_name or "argsort" in op_name or "sample" in op_name:
-        return "sample"
-    return "other"
-
-
-def device_events(path: str) -> list:
-    """(name, start_ns, duration_ns, stats) of every event that ran an HLO op: the accelerator's stream events, or
-    on a CPU-only run the host's XLA thunks (so the script can be tried on a laptop)."""
-    from jax.profiler import ProfileData
-    pd = ProfileData.from_file(path)
-    planes = [p for p in pd.planes if p.name.startswith("/device:")] or [p for p in pd.planes
-                                                                         if p.name.startswith("/host:CPU")]
-    out = []
-    for plane in planes:
-        for line in plane.lines:
-            for ev in line.events:
-                stats = dict(ev.stats)
-                if "hlo_module" in stats:
-                    out.append((ev.name, ev.start_ns, ev.duration_ns, stats))
-    return out
-
-
-def kernel_scope(name: str, hlo_op: str, module: str, op_names: dict) -> tuple[str, str]:
-    """(scope, op_name) of one kernel event."""
-    del module  # every decode kernel, copyback included, runs in the decode module
-    for key, scope in KERNEL_SCOPES:
-        if key in name:
-            return scope, ""
-    op_name = op_names.get(name) or op_names.get(hlo_op, "")
-    return (scope_of(op_name) if op_name else "unattributed"), op_name
 
 
 def summarise(events, op_names: dict, decode_steps: int) -> dict:
@@ -228,15 +163,12 @@ def main(_):
                                 copy_pages=copy_pages).compile().as_text()
         del warm, e
         logdir = tempfile.mkdtemp()
-        # No Python tracer and the lightest host tracer: the trace's own host overhead would otherwise slow dispatch
-        # enough to leave the device idle between kernels that normally run back to back.
-        options = jax.profiler.ProfileOptions()
-        options.python_tracer_level = 0
-        options.host_tracer_level = 1
-        with jax.profiler.trace(logdir, profiler_options=options):
+        # No Python tracer and the lightest host tracer (trace_util.trace_options): the trace's own host overhead
+        # would otherwise slow dispatch enough to leave the device idle between kernels that run back to back.
+        with jax.profiler.trace(logdir, profiler_options=trace_options()):
             res = run()
         tokens[mode] = res.tokens
-        (path,) = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+        path = find_xplane(logdir)
         if FLAGS.out:
             with open(os.path.join(os.path.dirname(FLAGS.out) or ".", f"decode_hlo_{mode}.txt"), "w") as f:
                 f.write(hlo)

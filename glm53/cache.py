@@ -19,7 +19,9 @@ Layout (S session slots, L cache layers = main layers + MTP layer, N rows per sl
                                        hidden state at i with the token at i + 1, which exists one step later)
     sessions.hidden       f32[S, Hd]   final-normed hidden state at position lengths - 1 (the MTP module's input
                                        and the logits of the next token), exactly the model dtype's values
-    index_keys            [Lf, S, N, D] DSA indexer keys of the layers with a "full" indexer
+    index_keys            [Lf, S, N, D] DSA indexer keys of the layers with a "full" indexer, in the model dtype
+                                       or (``CacheConfig.index_keys="fp8"``) float8_e4m3fn ...
+    index_key_scale       f32[Lf, S, N] ... with one scale per key (None for model-dtype keys)
     resident history      {plane: [L, S, N, W]} MLA rows as kv_format planes (kernels_pallas.kv_formats)
 
 A step works on B *lanes*; lane b is slot ``lanes.slot[b]``. Inactive lanes are padding (batches are bucketed to a
@@ -36,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from glm53.config import CacheConfig, ModelConfig, round_up
-from kernels_pallas import kv_formats, ops
+from kernels_pallas import indexer_topk, kv_formats, ops
 
 Array = jax.Array
 
@@ -75,11 +77,14 @@ class Round:
 
 class CacheBase:
     """What both cache types share: sessions, indexer keys, lane bookkeeping. Subclasses are flax dataclasses
-    with the fields ``sessions``, ``index_keys``, ``kv_format`` and ``key_slot_of_layer``."""
+    with the fields ``sessions``, ``index_keys``, ``index_key_scale``, ``kv_format``, ``indexer_precision`` and
+    ``key_slot_of_layer``."""
 
     sessions: Sessions
     index_keys: Array
+    index_key_scale: Array | None
     kv_format: str
+    indexer_precision: str
     key_slot_of_layer: tuple
 
     @property
@@ -104,16 +109,22 @@ class CacheBase:
         ks = self.key_slot_of_layer[layer]
         assert ks >= 0, f"layer {layer} has a shared indexer and caches no keys"
         slot = step.lanes.write_slot(self.num_slots)
-        new = self.index_keys.at[ks, slot[:, None], step.write_positions].set(
-            keys.astype(self.index_keys.dtype), mode="drop")
-        return self.replace(index_keys=new)
+        where = (ks, slot[:, None], step.write_positions)
+        if self.index_key_scale is None:
+            return self.replace(index_keys=self.index_keys.at[where].set(keys.astype(self.index_keys.dtype),
+                                                                         mode="drop"))
+        # Quantised once, where the key is written: every later read (any mode, any step) sees the same bytes.
+        k8, scale = indexer_topk.quantize_index_keys(keys)
+        return self.replace(index_keys=self.index_keys.at[where].set(k8, mode="drop"),
+                            index_key_scale=self.index_key_scale.at[where].set(scale, mode="drop"))
 
-    def index_keys_for(self, layer: int, step) -> tuple[Array, Array]:
-        """All key planes ``[Lf * S, N, D]`` (a free reshape: slicing one layer or slot out would copy it) and the
-        plane of each lane."""
+    def index_keys_for(self, layer: int, step) -> tuple[Array, Array | None, Array]:
+        """All key planes ``[Lf * S, N, D]`` (a free reshape: slicing one layer or slot out would copy it), their
+        scales ``[Lf * S, N]`` (fp8 keys; else None) and the plane of each lane."""
         ks = self.key_slot_of_layer[layer]
         planes = self.index_keys.reshape(-1, *self.index_keys.shape[2:])
-        return planes, (ks * self.num_slots + step.lanes.slot).astype(jnp.int32)
+        scales = None if self.index_key_scale is None else self.index_key_scale.reshape(-1, self.capacity)
+        return planes, scales, (ks * self.num_slots + step.lanes.slot).astype(jnp.int32)
 
     def with_sessions(self, **kw) -> "CacheBase":
         return self.replace(sessions=self.sessions.replace(**kw))
@@ -148,7 +159,9 @@ class CacheBase:
         return dict(sessions=Sessions(lengths=s.lengths.at[dst].set(s.lengths[src]),
                                       mtp_lengths=s.mtp_lengths.at[dst].set(s.mtp_lengths[src]),
                                       hidden=s.hidden.at[dst].set(s.hidden[src])),
-                    index_keys=self.index_keys.at[:, dst].set(self.index_keys[:, src]))
+                    index_keys=self.index_keys.at[:, dst].set(self.index_keys[:, src]),
+                    index_key_scale=(None if self.index_key_scale is None
+                                     else self.index_key_scale.at[:, dst].set(self.index_key_scale[:, src])))
 
     def _truncate_common(self, slot: Array, length: Array, mtp_length: Array) -> dict:
         s = self.sessions
@@ -170,8 +183,10 @@ class ResidentCache(CacheBase):
 
     sessions: Sessions
     index_keys: Array
+    index_key_scale: Array | None
     history: dict  # plane -> [L, S, N, W]
     kv_format: str = flax.struct.field(pytree_node=False, default="bf16")
+    indexer_precision: str = flax.struct.field(pytree_node=False, default="highest")
     key_slot_of_layer: tuple = flax.struct.field(pytree_node=False, default=())
     _has_mtp_layer: bool = flax.struct.field(pytree_node=False, default=False)
 
@@ -250,17 +265,22 @@ def init_sessions(cfg: ModelConfig, slots: int) -> Sessions:
                     hidden=jnp.zeros((slots, cfg.hidden_size), jnp.float32))
 
 
-def init_index_keys(cfg: ModelConfig, slots: int, capacity: int, dtype) -> Array:
-    return jnp.zeros((len(cfg.full_indexer_layers), slots, capacity, cfg.index_head_dim), dtype)
+def init_index_keys(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, dtype) -> dict:
+    """The ``index_keys`` and ``index_key_scale`` fields of a cache (zero)."""
+    shape = (len(cfg.full_indexer_layers), slots, capacity)
+    if cc.index_keys == "fp8":
+        return dict(index_keys=jnp.zeros((*shape, cfg.index_head_dim), jnp.float8_e4m3fn),
+                    index_key_scale=jnp.ones(shape, jnp.float32))
+    return dict(index_keys=jnp.zeros((*shape, cfg.index_head_dim), dtype), index_key_scale=None)
 
 
 def init_resident(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, dtype, device=None) -> ResidentCache:
     fmt = kv_formats.get_format(cc.kv_format)
     L = cfg.num_cache_layers
     history = {n: jnp.zeros(shape, dt) for n, (shape, dt) in fmt.plane_shapes(L, slots, capacity).items()}
-    cache = ResidentCache(sessions=init_sessions(cfg, slots), index_keys=init_index_keys(cfg, slots, capacity, dtype),
-                          history=history, kv_format=fmt.name, key_slot_of_layer=key_slots(cfg),
-                          _has_mtp_layer=bool(cfg.num_nextn_predict_layers))
+    cache = ResidentCache(sessions=init_sessions(cfg, slots), **init_index_keys(cfg, cc, slots, capacity, dtype),
+                          history=history, kv_format=fmt.name, indexer_precision=cc.indexer_precision,
+                          key_slot_of_layer=key_slots(cfg), _has_mtp_layer=bool(cfg.num_nextn_predict_layers))
     return place(cache, device)
 
 

@@ -11,10 +11,12 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from kernels_pallas import kv_formats
+from kernels_pallas import indexer_topk, kv_formats
 
 # The cache modes an engine can run in: everything on the accelerator, or history in host memory + hot cache.
 CACHE_MODES = ("resident", "offload")
+INDEX_KEY_FORMATS = indexer_topk.KEY_FORMATS
+INDEXER_PRECISIONS = indexer_topk.PRECISIONS
 
 
 class ConfigError(ValueError):
@@ -280,6 +282,13 @@ class CacheConfig:
     # offload: recent-ring rows, at least; raised to a power of two that holds a page plus one step's new rows
     # (glm53.offload.ring_rows_for)
     ring_rows: int = 0
+    # DSA indexer keys as stored: "model" (the model dtype) or "fp8" (e4m3 with one f32 scale per key, as
+    # DeepSeek-V3.2's indexer cache: 132 B per key at index_head_dim 128 instead of 256 in bf16)
+    index_keys: str = "model"
+    # How indexer scores are computed: "highest" (f32 products, what the parity tests use), "bf16" (bf16 inputs,
+    # f32 accumulation) or "fp8" (fp8 queries and keys; needs index_keys="fp8"). Resident and offload compute the
+    # same selection at every setting.
+    indexer_precision: str = "highest"
 
     def __post_init__(self):
         self.validate()
@@ -297,6 +306,12 @@ class CacheConfig:
                                          and self.ring_rows % self.copyback_every == 0),
                  f"ring_rows={self.ring_rows} must be a multiple of copyback_every={self.copyback_every}")
         _require(self.hot_rows >= 1, f"hot_rows must be >= 1, got {self.hot_rows}")
+        _require(self.index_keys in INDEX_KEY_FORMATS, f"index_keys {self.index_keys!r} unknown; choose one of "
+                 f"{INDEX_KEY_FORMATS}")
+        _require(self.indexer_precision in INDEXER_PRECISIONS, f"indexer_precision {self.indexer_precision!r} "
+                 f"unknown; choose one of {INDEXER_PRECISIONS}")
+        _require(self.indexer_precision != "fp8" or self.index_keys == "fp8",
+                 "indexer_precision='fp8' scores fp8 keys: set index_keys='fp8' too")
 
     @classmethod
     def from_config_dict(cls, cfg: Mapping[str, Any]) -> "CacheConfig":

@@ -617,7 +617,8 @@ class Engine:
         """What a saved session must match to be restored here: the model (config, dtype, a digest of its
         parameters) and the row format."""
         return {"model_config": self.cfg.to_hf(), "dtype": jnp.dtype(self.model.dtype).name,
-                "params_digest": self.model.params_digest(), "kv_format": self.cache_config.kv_format}
+                "params_digest": self.model.params_digest(), "kv_format": self.cache_config.kv_format,
+                "index_keys": self.cache_config.index_keys}
 
     def save(self, sid, directory: str) -> str:
         """Save a session to ``directory`` (atomic; a later save to the same directory replaces it). The flush
@@ -640,6 +641,8 @@ class Engine:
         n = s.processed
         arrays = {"rows": {k: np.asarray(v[:, :n]) for k, v in data["rows"].items()},
                   "index_keys": np.asarray(data["index_keys"][:, :n]),
+                  **({} if data["index_key_scale"] is None
+                     else {"index_key_scale": np.asarray(data["index_key_scale"][:, :n])}),
                   "hidden": np.asarray(data["hidden"])}
         meta = {"fingerprint": self.fingerprint(), "tokens": list(map(int, s.tokens)), "processed": n,
                 "mtp_processed": s.mtp_processed, "hidden_valid": s.hidden_valid, "sampler": dict(s.sampler),
@@ -656,6 +659,7 @@ class Engine:
             n, n_mtp = int(meta["processed"]), int(meta["mtp_processed"])
             rows_saved = arrays["rows"]
             keys_saved, hidden = arrays["index_keys"], arrays["hidden"]
+            scale_saved = arrays["index_key_scale"] if self.cache_config.index_keys == "fp8" else None
         except (KeyError, TypeError, ValueError) as e:
             raise session_io.SessionFileError(f"{directory}: the save lacks {e}: it is corrupted") from e
         L = self.cfg.num_cache_layers
@@ -680,7 +684,9 @@ class Engine:
             N = self.capacity
             rows = {k: jnp.asarray(np.pad(v, ((0, 0), (0, N - n), (0, 0)))) for k, v in rows_saved.items()}
             keys = jnp.asarray(np.pad(keys_saved, ((0, 0), (0, N - n), (0, 0))))
-            self._run("write_slot", self.cache, jnp.int32(s.slot), rows, keys, jnp.asarray(hidden),
+            scale = None if scale_saved is None else jnp.asarray(np.pad(scale_saved, ((0, 0), (0, N - n)),
+                                                                         constant_values=1.0))
+            self._run("write_slot", self.cache, jnp.int32(s.slot), rows, keys, scale, jnp.asarray(hidden),
                       jnp.int32(n), jnp.int32(n_mtp), kernels=self.kernels)
         except BaseException:
             self._drop(s)
@@ -695,8 +701,8 @@ class Engine:
     def _check_fingerprint(self, saved: dict, directory: str) -> None:
         mine = self.fingerprint()
         diffs = []
-        for key in ("kv_format", "dtype"):
-            if saved.get(key) != mine[key]:
+        for key in ("kv_format", "dtype", "index_keys"):
+            if saved.get(key, "model" if key == "index_keys" else None) != mine[key]:
                 diffs.append(f"{key}: saved {saved.get(key)!r}, engine {mine[key]!r}")
         if saved.get("model_config") != mine["model_config"]:
             a, b = saved.get("model_config") or {}, mine["model_config"]

@@ -24,8 +24,11 @@ def cache_bytes(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, po
     i32 = 4
     device = {
         "sessions": S * (2 * i32 + 4 * cfg.hidden_size),
-        "index_keys": len(cfg.full_indexer_layers) * S * N * cfg.index_head_dim * np.dtype(dtype).itemsize,
+        "index_keys": len(cfg.full_indexer_layers) * S * N * cfg.index_head_dim * (
+            1 if cc.index_keys == "fp8" else np.dtype(dtype).itemsize),
     }
+    if cc.index_keys == "fp8":
+        device["index_key_scale"] = len(cfg.full_indexer_layers) * S * N * 4
     host = {}
     if cc.mode == "resident":
         device["history"] = L * S * N * row
@@ -33,7 +36,8 @@ def cache_bytes(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, po
     P, R, H = cc.copyback_every, offload.ring_rows_for(cc), cc.hot_rows
     device.update({
         "page_table": S * (N // P) * i32, "host_len": S * i32, "ring": L * S * R * row, "hot": L * S * H * row,
-        "slot_of_position": L * S * N * i32, "position_of_slot": L * S * H * i32, "pin_round": L * S * H * i32,
+        "slot_of_position": L * S * N * offload.slot_map_dtype(H).itemsize, "position_of_slot": L * S * H * i32,
+        "pin_round": L * S * H * i32,
         "rounds": L * S * i32, "clock": L * S * i32, "counters": L * S * len(offload.COUNTERS) * i32,
         "bulk_rows": L * S * i32, "copybacks": S * i32, "unassigned": S * i32,
     })
@@ -41,11 +45,13 @@ def cache_bytes(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, po
     return {"device": device, "host": host}
 
 
-# Pallas' Triton lowering addresses an operand with 32-bit offsets unless the array is larger than 2**32 bytes, and
-# Triton adds a 32-bit offset to a pointer as a signed number: an array of 2**31 or more elements that is at most
-# 2**32 bytes (only 1-byte dtypes can be both: the int8 / fp8 latent planes) is addressed wrongly past element
-# 2**31 (illegal memory accesses on the H200: a 10 x 50K-row cache's int8 latents are 2.5 GB). Such arrays are
-# grown past 2**32 bytes, into the 64-bit regime, instead (phantom slots or pages that nothing uses).
+# Pallas' Triton lowering addresses an operand with 32-bit offsets unless the array is larger than 2**32 bytes
+# (``64 if full_size > 2**32 else 32`` in ``_compute_offsets_from_indices``, jax/_src/pallas/triton/lowering.py:
+# line 1909 in JAX 0.10.2; kernels_pallas.hot_gather's module doc has the details), and Triton adds a 32-bit offset
+# to a pointer as a signed number: an array of 2**31 or more elements that is at most 2**32 bytes (only 1-byte
+# dtypes can be both: the int8 / fp8 latent planes) is addressed wrongly past element 2**31 (illegal memory accesses
+# on the H200: a 10 x 50K-row cache's int8 latents are 2.5 GB). Such arrays are grown past 2**32 bytes, into the
+# 64-bit regime, instead (phantom slots or pages that nothing uses); the compiled kernels refuse them otherwise.
 def _addressable(elements: int, itemsize: int) -> bool:
     return elements < 2 ** 31 or elements * itemsize > 2 ** 32
 

@@ -7,7 +7,8 @@ comment says so:
 - DSA selection gathers the top-k rows and attends over them (the reference masks a dense score matrix); the set
   of attended positions is the same.
 - Top-k ties are broken by one fixed rule everywhere: the earlier position wins (``kernels_pallas.indexer_topk``).
-- MoE experts run as sorted ragged matmuls (``jax.lax.ragged_dot``) instead of a loop over experts.
+- MoE experts run as sorted grouped matmuls (``kernels_pallas.grouped_matmul``; ``jax.lax.ragged_dot`` as its
+  reference) instead of a loop over experts.
 
 Every layer call takes a ``Step`` (positions of the tokens being processed, the session slot of each lane) and the
 cache pytree and returns the new cache plus what the layer read (a ``Round``, for the offload fill at the end of the
@@ -165,12 +166,13 @@ class Indexer(nn.Module):
         q = jnp.concatenate([apply_rope_interleaved(q[..., :r], step.cos[:, :, None], step.sin[:, :, None]),
                              q[..., r:]], axis=-1)
         cache = cache.write_index_keys(self.layer, self.keys(x, step), step)
-        key_planes, key_plane = cache.index_keys_for(self.layer, step)
+        key_planes, key_scales, key_plane = cache.index_keys_for(self.layer, step)
         weights = jnp.dot(x.astype(F32), self.weights_proj) * (c.index_n_heads ** -0.5)
-        scores = ops.indexer_scores(q, weights, key_planes, key_plane, step.positions,
-                                    softmax_scale=c.index_head_dim ** -0.5, impl=step.kernels)
+        scores = ops.indexer_scores(q, weights, key_planes, key_plane, step.positions, key_scales,
+                                    softmax_scale=c.index_head_dim ** -0.5, precision=cache.indexer_precision,
+                                    impl=step.kernels)
         k_sel = min(c.index_topk, cache.capacity)
-        topk = ops.topk_positions(scores, k_sel, impl=step.kernels)
+        topk = ops.topk_positions(scores, k_sel, step.positions, impl=step.kernels)
         if step.selection is not None:
             if step.selection.shape != topk.shape:
                 raise ValueError(f"selection override has shape {step.selection.shape}, the indexer selects "
@@ -256,7 +258,8 @@ class MLP(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, kernels: str = "auto"):
+        del kernels
         c = self.cfg
         g = Linear(c.hidden_size, self.intermediate, c, self.dtype, name="gate_proj")(x)
         u = Linear(c.hidden_size, self.intermediate, c, self.dtype, name="up_proj")(x)
@@ -287,7 +290,7 @@ class MoE(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, kernels: str = "auto"):
         c = self.cfg
         E, H, I = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
         router = self.param("gate", nn.initializers.normal(c.initializer_range), (H, E), F32)
@@ -304,8 +307,9 @@ class MoE(nn.Module):
         order = jnp.argsort(flat, stable=True)
         xs = xf[order // k]
         sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-        hidden = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
-        ys = jax.lax.ragged_dot(hidden.astype(x.dtype), w_down, sizes)
+        hidden = (jax.nn.silu(ops.grouped_matmul(xs, w_gate, sizes, impl=kernels))
+                  * ops.grouped_matmul(xs, w_up, sizes, impl=kernels))
+        ys = ops.grouped_matmul(hidden.astype(x.dtype), w_down, sizes, impl=kernels)
         y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, H)
         routed = jnp.einsum("nkh,nk->nh", y.astype(F32), w).astype(x.dtype)
         shared = MLP(c, I * c.n_shared_experts, self.dtype, name="shared_experts")(x)
@@ -327,7 +331,7 @@ class DecoderLayer(nn.Module):
     def __call__(self, x, step: Step, cache, prev_topk):
         a, cache, topk, round_ = self.self_attn(self.input_layernorm(x), step, cache, prev_topk)
         x = x + a
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x), step.kernels)
         return x, cache, topk, round_
 
     def write_kv(self, x, step: Step, cache):

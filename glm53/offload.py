@@ -43,19 +43,32 @@ second implementation of the cache interface in ``glm53.cache``:
 
 Resident and offload read the same packed bytes for every position (rows are packed once, when written), so their
 logits and tokens are bit-identical; the tests check it in every path.
+
+**Scale.** Row indices are int32 everywhere, in the XLA glue here (``(page * L + layer) * P + r`` into the pool,
+``(layer * S + slot) * N + p`` into the slot map, ``(layer * S + slot) * H + h`` / ``* R + r`` into the hot cache and
+ring, ``b * N + p`` into a bulk buffer) and in the kernels; byte offsets are the kernels' business, 64-bit for
+any operand past 2**32 bytes (``kernels_pallas.hot_gather``, "Addressing"). Every product above is below the row
+count of the array it indexes (a bulk buffer's lanes x capacity rows are fewer than the slot map's entries), so
+``validate`` refusing arrays of 2**31 rows or more (``indexed_rows``) makes all of them safe: the target of 16
+sessions x 1,048,576 rows x 9 cache layers is 151M pool rows (a 77 GB int8 latent plane) and a 151M-entry slot map.
+``slot_of_position`` is int16 whenever the hot cache has at most 32,768 slots (``slot_map_dtype``), the design's 2
+bytes per position. The pool is allocated once, in place, plane by plane (``allocate_pool``).
 """
 
 from __future__ import annotations
+
+import os
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tqdm
 
 from glm53.cache import CacheBase, Round, Sessions, init_index_keys, init_sessions, key_slots, place
 from glm53.config import CacheConfig, ConfigError, ModelConfig
 from kernels_pallas import kv_formats, ops
-from kernels_pallas.hot_gather import HOST, HOT, RING
+from kernels_pallas.hot_gather import HOST, HOT, MAX_PLANE_ROWS, RING
 
 COUNTERS = ("hits", "misses", "ring_reads", "fills", "evictions")  # the fill kernel's order
 Array = jax.Array
@@ -68,12 +81,13 @@ MAX_VERIFY_ROWS = 4
 class OffloadCache(CacheBase):
     sessions: Sessions
     index_keys: Array
+    index_key_scale: Array | None
     pool: dict  # plane -> [pool_pages * L * P, W] in pinned_host memory
     page_table: Array  # int32[S, N // P]: logical page -> pool page (-1 = none assigned)
     host_len: Array  # int32[S]: rows [0, host_len) are in host pages (a multiple of P); the rest only in the ring
     ring: dict  # plane -> [L, S, R, W]: row of position p at p % R
     hot: dict  # plane -> [L, S, H, W]
-    slot_of_position: Array  # int32[L, S, N]: hot slot holding position p (-1 = not hot)
+    slot_of_position: Array  # int16 / int32[L, S, N] (slot_map_dtype): hot slot holding position p (-1 = not hot)
     position_of_slot: Array  # int32[L, S, H]: position held by a slot (-1 = empty)
     # Pins as round stamps: a slot is pinned by a round when it was read there as a hit (never that round's victim).
     pin_round: Array  # int32[L, S, H]
@@ -84,6 +98,7 @@ class OffloadCache(CacheBase):
     copybacks: Array  # int32[S]: pages written to host memory
     unassigned: Array  # int32[S]: pages that were due with no pool page assigned (an engine bug if ever > 0)
     kv_format: str = flax.struct.field(pytree_node=False, default="bf16")
+    indexer_precision: str = flax.struct.field(pytree_node=False, default="highest")
     key_slot_of_layer: tuple = flax.struct.field(pytree_node=False, default=())
     _has_mtp_layer: bool = flax.struct.field(pytree_node=False, default=False)
     page_rows: int = flax.struct.field(pytree_node=False, default=64)
@@ -166,7 +181,8 @@ class OffloadCache(CacheBase):
         pages = self.page_table.shape[1]
         p = jnp.clip(positions, 0, N - 1)
         in_ring = positions >= self.host_len[lanes.slot][:, None]
-        hot_slot = jnp.take(self.slot_of_position.reshape(-1), (layer * S + slot) * N + p)
+        # int32 from here on: the map's int16 (slot_map_dtype) is only how it is stored.
+        hot_slot = jnp.take(self.slot_of_position.reshape(-1), (layer * S + slot) * N + p).astype(jnp.int32)
         hit = ~in_ring & (hot_slot >= 0)
         page = jnp.take(self.page_table.reshape(-1), slot * pages + p // P)
         ring_row = (layer * S + slot) * R + p % R
@@ -215,7 +231,11 @@ class OffloadCache(CacheBase):
         k = jnp.arange(N // P, dtype=jnp.int32)[None, :]
         host_len = self.host_len[slot]
         pool_page = self.page_table[slot]  # [B, N // P]
-        count = jnp.where(lanes.active[:, None] & (k * P < host_len[:, None]) & (pool_page >= 0), P, 0)
+        # Only the pages the chunk's queries read (selected or not: every row the gather below reads is a real one):
+        # a local selection copies a few pages, the model's own indexer over a long prompt nearly all.
+        page_of = jnp.clip(pos, 0, N - 1) // P
+        touched = jnp.zeros((B, N // P), bool).at[jnp.arange(B)[:, None], page_of].set(True)
+        count = jnp.where(lanes.active[:, None] & (k * P < host_len[:, None]) & (pool_page >= 0) & touched, P, 0)
         src = (jnp.maximum(pool_page, 0) * L + layer) * P
         dst = jnp.arange(B, dtype=jnp.int32)[:, None] * N + k * P
         # Tie the copy to this layer's selection: without it XLA may start every layer's copy at once, and the
@@ -236,7 +256,7 @@ class OffloadCache(CacheBase):
             latent, rope, _ = ops.hot_gather(source.reshape(-1), row.reshape(-1), self._flat(self.ring), buf, buf,
                                              kv_format=self.kv_format, out_dtype=dtype, impl=step.kernels)
         ws = lanes.write_slot(S)
-        cache = self.replace(bulk_rows=self.bulk_rows.at[layer, ws].add(host_len, mode="drop"))
+        cache = self.replace(bulk_rows=self.bulk_rows.at[layer, ws].add(jnp.sum(count, axis=1), mode="drop"))
         return latent, rope, cache
 
     @jax.named_scope("offload_fill")
@@ -460,13 +480,98 @@ def min_hot_rows(cfg: ModelConfig, cc: CacheConfig) -> int:
     return cfg.index_topk + ring_rows_for(cc)
 
 
-def validate(cfg: ModelConfig, cc: CacheConfig) -> None:
+def slot_map_dtype(hot_rows: int) -> np.dtype:
+    """``slot_of_position``'s dtype, chosen here only: int16 when every slot (< hot_rows) and the -1 sentinel fit,
+    i.e. ``hot_rows <= 32,768`` (the design's 2 bytes per position: 18 MB instead of 36 MB for 9 layers of a
+    1M-row slot), else int32."""
+    return np.dtype(np.int16) if hot_rows <= np.iinfo(np.int16).max + 1 else np.dtype(np.int32)
+
+
+def indexed_rows(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, pool_pages: int) -> dict:
+    """``{array: (rows, how they are counted)}`` of the flat arrays an offload step indexes with int32 rows."""
+    L, P, H, R = cfg.num_cache_layers, cc.copyback_every, cc.hot_rows, ring_rows_for(cc)
+    pages = max(pool_pages, 1)
+    return {
+        "host pool": (pages * L * P, f"{pages:,} pages x {L} layers x {P} rows per page"),
+        "slot_of_position": (L * slots * capacity, f"{L} layers x {slots} slots x {capacity:,} rows per slot"),
+        "hot cache": (L * slots * H, f"{L} layers x {slots} slots x {H:,} hot rows"),
+        "ring": (L * slots * R, f"{L} layers x {slots} slots x {R:,} ring rows"),
+    }
+
+
+def validate(cfg: ModelConfig, cc: CacheConfig, slots: int | None = None, capacity: int | None = None,
+             pool_pages: int | None = None) -> None:
+    """Refuse a configuration the offload cache cannot run; with ``slots``, ``capacity`` and ``pool_pages``, also
+    sizes whose arrays would outgrow int32 row indices (see the module doc)."""
+    if slots is not None:
+        for what, (rows, how) in indexed_rows(cfg, cc, slots, capacity, pool_pages).items():
+            if rows > MAX_PLANE_ROWS:  # the step's flat int32 indices and the kernels' one-past-the-end rows
+                raise ConfigError(f"offload: the {what} would hold {rows:,} rows ({how}), more than int32 row "
+                                  f"indices reach ({MAX_PLANE_ROWS:,}); lower the sessions, max_len or "
+                                  "host_budget_bytes")
     need = min_hot_rows(cfg, cc)
     if cc.hot_rows < need:
         raise ConfigError(f"offload: hot_rows={cc.hot_rows} is below what a round can pin: index_topk="
                           f"{cfg.index_topk} selected rows + {ring_rows_for(cc)} ring rows = {need}")
     if cc.hot_rows & (cc.hot_rows - 1):
         raise ConfigError(f"offload: hot_rows={cc.hot_rows} must be a power of two")
+
+
+# Pools larger than this show a progress bar while they are allocated.
+POOL_PROGRESS_BYTES = 1 << 30
+# XLA's GPU client allocates pinned_host buffers from one BFC allocator, "xla_gpu_host_bfc", capped at this many GiB
+# unless the variable says otherwise when the backend starts (GetGpuHostAllocator in xla/pjrt/gpu/gpu_helpers.cc).
+PINNED_HOST_LIMIT_VAR, PINNED_HOST_LIMIT_DEFAULT_GIB = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", 64
+
+
+def _host_zeros(shape: tuple, dtype, host: jax.sharding.Sharding) -> Array:
+    """A zero ``pinned_host`` array, built without a second host-sized buffer and without device memory:
+    ``device_put`` of ``np.zeros``.
+
+    NumPy's zeros come from calloc, so the source's pages are never made resident (reading untouched anonymous
+    memory maps the kernel's zero page). jaxlib hands NumPy arrays to PJRT zero-copy (``kImmutableZeroCopy``:
+    jaxlib/py_values.cc ``HandleNumpyArray``), and PJRT's GPU client allocates the destination in the pinned host
+    memory space and copies into it straight from the NumPy buffer, through a pinned staging buffer only below 1 GiB
+    (xla/pjrt/pjrt_stream_executor_client.cc ``LinearizeHostBufferInto``, ``ShouldStageHostToDeviceTransfers``).
+
+    Rejected: a jitted ``jnp.zeros`` with pinned_host ``out_shardings``. On GPUs XLA computes the zeros in device
+    memory and copies them out (its HostOffloader adds a copy to host for an entry result moved to host:
+    xla/hlo/transforms/host_offloader.cc ``HandleMoveToHostCustomCall``), a device buffer as large as the plane. On
+    the CPU backend it is no faster, and the offload step that donated such a pool aborted the process (JAX 0.10.2:
+    "PjRtBuffer's memory kind does not match sharding's memory kind").
+
+    Measured by ``experiments/probe_pool_alloc.py`` (a 2 GiB q8g64 pool, CPU backend, 2 cores): this way one plane
+    at a time 0.90 s, all planes at once 0.76 s, the jitted zeros 0.77 s; peak RSS the pool plus the 0.2 GiB
+    baseline in every case (no second host-sized copy)."""
+    return jax.device_put(np.zeros(shape, dtype), host)
+
+
+def allocate_pool(fmt: kv_formats.KVFormat, rows: int, device, progress_min_bytes: int = POOL_PROGRESS_BYTES) -> dict:
+    """The host pool's planes ``{plane: [rows, W]}``, zero, in ``pinned_host`` memory: allocated once, one plane at a
+    time, with a progress bar over the bytes when the pool is larger than ``progress_min_bytes``. One at a time
+    bounds what is in flight (PJRT stages planes under 1 GiB through pinned buffers taken from the same capped
+    allocator as the pool) and lets the bar move; it costs little (0.14 s of 0.9 s for 2 GiB on the CPU backend). On
+    GPUs a pool larger than XLA's pinned host allocator is refused up front, with the variable that raises it,
+    instead of failing halfway through."""
+    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    shapes = fmt.plane_shapes(rows)
+    sizes = {n: int(np.prod(shape)) * np.dtype(dt).itemsize for n, (shape, dt) in shapes.items()}
+    total = sum(sizes.values())
+    if device.platform in ops.GPU_BACKENDS:
+        limit_gib = int(os.environ.get(PINNED_HOST_LIMIT_VAR, PINNED_HOST_LIMIT_DEFAULT_GIB))
+        if total > limit_gib << 30:
+            raise ConfigError(f"offload: the host pool needs {total / 2**30:.1f} GiB of pinned host memory, more than "
+                              f"XLA's pinned host allocator holds ({limit_gib} GiB): set {PINNED_HOST_LIMIT_VAR} above "
+                              "the pool (with a few GiB for transfer staging) before JAX starts, or lower "
+                              "host_budget_bytes")
+    pool = {}
+    with tqdm.tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="host pool",
+                   disable=total <= progress_min_bytes) as bar:
+        for name, (shape, dt) in shapes.items():
+            bar.set_postfix_str(f"{name} {np.dtype(dt).name}{list(shape)}")
+            pool[name] = _host_zeros(shape, dt, host).block_until_ready()
+            bar.update(sizes[name])
+    return pool
 
 
 def page_bytes(cfg: ModelConfig, cc: CacheConfig) -> int:
@@ -478,26 +583,26 @@ def init_offload(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, p
                  device=None) -> OffloadCache:
     """An empty offload cache: ``slots`` session slots of ``capacity`` rows, a host pool of ``pool_pages`` pages
     (allocated once, in pinned_host memory)."""
-    validate(cfg, cc)
+    validate(cfg, cc, slots, capacity, pool_pages)
     fmt = kv_formats.get_format(cc.kv_format)
     L, S, N = cfg.num_cache_layers, slots, capacity
     P, R, H = cc.copyback_every, ring_rows_for(cc), cc.hot_rows
     if N % P:
         raise ConfigError(f"capacity {N} must be a multiple of copyback_every={P}")
     device = device or jax.devices()[0]
-    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-    pool = {n: jax.device_put(np.zeros(shape, dt), host)
-            for n, (shape, dt) in fmt.plane_shapes(max(pool_pages, 1) * L * P).items()}
+    pool = allocate_pool(fmt, max(pool_pages, 1) * L * P, device)
     cache = OffloadCache(
-        sessions=init_sessions(cfg, S), index_keys=init_index_keys(cfg, S, N, dtype), pool=pool,
+        sessions=init_sessions(cfg, S), **init_index_keys(cfg, cc, S, N, dtype), pool=pool,
         page_table=jnp.full((S, N // P), -1, jnp.int32), host_len=jnp.zeros((S,), jnp.int32),
         ring={n: jnp.zeros(s, d) for n, (s, d) in fmt.plane_shapes(L, S, R).items()},
         hot={n: jnp.zeros(s, d) for n, (s, d) in fmt.plane_shapes(L, S, H).items()},
-        slot_of_position=jnp.full((L, S, N), -1, jnp.int32), position_of_slot=jnp.full((L, S, H), -1, jnp.int32),
+        slot_of_position=jnp.full((L, S, N), -1, slot_map_dtype(H)),
+        position_of_slot=jnp.full((L, S, H), -1, jnp.int32),
         pin_round=jnp.full((L, S, H), -1, jnp.int32), rounds=jnp.zeros((L, S), jnp.int32),
         clock=jnp.zeros((L, S), jnp.int32), counters=jnp.zeros((L, S, len(COUNTERS)), jnp.int32),
         bulk_rows=jnp.zeros((L, S), jnp.int32), copybacks=jnp.zeros((S,), jnp.int32),
-        unassigned=jnp.zeros((S,), jnp.int32), kv_format=fmt.name, key_slot_of_layer=key_slots(cfg),
+        unassigned=jnp.zeros((S,), jnp.int32), kv_format=fmt.name, indexer_precision=cc.indexer_precision,
+        key_slot_of_layer=key_slots(cfg),
         _has_mtp_layer=bool(cfg.num_nextn_predict_layers), page_rows=P)
     return place(cache, device)
 

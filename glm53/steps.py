@@ -282,14 +282,18 @@ def read_slot(cache, slot, *, kernels: str):
     """Everything a save needs of one slot, on the device: rows ``{plane: [L, N, W]}``, indexer keys
     ``[Lf, N, D]``, the stored hidden state and the lengths."""
     s = cache.sessions
+    scale = None if cache.index_key_scale is None else cache.index_key_scale[:, slot]
     return dict(rows=cache.read_slot_rows(slot, kernels), index_keys=cache.index_keys[:, slot],
-                hidden=s.hidden[slot], length=s.lengths[slot], mtp_length=s.mtp_lengths[slot])
+                index_key_scale=scale, hidden=s.hidden[slot], length=s.lengths[slot],
+                mtp_length=s.mtp_lengths[slot])
 
 
-def write_slot(cache, slot, rows, index_keys, hidden, length, mtp_length, *, kernels: str):
+def write_slot(cache, slot, rows, index_keys, index_key_scale, hidden, length, mtp_length, *, kernels: str):
     """Restore a saved session into a cleared slot (offload: whose page table is set)."""
     cache = cache.write_slot_rows(slot, rows, length, mtp_length, kernels)
     s = cache.sessions
+    if cache.index_key_scale is not None:
+        cache = cache.replace(index_key_scale=cache.index_key_scale.at[:, slot].set(index_key_scale))
     cache = cache.replace(
         index_keys=cache.index_keys.at[:, slot].set(index_keys.astype(cache.index_keys.dtype)),
         sessions=s.replace(lengths=s.lengths.at[slot].set(length), mtp_lengths=s.mtp_lengths.at[slot].set(mtp_length),

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.hot_gather import check_addressable
+
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
@@ -58,7 +60,7 @@ def _copy_kernel(src_start_ref, dst_start_ref, count_ref, *refs, n_planes: int, 
             plgpu.store(dst_ref.at[dst[:, None], cols], val, mask=mask[:, None])
 
 
-def _validate(dst, src, src_start, dst_start, count, block_size: int, block_rows: int):
+def _validate(dst, src, src_start, dst_start, count, block_size: int, block_rows: int, *, compiled: bool):
     if not _is_pow2(block_size) or not _is_pow2(block_rows) or block_rows > block_size:
         raise ValueError(f"block_size={block_size} and block_rows={block_rows} must be powers of two with "
                          "block_rows <= block_size")
@@ -81,6 +83,10 @@ def _validate(dst, src, src_start, dst_start, count, block_size: int, block_rows
         if a.ndim != 1 or a.shape != src_start.shape or not jnp.issubdtype(a.dtype, jnp.integer):
             raise ValueError(f"src_start, dst_start and count must be int[NB] of one shape; {what} is "
                              f"{a.dtype}{list(a.shape)}, src_start {list(src_start.shape)}")
+    # Row starts are int32 and the kernel points masked-off rows one past dst's end (kernels_pallas.hot_gather:
+    # addressing): both sides hold fewer than 2**31 rows; byte offsets past 2**31 are the lowering's (64-bit).
+    check_addressable(dst, "dst", compiled=compiled)
+    check_addressable(src, "src", compiled=compiled)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "block_rows", "num_warps", "interpret"),
@@ -103,7 +109,7 @@ def copy_blocks(dst: dict, src: dict, src_start: jax.Array, dst_start: jax.Array
     Returns:
       The new ``dst`` planes.
     """
-    _validate(dst, src, src_start, dst_start, count, block_size, block_rows)
+    _validate(dst, src, src_start, dst_start, count, block_size, block_rows, compiled=not interpret)
     names = tuple(sorted(dst))
     if src_start.shape[0] == 0:
         return dict(dst)
@@ -133,7 +139,7 @@ def copy_blocks_reference(dst: dict, src: dict, src_start: jax.Array, dst_start:
     past a block's count sent out of range and dropped. ``dst`` and ``src`` must be readable by XLA's gather and
     scatter here (device arrays; ``kernels_pallas.ops`` moves ``pinned_host`` ones)."""
     del num_warps, interpret
-    _validate(dst, src, src_start, dst_start, count, block_size, block_rows)
+    _validate(dst, src, src_start, dst_start, count, block_size, block_rows, compiled=False)
     r = jnp.arange(block_size, dtype=jnp.int32)[None, :]
     do = r < jnp.clip(count.astype(jnp.int32), 0, block_size)[:, None]  # [NB, block_size]
     src_row = jnp.where(do, src_start.astype(jnp.int32)[:, None] + r, 0).reshape(-1)

@@ -31,6 +31,11 @@ position) are filled once, from their first entry. The kernel elects those entri
 interpreter cannot discharge when masked): ``slot_of_position`` is -1 at every missed position, so it serves as
 scratch where entries store their index, read back, and the lower ones try again, ``max_repeats`` times; then it is
 restored. ``fill_round_reference`` is the same function in jnp (a stable sort finds the first entries).
+
+``slot_of_position`` is int16 when the hot cache has at most 32,768 slots (the design's 2 bytes per position:
+``glm53.offload.slot_map_dtype``), else int32; the other maps are int32. Slots (< hot_rows), the -1 sentinel and the
+election's scratch codes (-2 - entry index, >= -2 - 16,383 for the kernel's rounds of at most 16,384 positions) all
+fit either; every value is computed in int32 and cast only where it is stored.
 """
 
 from __future__ import annotations
@@ -43,10 +48,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.hot_gather import HOST, HOT
+from kernels_pallas.hot_gather import HOST, HOT, check_addressable
 
 MAP_NAMES = ("pin_round", "position_of_slot", "slot_of_position", "rounds", "clock", "counters")
 NUM_COUNTERS = 5  # hits, misses, ring reads, fills, evictions
+SLOT_MAP_DTYPES = (jnp.int16, jnp.int32)  # slot_of_position's; the other maps are int32
 
 
 def _next_pow2(n: int) -> int:
@@ -70,6 +76,17 @@ def _validate(maps: dict, rounds: tuple, lane_slot, lane_active, layers: tuple, 
                          f"{maps['pin_round'].shape} / {maps['position_of_slot'].shape}")
     if maps["slot_of_position"].shape[:2] != (L, S) or maps["slot_of_position"].ndim != 3:
         raise ValueError(f"slot_of_position must be [{L}, {S}, N], got {maps['slot_of_position'].shape}")
+    slot_dtype = jnp.dtype(maps["slot_of_position"].dtype)
+    if slot_dtype not in [jnp.dtype(d) for d in SLOT_MAP_DTYPES] or hot_rows - 1 > jnp.iinfo(slot_dtype).max:
+        raise ValueError(f"slot_of_position must be int16 or int32 and hold slots up to hot_rows - 1 = "
+                         f"{hot_rows - 1}, got {slot_dtype}")
+    for n in MAP_NAMES:
+        if n != "slot_of_position" and jnp.dtype(maps[n].dtype) != jnp.int32:
+            raise ValueError(f"{n} must be int32, got {maps[n].dtype}")
+    # The kernel addresses the maps flat ((layer * S + slot) * N + position, int32), with a one-past-the-end row for
+    # masked stores: each map holds fewer than 2**31 elements.
+    check_addressable({n: jax.ShapeDtypeStruct((maps[n].size,), maps[n].dtype) for n in MAP_NAMES}, "map",
+                      compiled=False)
     if maps["rounds"].shape != (L, S) or maps["clock"].shape != (L, S):
         raise ValueError(f"rounds / clock must be [{L}, {S}], got {maps['rounds'].shape} / {maps['clock'].shape}")
     if maps["counters"].shape != (L, S, NUM_COUNTERS):
@@ -97,10 +114,10 @@ def _validate(maps: dict, rounds: tuple, lane_slot, lane_active, layers: tuple, 
 
 
 def _scatter(ref, idx, val, mask):
-    """Masked store to flat ``ref[idx]``. Masked-off lanes point past the end: on GPUs they touch no memory either
-    way, but the Pallas interpreter writes every lane (the old value where masked), so an in-range dummy address
-    could overwrite a real store to the same element."""
-    plgpu.store(ref.at[jnp.where(mask, idx, ref.shape[0])], val, mask=mask)
+    """Masked store to flat ``ref[idx]`` (``val`` cast to the ref's dtype: the slot map may be int16). Masked-off
+    lanes point past the end: on GPUs they touch no memory either way, but the Pallas interpreter writes every lane
+    (the old value where masked), so an in-range dummy address could overwrite a real store to the same element."""
+    plgpu.store(ref.at[jnp.where(mask, idx, ref.shape[0])], val.astype(ref.dtype), mask=mask)
 
 
 def _round_kernel(*refs, layers: tuple, slots: int, lanes: int, hot_rows: int, positions: int, capacity: int,
@@ -151,7 +168,7 @@ def _round_kernel(*refs, layers: tuple, slots: int, lanes: int, hot_rows: int, p
             # round is not a candidate any more (its index is not below itself), so owners only decrease.
             _scatter(slot_of_pos, at, code, cand)
             barrier()
-            w = plgpu.load(slot_of_pos.at[jnp.where(wanted, at, 0)], mask=wanted, other=0)
+            w = plgpu.load(slot_of_pos.at[jnp.where(wanted, at, 0)], mask=wanted, other=0).astype(jnp.int32)
             cand = cand & (m < -2 - w)
         first = wanted & (w == code)
         barrier()  # every read of the owners before the restore
@@ -232,8 +249,8 @@ def fill_round(maps: dict, rounds: tuple, lane_slot: jax.Array, lane_active: jax
     """One fill for the rounds of ``layers`` in B lanes (``rounds[i]`` is layer ``layers[i]``'s: ``pos``,
     ``source``, ``slot`` int32 and ``valid`` bool, each ``[B, M]``); lane b works on session slot ``lane_slot[b]``
     and does nothing unless ``lane_active[b]`` (active lanes never share a slot). ``maps``: ``pin_round``,
-    ``position_of_slot`` [L, S, H], ``slot_of_position`` [L, S, N], ``rounds``, ``clock`` [L, S], ``counters``
-    [L, S, 5], updated in place.
+    ``position_of_slot`` [L, S, H], ``slot_of_position`` [L, S, N] (int16 or int32), ``rounds``, ``clock`` [L, S],
+    ``counters`` [L, S, 5] (int32), updated in place.
 
     ``distinct=False``: a position may be selected by several entries of a round (MTP verify rows, drafts, chunk
     tokens); each is filled once, from its first entry (lowest index). The kernel finds the first entries in
@@ -249,6 +266,10 @@ def fill_round(maps: dict, rounds: tuple, lane_slot: jax.Array, lane_active: jax
     B, M = rounds[0]["pos"].shape
     F, W = sizes(M, H)
     Mp, Fp, Wp = _next_pow2(M), _next_pow2(F), _next_pow2(W)
+    slot_dtype = jnp.dtype(maps["slot_of_position"].dtype)
+    if not distinct and -2 - (Mp - 1) < jnp.iinfo(slot_dtype).min:
+        raise ValueError(f"rounds of {M} positions (padded to {Mp}) need election codes down to {-1 - Mp}, below "
+                         f"{slot_dtype}'s range: use an int32 slot_of_position or the reference")
     Lp = len(layers)
     operands = []
     for r in rounds:
@@ -261,7 +282,7 @@ def fill_round(maps: dict, rounds: tuple, lane_slot: jax.Array, lane_active: jax
     operands += [lane_slot.astype(jnp.int32), lane_active]
     first_map = len(operands)
     operands += [maps[n].reshape(-1) for n in MAP_NAMES]
-    out_shape = [jax.ShapeDtypeStruct((maps[n].size,), jnp.int32) for n in MAP_NAMES]
+    out_shape = [jax.ShapeDtypeStruct((maps[n].size,), maps[n].dtype) for n in MAP_NAMES]
     out_shape += [jax.ShapeDtypeStruct((Lp * B * Fp,), jnp.int32)] * 2 + [jax.ShapeDtypeStruct((Lp * B,), jnp.int32)]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     kwargs = {} if interpret else {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=1)}
@@ -359,7 +380,8 @@ def fill_round_reference(maps: dict, rounds: tuple, lane_slot: jax.Array, lane_a
     slot_of_position = maps["slot_of_position"].at[
         jnp.concatenate([l_f, l_f], -1), jnp.concatenate([w_f, w_f], -1),
         jnp.concatenate([jnp.where(old_pos >= 0, old_pos, N), new_pos], -1)].set(
-        jnp.concatenate([jnp.full_like(victim, -1), victim], -1), mode="drop")
+        jnp.concatenate([jnp.full_like(victim, -1), victim], -1).astype(maps["slot_of_position"].dtype),
+        mode="drop")
     position_of_slot = pos_of_slot_before.at[l_f, w_f, victim].set(new_pos, mode="drop")
     new_maps = dict(pin_round=pin_round, position_of_slot=position_of_slot, slot_of_position=slot_of_position,
                     rounds=maps["rounds"].at[l_b, w_b].set(this_round, mode="drop"),

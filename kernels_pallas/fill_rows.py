@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.hot_gather import check_addressable
+
 
 def _fill_kernel(entry_ref, victim_ref, n_fill_ref, lane_slot_ref, *refs, layers: tuple, names: tuple,
                  sessions: int, entries: int, hot_rows: int, block_rows: int):
@@ -63,7 +65,8 @@ def _fill_kernel(entry_ref, victim_ref, n_fill_ref, lane_slot_ref, *refs, layers
                 plgpu.store(hot_out[p].at[dst[:, None], cols], val, mask=mask[:, None])
 
 
-def _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot_rows, block_rows):
+def _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot_rows, block_rows, *,
+              compiled: bool):
     if block_rows <= 0 or block_rows & (block_rows - 1):
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
     if lane_slot.ndim != 1 or not jnp.issubdtype(lane_slot.dtype, jnp.integer):
@@ -88,6 +91,11 @@ def _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot
             if r[n].shape[1:] != hot[n].shape[1:] or r[n].dtype != hot[n].dtype or r[n].shape[0] % B:
                 raise ValueError(f"plane {n!r}: rows {r[n].dtype}{r[n].shape} do not match hot "
                                  f"{hot[n].dtype}{hot[n].shape} ([B * E, W] with B={B} lanes)")
+    # Destination rows (layer * sessions + slot) * hot_rows + victim are int32 (kernels_pallas.hot_gather:
+    # addressing).
+    check_addressable(hot, "hot", compiled=compiled)
+    for r in rows:
+        check_addressable(r, "rows", compiled=compiled)
 
 
 @functools.partial(jax.jit, static_argnames=("layers", "sessions", "hot_rows", "block_rows", "num_warps",
@@ -99,7 +107,8 @@ def fill_rows(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Array, n_fil
     entry[i, b, f]]`` for ``f < n_fill[i, b]``. ``hot``: flat ``[L * sessions * hot_rows, W]`` planes (``sessions``
     is the number of session slots S); ``rows[i]``: flat ``[B * E, W]`` planes, one row block per lane. Inactive
     lanes have n_fill 0 (``fill_round``) and so copy nothing. Returns the updated hot planes (in place)."""
-    _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot_rows, block_rows)
+    _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot_rows, block_rows,
+              compiled=not interpret)
     names = tuple(sorted(hot))
     B = lane_slot.shape[0]
     E = rows[0][names[0]].shape[0] // B
@@ -131,7 +140,7 @@ def fill_rows_reference(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Ar
                         num_warps: int = 4, interpret: bool = False) -> dict:
     """Pure-jnp ``fill_rows``: one scatter per plane over every static fill (the ones past n_fill dropped)."""
     del num_warps, interpret
-    _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot_rows, block_rows)
+    _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot_rows, block_rows, compiled=False)
     Lp, B, F = entry.shape
     E = next(iter(rows[0].values())).shape[0] // B
     do = jnp.arange(F)[None, None, :] < n_fill[..., None]

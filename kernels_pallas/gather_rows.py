@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import kv_formats
+from kernels_pallas.hot_gather import check_addressable
 from kernels_pallas.kv_formats import KVFormat
 
 
@@ -84,7 +85,7 @@ def _validate_blocks(positions, block_rows: int):
         )
 
 
-def _validate_planes(planes, plane_of_lane, positions, fmt: KVFormat):
+def _validate_planes(planes, plane_of_lane, positions, fmt: KVFormat, *, compiled: bool):
     expected = {"latent", "rope"} | ({"scale"} if fmt.quantised else set())
     if set(planes) != expected:
         raise ValueError(f"KV format {fmt.name!r} needs planes {sorted(expected)}, got {sorted(planes)}")
@@ -110,6 +111,9 @@ def _validate_planes(planes, plane_of_lane, positions, fmt: KVFormat):
                 f"plane {name!r} row width {shape[-1]} x {dtype.itemsize} B "
                 "is not a power of two (Triton lowering needs one)"
             )
+    # The reference reads flat row plane * N + position (int32); the kernel's offsets are the lowering's, 64-bit
+    # past 2**32 bytes (kernels_pallas.hot_gather: addressing).
+    check_addressable(planes, "history", compiled=compiled)
 
 
 @functools.partial(jax.jit, static_argnames=("kv_format", "out_dtype", "block_rows", "interpret"))
@@ -140,7 +144,7 @@ def gather_rows(
       ``(latent[S, M, 512], rope[S, M, 64])`` in ``out_dtype``.
     """
     fmt = kv_formats.get_format(kv_format)
-    _validate_planes(planes, plane_of_lane, positions, fmt)
+    _validate_planes(planes, plane_of_lane, positions, fmt, compiled=not interpret)
     _validate_blocks(positions, block_rows)
     S, M = positions.shape
     out_dtype = jnp.dtype(out_dtype)
@@ -186,7 +190,7 @@ def gather_rows_reference(
     ``kv_formats.unpack``."""
     del block_rows, interpret  # Same signature as the kernel.
     fmt = kv_formats.get_format(kv_format)
-    _validate_planes(planes, plane_of_lane, positions, fmt)
+    _validate_planes(planes, plane_of_lane, positions, fmt, compiled=False)
     P, N = planes["latent"].shape[:2]
     flat_row = plane_of_lane.astype(jnp.int32)[:, None] * N + jnp.clip(positions.astype(jnp.int32), 0, N - 1)
     rows = {k: jnp.take(v.reshape(P * N, v.shape[-1]), flat_row, axis=0, mode="clip") for k, v in planes.items()}

@@ -13,11 +13,34 @@ here instead of in a separate XLA op saved one kernel per layer per step, ~2 us 
 Each entry's source is decided before the kernel (``source``: 0 ring, 1 hot, 2 host) together with its row in that
 source's flat ``[rows, W]`` plane. Loads are masked per source, so a hit never touches host memory and a miss never
 touches the hot cache.
+
+Addressing (what the kernels here can reach, and why): Pallas' Triton lowering turns an indexed load or store of a
+``memory_space=ANY`` operand into ``tt.addptr(base, offsets)`` with *element* offsets ``sum(index_d * stride_d)``
+(``_compute_offsets_from_indices`` in jax/_src/pallas/triton/lowering.py: lines 1890-1980 in JAX 0.10.2, 1888-1978
+on jax-ml/jax main at cec06d1, 0.11.1). The offsets are i64 only when the whole operand is larger than 2**32 *bytes*
+(``offset_eltype = ... 64 if full_size > 2**32 else 32``, line 1909 / 1907), else i32, which Triton adds to the
+pointer as a signed number. Indices are widened to the offset type zero-extended (``_ir_cast(index, offset_eltype,
+signed=False)``, line 1960 / 1958, is ``arith.extui`` in ``_int_int_cast``, line 1589 / 1587), so an int32 index
+is read as unsigned: indices must never be negative (masked-off lanes here point at row 0 or one past the end).
+Hence, with int32 row indices everywhere (XLA glue and kernels):
+
+* an operand of more than 2**32 bytes is addressed in 64 bits, however far its rows reach: the host pool's int8
+  latent plane at 16 sessions x 1,048,576 rows x 9 layers is 151M rows, 77 GB; its byte offsets reach 7.7e10
+  while its row indices stay below 2**31 (``tests/test_pool_scale.py`` checks the lowering at that size);
+* an operand of at most 2**32 bytes with fewer than 2**31 elements has every offset below 2**31;
+* an operand of 2**31..2**32 one-byte elements (int8 / fp8 latent planes of 2.1-4.3 GB) gets i32 offsets past
+  2**31 that wrap negative: misaddressed (illegal memory accesses on the H200). ``glm53.memory`` grows such planes
+  past 2**32 bytes, and the compiled kernels refuse them (``check_addressable``);
+* a plane has fewer than 2**31 rows, so its row indices and the one-past-the-end row of masked stores are int32
+  (``check_addressable``; ``glm53.offload.validate`` refuses caches that would need more).
+
+The interpreter (CPU tests) lowers the same loads to XLA gathers, which address any array in 64 bits.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +60,33 @@ DEFAULT_NUM_WARPS = 1
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
+
+
+# Row indices are int32 and a masked-off store points one past the last row: a plane holds fewer than 2**31 rows.
+MAX_PLANE_ROWS = 2**31 - 1
+
+
+def triton_misaddressed(shape, dtype) -> bool:
+    """Whether Pallas' Triton lowering addresses an operand of this shape and dtype wrongly: 2**31 or more elements
+    in at most 2**32 bytes get i32 element offsets past 2**31, added as negative numbers (see the module doc)."""
+    elements = math.prod(shape)
+    return elements >= 2**31 and elements * jnp.dtype(dtype).itemsize <= 2**32
+
+
+def check_addressable(planes: dict, what: str, *, compiled: bool) -> None:
+    """Refuse planes the kernels cannot address: ``[rows, ...]`` planes of 2**31 rows or more (int32 row indices),
+    and, for the compiled kernels, operands in the range the Triton lowering misaddresses."""
+    for name, plane in planes.items():
+        rows = math.prod(plane.shape[:-1]) if plane.ndim > 1 else plane.shape[0]
+        if rows > MAX_PLANE_ROWS:
+            raise ValueError(f"{what} plane {name!r} {plane.dtype}{list(plane.shape)} has {rows:,} rows: row indices "
+                             f"are int32, so a plane holds at most {MAX_PLANE_ROWS:,}")
+        if compiled and triton_misaddressed(plane.shape, plane.dtype):
+            elements = math.prod(plane.shape)
+            raise ValueError(f"{what} plane {name!r} {plane.dtype}{list(plane.shape)}: {elements:,} elements in "
+                             f"{elements * jnp.dtype(plane.dtype).itemsize:,} bytes; Pallas' Triton lowering "
+                             "addresses 2**31..2**32 one-byte elements with negative 32-bit offsets (allocate it "
+                             "past 2**32 bytes: glm53.memory.allocated_slots / allocated_pages)")
 
 
 def _load3(srcs, masks, row, cols, dtype):
@@ -90,7 +140,7 @@ def _hot_gather_kernel(source_ref, row_ref, *refs, fmt: KVFormat, names: tuple, 
     rope_out[...] = rope.astype(rope_out.dtype)
 
 
-def _validate(source, row, ring, hot, host, block_rows, fmt: KVFormat):
+def _validate(source, row, ring, hot, host, block_rows, fmt: KVFormat, *, compiled: bool):
     if not _is_pow2(block_rows):
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
     if source.shape != row.shape or source.ndim != 1:
@@ -110,6 +160,8 @@ def _validate(source, row, ring, hot, host, block_rows, fmt: KVFormat):
         (w,) = widths
         if not _is_pow2(w):
             raise ValueError(f"plane {name!r}: width {w} must be a power of two (Triton lowering)")
+    for what, planes in (("ring", ring), ("hot", hot), ("host", host)):
+        check_addressable(planes, what, compiled=compiled)
 
 
 @functools.partial(jax.jit, static_argnames=("kv_format", "out_dtype", "block_rows", "num_warps", "interpret"))
@@ -121,7 +173,7 @@ def hot_gather(source: jax.Array, row: jax.Array, ring: dict, hot: dict, host: d
     hot cache and host memory (all in ``kv_format``). Returns ``(latent [E, 512], rope [E, 64], packed)``:
     the rows dequantised to ``out_dtype`` and ``{plane: [E, W]}`` the same rows as stored."""
     fmt = kv_formats.get_format(kv_format)
-    _validate(source, row, ring, hot, host, block_rows, fmt)
+    _validate(source, row, ring, hot, host, block_rows, fmt, compiled=not interpret)
     names = tuple(sorted(ring))
     E = source.shape[0]
     out_dtype = jnp.dtype(out_dtype)
@@ -150,7 +202,7 @@ def hot_gather_reference(source: jax.Array, row: jax.Array, ring: dict, hot: dic
     arrays; a caller holding ``pinned_host`` planes moves them first — the CPU fallback does)."""
     del num_warps, interpret
     fmt = kv_formats.get_format(kv_format)
-    _validate(source, row, ring, hot, host, block_rows, fmt)
+    _validate(source, row, ring, hot, host, block_rows, fmt, compiled=False)
     packed = {}
     for name in ring:
         vals = [jnp.take(src[name], jnp.where(source == s, row, 0), axis=0)

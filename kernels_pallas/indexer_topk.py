@@ -1,4 +1,10 @@
-"""DSA indexer for decode: per-position scores and exact top-k position selection.
+"""DSA indexer: per-position scores and exact top-k position selection, for decode and prefill.
+
+Scores come from two kernels: a per-token one for decode and MTP verify (a few query rows against every key) and a
+chunk one for prefill and append (64 queries per program, one head at a time, so the per-head tensor is never
+materialised). Both skip key blocks causally past their queries, and the top-k skips the same blocks, so a step
+costs what its live history costs, not the capacity. Indexer keys may be stored in FP8 (``quantize_index_keys``)
+and scored at three precisions (``PRECISIONS``).
 
 Layout follows jax/experimental/pallas/ops/gpu: kernel bodies, wrappers, public
 ops, pure-jnp references with the same signatures.
@@ -62,46 +68,148 @@ def _compiler_params(num_stages: int):
 # Indexer scores.
 # ----------------------------------------------------------------------------
 
+PRECISIONS = ("highest", "bf16", "fp8")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+KEY_FORMATS = ("model", "fp8")
+MAX_DECODE_QUERIES = 8  # query rows per lane up to which the per-token (decode / verify) kernel runs
+CHUNK_QUERIES = 64  # query rows per program of the chunk (prefill / append) kernel
 
-def _indexer_scores_kernel(
-    q_ref,  # [T, Hi, D] q dtype (lane squeezed)
+
+def quantize_index_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """FP8 indexer keys, as DeepSeek-V3.2's indexer cache holds them: e4m3 with one f32 scale per key
+    (``amax / 448``), 132 bytes per key at D = 128 instead of 256 in bf16. ``keys [..., D]`` ->
+    ``(float8_e4m3fn [..., D], f32 [...])``; ``dequantize_index_keys`` inverts it up to e4m3 rounding
+    (relative error <= 2**-4 per element above e4m3's normal range, absolute <= 2**-10 * scale below it)."""
+    kf = keys.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(kf), axis=-1)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
+    return (kf / scale[..., None]).astype(jnp.float8_e4m3fn), scale
+
+
+def dequantize_index_keys(keys: jax.Array, scale: jax.Array) -> jax.Array:
+    return keys.astype(jnp.float32) * scale[..., None]
+
+
+def _prepare_queries(q, weights, keys, precision: str):
+    """Cast the queries for ``precision`` (outside the kernels, so kernel and reference see the same values) and
+    choose the dtype of the kernels' dot.
+
+    * ``highest``: the query as it is; products in f32. A bf16 query against bf16 or fp8 keys goes through a bf16
+      dot with f32 accumulation, which is exact (bf16 x bf16 and bf16 x e4m3 products fit f32's mantissa) and runs
+      on tensor cores (the f32 IEEE dot was ~10x slower on an H200); anything else is an f32 dot at HIGHEST
+      precision (the Triton lowering otherwise uses tf32).
+    * ``bf16``: query and keys rounded to bf16, bf16 dot with f32 accumulation.
+    * ``fp8``: fp8 keys only; the query is quantised to e4m3 with one scale per (token, head), folded into the
+      head weight (relu(a x) = a relu(x) for a > 0), like DeepSeek-V3.2's fp8 indexer. e4m3 x e4m3 products are
+      exact in f32, so the dot runs in bf16 (exact) here; an fp8 tensor-core dot would compute the same products.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"indexer precision must be one of {PRECISIONS}, got {precision!r}")
+    fp8_keys = keys.dtype == jnp.float8_e4m3fn
+    weights = weights.astype(jnp.float32)
+    if precision == "fp8":
+        if not fp8_keys:
+            raise ValueError(f"indexer precision 'fp8' needs fp8 index keys, got {keys.dtype} keys")
+        q8, q_scale = quantize_index_keys(q)
+        return q8, weights * q_scale, jnp.bfloat16
+    if precision == "bf16":
+        return q.astype(jnp.bfloat16), weights, jnp.bfloat16
+    narrow = q.dtype == jnp.bfloat16 and (keys.dtype == jnp.bfloat16 or fp8_keys)
+    return q, weights, (jnp.bfloat16 if narrow else jnp.float32)
+
+
+def _dot_precision(dot_dtype):
+    return lax.Precision.DEFAULT if dot_dtype == jnp.bfloat16 else lax.Precision.HIGHEST
+
+
+def _indexer_scores_decode_kernel(
+    q_ref,  # [T, Hi, D] (lane squeezed)
     w_ref,  # [T, Hi] f32
     qpos_ref,  # [T] int32
     plane_ref,  # [S] int32, ANY: the key plane of each lane
     k_ref,  # [P, N, D] key dtype, ANY: every plane's keys, read in place
-    o_ref,  # [T, block_keys] f32
-    *,
+    *rest,  # (ks_ref [P, N] f32, ANY: fp8 key scales)?, o_ref [T, block_keys] f32
     softmax_scale: float,
     block_keys: int,
+    dot_dtype,
 ):
-    j = pl.program_id(1)
-    # The plane is read from a ref (Pallas' Triton lowering has no scalar prefetch), and the key block loaded from
-    # the whole keys array: a blocked spec needs its block index before the kernel runs, and a gathered [S, N, D]
-    # operand would copy every lane's keys per layer and step.
-    plane = plane_ref[pl.program_id(0)]
-    # bf16 x bf16 products are exact in f32, so with f32 accumulation a bf16 dot
-    # equals the upcast f32 dot up to summation order, and runs on tensor cores
-    # (the f32 IEEE dot was ~10x slower on an H200). Other dtypes are upcast, with
-    # HIGHEST precision: the Triton lowering otherwise uses tf32 for f32 dots.
-    both_bf16 = q_ref.dtype == jnp.bfloat16 and k_ref.dtype == jnp.bfloat16
-    dot_dtype = jnp.bfloat16 if both_bf16 else jnp.float32
-    precision = lax.Precision.DEFAULT if both_bf16 else lax.Precision.HIGHEST
-    keys = k_ref[plane, pl.ds(j * block_keys, block_keys), :].astype(dot_dtype)  # [block_keys, D]
-    n = j * block_keys + lax.broadcasted_iota(jnp.int32, (block_keys,), 0)
-    num_queries = q_ref.shape[0]
-    # One [Hi, D] x [D, block_keys] dot per query token: T is small in decode (1,
-    # or a few MTP drafts) and a per-token dot needs no in-kernel reshape.
-    for t in range(num_queries):
-        q = q_ref[t].astype(dot_dtype)  # [Hi, D]
-        logits = lax.dot_general(
-            q, keys, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-        )  # [Hi, block_keys]
-        act = jnp.maximum(logits * softmax_scale, 0.0)
-        score = jnp.sum(act * w_ref[t].astype(jnp.float32)[:, None], axis=0)
-        o_ref[t] = jnp.where(n > qpos_ref[t], -jnp.inf, score)
+    ks_ref, o_ref = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
+    # program_id is read outside pl.when: the interpreter cannot evaluate it inside a branch.
+    lane, j = pl.program_id(0), pl.program_id(1)
+    start = j * block_keys
+    qpos = qpos_ref[...]
+    # Key blocks past every query of the lane are all causally masked: skipping them makes a decode step's cost
+    # follow the live history, not the capacity (a 10K session in a 1M-row cache scores 10K keys).
+    live = start <= jnp.max(qpos)
+
+    @pl.when(live)
+    def _():
+        # The plane is read from a ref (Pallas' Triton lowering has no scalar prefetch), and the key block loaded
+        # from the whole keys array: a blocked spec needs its block index before the kernel runs, and a gathered
+        # [S, N, D] operand would copy every lane's keys per layer and step.
+        plane = plane_ref[lane]
+        keys = k_ref[plane, pl.ds(start, block_keys), :].astype(dot_dtype)  # [block_keys, D]
+        n = start + lax.broadcasted_iota(jnp.int32, (block_keys,), 0)
+        key_scale = None if ks_ref is None else ks_ref[plane, pl.ds(start, block_keys)]
+        # One [Hi, D] x [D, block_keys] dot per query token: T is small here (1, or a few MTP drafts) and a
+        # per-token dot needs no in-kernel reshape.
+        for t in range(q_ref.shape[0]):
+            logits = lax.dot_general(q_ref[t].astype(dot_dtype), keys, (((1,), (1,)), ((), ())),
+                                     precision=_dot_precision(dot_dtype),
+                                     preferred_element_type=jnp.float32)  # [Hi, block_keys]
+            act = jnp.maximum(logits * softmax_scale, 0.0)
+            score = jnp.sum(act * w_ref[t][:, None], axis=0)
+            if key_scale is not None:
+                score = score * key_scale
+            o_ref[t] = jnp.where(n > qpos_ref[t], -jnp.inf, score)  # a ref load: Triton has no value slice
+
+    @pl.when(jnp.logical_not(live))
+    def _():
+        o_ref[...] = jnp.full(o_ref.shape, -jnp.inf, jnp.float32)
 
 
-def _validate_scores(q, weights, keys, key_plane, query_positions):
+def _indexer_scores_chunk_kernel(
+    q_ref,  # [Hi, Tq, D] (lane squeezed): head-major, so one head's queries are one leading-index load
+    w_ref,  # [Hi, Tq] f32
+    qpos_ref,  # [Tq] int32
+    plane_ref,  # [S] int32, ANY
+    k_ref,  # [P, N, D], ANY
+    *rest,  # (ks_ref [P, N] f32, ANY)?, o_ref [Tq, block_keys] f32
+    softmax_scale: float,
+    block_keys: int,
+    dot_dtype,
+):
+    ks_ref, o_ref = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
+    lane, j = pl.program_id(0), pl.program_id(2)
+    start = j * block_keys
+    qpos = qpos_ref[...]
+    live = start <= jnp.max(qpos)  # causal: about half of a prefill's blocks are skipped
+
+    @pl.when(live)
+    def _():
+        plane = plane_ref[lane]
+        keys = k_ref[plane, pl.ds(start, block_keys), :].astype(dot_dtype)  # [block_keys, D]
+
+        # A chunk of queries against a block of keys, one head at a time, accumulating the weighted ReLU: the
+        # per-head [T, heads, N] tensor never exists (at a 1M-token history it would be ~134 GB per chunk).
+        def head(h, acc):
+            logits = lax.dot_general(q_ref[h].astype(dot_dtype), keys, (((1,), (1,)), ((), ())),
+                                     precision=_dot_precision(dot_dtype),
+                                     preferred_element_type=jnp.float32)  # [Tq, block_keys]
+            return acc + jnp.maximum(logits * softmax_scale, 0.0) * w_ref[h][:, None]
+
+        acc = lax.fori_loop(0, q_ref.shape[0], head, jnp.zeros(o_ref.shape, jnp.float32))
+        if ks_ref is not None:
+            acc = acc * ks_ref[plane, pl.ds(start, block_keys)][None, :]
+        n = start + lax.broadcasted_iota(jnp.int32, (block_keys,), 0)
+        o_ref[...] = jnp.where(n[None, :] > qpos[:, None], -jnp.inf, acc)
+
+    @pl.when(jnp.logical_not(live))
+    def _():
+        o_ref[...] = jnp.full(o_ref.shape, -jnp.inf, jnp.float32)
+
+
+def _validate_scores(q, weights, keys, key_plane, query_positions, key_scale):
     if q.ndim != 4 or keys.ndim != 3:
         raise ValueError(f"expected q[S,T,Hi,D] and keys[P,N,D], got {q.shape} and {keys.shape}")
     S, T, Hi, D = q.shape
@@ -113,39 +221,57 @@ def _validate_scores(q, weights, keys, key_plane, query_positions):
         )
     if not jnp.issubdtype(key_plane.dtype, jnp.integer):
         raise ValueError(f"key_plane must be an integer array, got {key_plane.dtype}")
+    fp8 = keys.dtype == jnp.float8_e4m3fn
+    if fp8 != (key_scale is not None):
+        raise ValueError("fp8 keys need their key_scale [P, N] (and only fp8 keys have one); got "
+                         f"{keys.dtype} keys and key_scale {None if key_scale is None else key_scale.shape}")
+    if key_scale is not None and key_scale.shape != keys.shape[:2]:
+        raise ValueError(f"key_scale must be [P, N] = {keys.shape[:2]}, got {key_scale.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "block_keys", "interpret"))
+def _pad_axis1(x, n: int):
+    return x if x.shape[1] == n else jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "precision", "block_keys", "interpret"))
 def indexer_scores(
     q: jax.Array,
     weights: jax.Array,
     keys: jax.Array,
     key_plane: jax.Array,
     query_positions: jax.Array,
+    key_scale: jax.Array | None = None,
     *,
     softmax_scale: float,
+    precision: str = "highest",
     block_keys: int = 128,
     interpret: bool = False,
 ) -> jax.Array:
     """DSA indexer scores f32[S, T, N].
 
-    ``score[s,t,n] = sum_h weights[s,t,h] * relu(q[s,t,h] . keys[key_plane[s],n] * softmax_scale)``
-    computed in f32, and -inf where ``n > query_positions[s,t]``. Products are exact
-    f32 (bf16 pairs go through a bf16 dot with f32 accumulation, anything else is
-    upcast to f32); only the summation order differs from the reference.
+    ``score[s,t,n] = key_scale[p,n] * sum_h weights[s,t,h] * relu(q[s,t,h] . keys[p,n] * softmax_scale)`` with
+    ``p = key_plane[s]`` (``key_scale`` = 1 for keys in the model dtype), computed in f32 at ``precision`` (see
+    ``_prepare_queries``), and -inf where ``n > query_positions[s,t]``. Products are exact f32; only the
+    summation order differs from the reference.
+
+    Up to ``MAX_DECODE_QUERIES`` query rows per lane (decode, MTP verify) run one dot per token over all heads;
+    longer chunks (prefill, append) run ``CHUNK_QUERIES`` queries per program, one head at a time. Both skip key
+    blocks past every query of their program, so the cost follows the live history, not N.
 
     Args:
       q: [S, T, Hi, D] (bf16 or f32); Hi and D powers of two.
       weights: [S, T, Hi] f32 per-head weights.
-      keys: [P, N, D] indexer keys of every plane (layer and session slot), read
-        in place; N a multiple of ``block_keys``.
+      keys: [P, N, D] indexer keys of every plane (layer and session slot), read in place; N a multiple of
+        ``block_keys``. Model dtype, or float8_e4m3fn with ``key_scale`` (``quantize_index_keys``).
       key_plane: int32[S], the plane of ``keys`` lane s scores against, in [0, P).
       query_positions: int32[S, T] absolute position of each query token.
+      key_scale: f32[P, N], fp8 keys' scales; None for keys in the model dtype.
       softmax_scale: scale applied to the logits before the relu.
+      precision: "highest" | "bf16" | "fp8" (``PRECISIONS``).
       block_keys: keys per program (power of two).
       interpret: run the Pallas interpreter (CPU tests).
     """
-    _validate_scores(q, weights, keys, key_plane, query_positions)
+    _validate_scores(q, weights, keys, key_plane, query_positions, key_scale)
     S, T, Hi, D = q.shape
     N = keys.shape[1]
     if not _is_pow2(block_keys):
@@ -154,57 +280,89 @@ def indexer_scores(
         raise ValueError(f"N={N} keys must be a multiple of block_keys={block_keys}")
     if not (_is_pow2(Hi) and _is_pow2(D)):
         raise ValueError(f"Hi={Hi} and D={D} must be powers of two (Triton tiles)")
-    # Pad the query tokens to a power of two; padded rows are sliced off.
-    Tp = _next_pow2(T)
-    if Tp != T:
-        pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
-        q, weights, query_positions = pad(q), pad(weights), pad(query_positions)
-    kernel = functools.partial(_indexer_scores_kernel, softmax_scale=float(softmax_scale), block_keys=block_keys)
+    q, weights, dot_dtype = _prepare_queries(q, weights, keys, precision)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    scale_ops = [] if key_scale is None else [key_scale.astype(jnp.float32)]
+    scale_specs = [any_spec] * len(scale_ops)
+    common = dict(softmax_scale=float(softmax_scale), block_keys=block_keys, dot_dtype=dot_dtype)
+    # Padded query rows (position 0, zero weights) are sliced off.
+    if T <= MAX_DECODE_QUERIES:
+        Tp = _next_pow2(T)
+        q, weights, query_positions = (_pad_axis1(x, Tp) for x in (q, weights, query_positions))
+        out = pl.pallas_call(
+            functools.partial(_indexer_scores_decode_kernel, **common),
+            grid=(S, N // block_keys),
+            in_specs=[
+                pl.BlockSpec((None, Tp, Hi, D), lambda s, j: (s, 0, 0, 0)),
+                pl.BlockSpec((None, Tp, Hi), lambda s, j: (s, 0, 0)),
+                pl.BlockSpec((None, Tp), lambda s, j: (s, 0)),
+                any_spec,
+                any_spec,
+                *scale_specs,
+            ],
+            out_specs=pl.BlockSpec((None, Tp, block_keys), lambda s, j: (s, 0, j)),
+            out_shape=jax.ShapeDtypeStruct((S, Tp, N), jnp.float32),
+            compiler_params=_compiler_params(num_stages=2),
+            interpret=interpret,
+            name="indexer_scores",
+        )(q, weights, query_positions.astype(jnp.int32), key_plane.astype(jnp.int32), keys, *scale_ops)
+        return out[:, :T]
+    Tq = min(CHUNK_QUERIES, _next_pow2(T))  # >= 16 here: Triton's smallest dot
+    Tp = -(-T // Tq) * Tq
+    q, weights, query_positions = (_pad_axis1(x, Tp) for x in (q, weights, query_positions))
     out = pl.pallas_call(
-        kernel,
-        grid=(S, N // block_keys),
+        functools.partial(_indexer_scores_chunk_kernel, **common),
+        grid=(S, Tp // Tq, N // block_keys),
         in_specs=[
-            pl.BlockSpec((None, Tp, Hi, D), lambda s, j: (s, 0, 0, 0)),
-            pl.BlockSpec((None, Tp, Hi), lambda s, j: (s, 0, 0)),
-            pl.BlockSpec((None, Tp), lambda s, j: (s, 0)),
+            pl.BlockSpec((None, Hi, Tq, D), lambda s, i, j: (s, 0, i, 0)),
+            pl.BlockSpec((None, Hi, Tq), lambda s, i, j: (s, 0, i)),
+            pl.BlockSpec((None, Tq), lambda s, i, j: (s, i)),
             any_spec,
             any_spec,
+            *scale_specs,
         ],
-        out_specs=pl.BlockSpec((None, Tp, block_keys), lambda s, j: (s, 0, j)),
+        out_specs=pl.BlockSpec((None, Tq, block_keys), lambda s, i, j: (s, i, j)),
         out_shape=jax.ShapeDtypeStruct((S, Tp, N), jnp.float32),
         compiler_params=_compiler_params(num_stages=2),
         interpret=interpret,
-        name="indexer_scores",
-    )(q, weights.astype(jnp.float32), query_positions.astype(jnp.int32), key_plane.astype(jnp.int32), keys)
+        name="indexer_scores_chunk",
+    )(q.transpose(0, 2, 1, 3), weights.transpose(0, 2, 1), query_positions.astype(jnp.int32),
+      key_plane.astype(jnp.int32), keys, *scale_ops)
     return out[:, :T]
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "block_keys", "interpret"))
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "precision", "block_keys", "interpret"))
 def indexer_scores_reference(
     q: jax.Array,
     weights: jax.Array,
     keys: jax.Array,
     key_plane: jax.Array,
     query_positions: jax.Array,
+    key_scale: jax.Array | None = None,
     *,
     softmax_scale: float,
+    precision: str = "highest",
     block_keys: int = 128,
     interpret: bool = False,
 ) -> jax.Array:
-    """Pure-jnp ``indexer_scores`` (same signature; block_keys/interpret unused)."""
+    """Pure-jnp ``indexer_scores`` (same signature; block_keys/interpret unused). One head at a time, so memory
+    stays at the [S, T, N] result (never the per-head tensor)."""
     del block_keys, interpret
-    _validate_scores(q, weights, keys, key_plane, query_positions)
-    keys = jnp.take(keys, key_plane.astype(jnp.int32), axis=0)  # [S, N, D]
-    logits = jnp.einsum(
-        "sthd,snd->sthn",
-        q.astype(jnp.float32),
-        keys.astype(jnp.float32),
-        precision=lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
-    )
-    act = jnp.maximum(logits * softmax_scale, 0.0)
-    score = jnp.sum(act * weights.astype(jnp.float32)[..., None], axis=2)
+    _validate_scores(q, weights, keys, key_plane, query_positions, key_scale)
+    q, weights, dot_dtype = _prepare_queries(q, weights, keys, precision)
+    plane = key_plane.astype(jnp.int32)
+    k = jnp.take(keys, plane, axis=0).astype(dot_dtype).astype(jnp.float32)  # [S, N, D]
+    qf = q.astype(dot_dtype).astype(jnp.float32)
+
+    def head(h, acc):
+        logits = jnp.einsum("std,snd->stn", qf[:, :, h], k, precision=lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)
+        return acc + jnp.maximum(logits * softmax_scale, 0.0) * weights[:, :, h, None]
+
+    S, T, Hi, _ = q.shape
+    score = lax.fori_loop(0, Hi, head, jnp.zeros((S, T, keys.shape[1]), jnp.float32))
+    if key_scale is not None:
+        score = score * jnp.take(key_scale.astype(jnp.float32), plane, axis=0)[:, None, :]
     n = jnp.arange(keys.shape[1], dtype=jnp.int32)
     return jnp.where(n > query_positions[..., None], -jnp.inf, score)
 
@@ -228,28 +386,57 @@ def _sortable_key(x: jax.Array) -> jax.Array:
 def _radix_count_kernel(
     x_ref,  # [block_n] f32 scores
     cand_ref,  # [16] int32 candidate thresholds (signed key domain)
+    len_ref,  # [1] int32 positions of the row that can be selected (see topk_positions)
     o_ref,  # [16] int32: per candidate, how many keys of the block are >= it
+    *,
+    block_n: int,
 ):
-    key = _sortable_key(x_ref[...])
-    ge = key[None, :] >= cand_ref[...][:, None]  # [16, block_n]
-    o_ref[...] = jnp.sum(ge.astype(jnp.int32), axis=1)
+    start = pl.program_id(1) * block_n
+    live = start < len_ref[0]
+
+    @pl.when(live)
+    def _():
+        n = start + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
+        key = _sortable_key(x_ref[...])
+        ge = (key[None, :] >= cand_ref[...][:, None]) & (n < len_ref[0])[None, :]  # [16, block_n]
+        o_ref[...] = jnp.sum(ge.astype(jnp.int32), axis=1)
+
+    @pl.when(jnp.logical_not(live))
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, jnp.int32)
 
 
 def _tie_count_kernel(
     x_ref,  # [block_n] f32 scores
     thr_ref,  # [1] int32 threshold key of the row
+    len_ref,  # [1] int32 selectable positions of the row
     gt_ref,  # [1] int32: keys > threshold in the block
     eq_ref,  # [1] int32: keys == threshold in the block
+    *,
+    block_n: int,
 ):
-    key = _sortable_key(x_ref[...])
-    thr = thr_ref[0]
-    gt_ref[0] = jnp.sum((key > thr).astype(jnp.int32))
-    eq_ref[0] = jnp.sum((key == thr).astype(jnp.int32))
+    start = pl.program_id(1) * block_n
+    live = start < len_ref[0]
+
+    @pl.when(live)
+    def _():
+        n = start + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
+        key = _sortable_key(x_ref[...])
+        thr = thr_ref[0]
+        inside = n < len_ref[0]
+        gt_ref[0] = jnp.sum(((key > thr) & inside).astype(jnp.int32))
+        eq_ref[0] = jnp.sum(((key == thr) & inside).astype(jnp.int32))
+
+    @pl.when(jnp.logical_not(live))
+    def _():
+        gt_ref[0] = jnp.int32(0)
+        eq_ref[0] = jnp.int32(0)
 
 
 def _compact_kernel(
     x_ref,  # [block_n] f32 scores
     thr_ref,  # [1] int32 threshold key of the row
+    len_ref,  # [1] int32 selectable positions of the row
     need_eq_ref,  # [1] int32 ties at the threshold the row still takes (>= 1)
     eq_before_ref,  # [1] int32 ties in earlier blocks of the row
     out_off_ref,  # [1] int32 output slot of the block's first selected position
@@ -259,17 +446,21 @@ def _compact_kernel(
 ):
     r = pl.program_id(0)
     b = pl.program_id(1)
-    key = _sortable_key(x_ref[...])
-    thr = thr_ref[0]
-    is_eq = (key == thr).astype(jnp.int32)
-    # Ties are taken lowest position first: a tie's global rank among ties decides.
-    eq_rank = eq_before_ref[0] + jnp.cumsum(is_eq) - is_eq
-    sel = (key > thr) | ((is_eq == 1) & (eq_rank < need_eq_ref[0]))
-    sel_i = sel.astype(jnp.int32)
-    dest = out_off_ref[0] + jnp.cumsum(sel_i) - sel_i  # [block_n]
-    n = b * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
-    # Blocks own disjoint, contiguous slot ranges, so the scatter has no conflicts.
-    plgpu.store(o_ref.at[r, dest], n, mask=sel)
+
+    @pl.when(b * block_n < len_ref[0])
+    def _():
+        n = b * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
+        key = _sortable_key(x_ref[...])
+        thr = thr_ref[0]
+        inside = n < len_ref[0]
+        is_eq = ((key == thr) & inside).astype(jnp.int32)
+        # Ties are taken lowest position first: a tie's global rank among ties decides.
+        eq_rank = eq_before_ref[0] + jnp.cumsum(is_eq) - is_eq
+        sel = ((key > thr) & inside) | ((is_eq == 1) & (eq_rank < need_eq_ref[0]))
+        sel_i = sel.astype(jnp.int32)
+        dest = out_off_ref[0] + jnp.cumsum(sel_i) - sel_i  # [block_n]
+        # Blocks own disjoint, contiguous slot ranges, so the scatter has no conflicts.
+        plgpu.store(o_ref.at[r, dest], n, mask=sel)
 
 
 def _row_block_spec(block_n: int):
@@ -284,10 +475,18 @@ def _per_block_spec():
     return pl.BlockSpec((None, 1), lambda r, b: (r, b))
 
 
+def selectable_positions(query_positions: jax.Array, k: int, N: int) -> jax.Array:
+    """int32[...]: how many leading positions of each row can be selected. Positions past the query are -inf and
+    taken only to fill a row with fewer than k finite scores, lowest first, so every selected position lies below
+    ``max(query_position + 1, k)``; cutting the row there changes nothing and lets the kernels skip the rest."""
+    return jnp.clip(jnp.maximum(query_positions.astype(jnp.int32) + 1, k), 1, N)
+
+
 @functools.partial(jax.jit, static_argnames=("k", "block_n", "interpret"))
 def topk_positions(
     scores: jax.Array,
     k: int,
+    query_positions: jax.Array | None = None,
     *,
     block_n: int = 1024,
     interpret: bool = False,
@@ -297,6 +496,9 @@ def topk_positions(
     Args:
       scores: f32[S, T, N].
       k: number of positions per row, 1 <= k <= N.
+      query_positions: int32[S, T], optional: the query position of each row, whose scores past it are -inf
+        (causal). Blocks past ``selectable_positions`` are then never read, so the cost follows the live history,
+        not N; the result is the same.
       block_n: scores per program (power of two); N is padded with -inf to a
         multiple of min(block_n, next_pow2(N)). Padding sits above every real
         position, so it is never chosen over a real -inf.
@@ -310,18 +512,24 @@ def topk_positions(
         raise ValueError(f"k={k} must be in [1, N={N}]")
     if not _is_pow2(block_n):
         raise ValueError(f"block_n must be a power of two, got {block_n}")
+    if query_positions is not None and query_positions.shape != (S, T):
+        raise ValueError(f"query_positions must be [S, T] = {(S, T)}, got {query_positions.shape}")
     R = S * T
     block_n = min(block_n, _next_pow2(N))
     nb = -(-N // block_n)
     x = scores.astype(jnp.float32).reshape(R, N)
     if nb * block_n != N:
         x = jnp.pad(x, [(0, 0), (0, nb * block_n - N)], constant_values=-jnp.inf)
+    if query_positions is None:
+        row_len = jnp.full((R, 1), N, jnp.int32)
+    else:
+        row_len = selectable_positions(query_positions, k, N).reshape(R, 1)
     grid = (R, nb)
     common = dict(grid=grid, interpret=interpret)
 
     count_ge = pl.pallas_call(
-        _radix_count_kernel,
-        in_specs=[_row_block_spec(block_n), pl.BlockSpec((None, _RADIX), lambda r, b: (r, 0))],
+        functools.partial(_radix_count_kernel, block_n=block_n),
+        in_specs=[_row_block_spec(block_n), pl.BlockSpec((None, _RADIX), lambda r, b: (r, 0)), _per_row_spec()],
         out_specs=pl.BlockSpec((None, None, _RADIX), lambda r, b: (r, b, 0)),
         out_shape=jax.ShapeDtypeStruct((R, nb, _RADIX), jnp.int32),
         compiler_params=_compiler_params(num_stages=1),
@@ -337,7 +545,7 @@ def topk_positions(
         shift = jnp.uint32(32 - _RADIX_BITS) - jnp.uint32(_RADIX_BITS) * p.astype(jnp.uint32)
         cand_u = prefix[:, None] | (digits[None, :] << shift)
         cand = lax.bitcast_convert_type(cand_u ^ _SIGN, jnp.int32)
-        counts = count_ge(x, cand).sum(axis=1)  # [R, 16], non-increasing in digit
+        counts = count_ge(x, cand, row_len).sum(axis=1)  # [R, 16], non-increasing in digit
         digit = jnp.sum(counts >= k, axis=1).astype(jnp.uint32) - 1
         return prefix | (digit << shift)
 
@@ -349,14 +557,14 @@ def topk_positions(
     thr = lax.bitcast_convert_type(prefix ^ _SIGN, jnp.int32)[:, None]  # [R, 1]
 
     gt, eq = pl.pallas_call(
-        _tie_count_kernel,
-        in_specs=[_row_block_spec(block_n), _per_row_spec()],
+        functools.partial(_tie_count_kernel, block_n=block_n),
+        in_specs=[_row_block_spec(block_n), _per_row_spec(), _per_row_spec()],
         out_specs=[_per_block_spec(), _per_block_spec()],
         out_shape=[jax.ShapeDtypeStruct((R, nb), jnp.int32)] * 2,
         compiler_params=_compiler_params(num_stages=1),
         name="topk_tie_count",
         **common,
-    )(x, thr)
+    )(x, thr, row_len)
 
     need_eq = k - jnp.sum(gt, axis=1, keepdims=True)  # [R, 1], >= 1
     eq_before = jnp.cumsum(eq, axis=1) - eq
@@ -365,13 +573,14 @@ def topk_positions(
 
     out = pl.pallas_call(
         functools.partial(_compact_kernel, block_n=block_n),
-        in_specs=[_row_block_spec(block_n), _per_row_spec(), _per_row_spec(), _per_block_spec(), _per_block_spec()],
+        in_specs=[_row_block_spec(block_n), _per_row_spec(), _per_row_spec(), _per_row_spec(), _per_block_spec(),
+                  _per_block_spec()],
         out_specs=pl.BlockSpec(memory_space=pl.ANY),
         out_shape=jax.ShapeDtypeStruct((R, k), jnp.int32),
         compiler_params=_compiler_params(num_stages=1),
         name="topk_compact",
         **common,
-    )(x, thr, need_eq, eq_before, out_off)
+    )(x, thr, row_len, need_eq, eq_before, out_off)
     return out.reshape(S, T, k)
 
 
@@ -379,6 +588,7 @@ def topk_positions(
 def topk_positions_reference(
     scores: jax.Array,
     k: int,
+    query_positions: jax.Array | None = None,
     *,
     block_n: int = 1024,
     interpret: bool = False,
@@ -386,9 +596,10 @@ def topk_positions_reference(
     """Pure-jnp ``topk_positions``: stable ``lax.top_k``, then ascending sort.
 
     ``lax.top_k`` orders -0.0 below +0.0, so zeros are canonicalised first to keep
-    the "equal scores: lower position wins" rule.
+    the "equal scores: lower position wins" rule. ``query_positions`` only lets the kernel skip work; the
+    selection is the same without it.
     """
-    del block_n, interpret
+    del block_n, interpret, query_positions
     N = scores.shape[-1]
     if not 1 <= k <= N:
         raise ValueError(f"k={k} must be in [1, N={N}]")

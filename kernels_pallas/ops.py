@@ -29,6 +29,7 @@ _indexer = importlib.import_module("kernels_pallas.indexer_topk")
 _fill = importlib.import_module("kernels_pallas.fill_rows")
 _fill_round = importlib.import_module("kernels_pallas.fill_round")
 _copy = importlib.import_module("kernels_pallas.copy_blocks")
+_gmm = importlib.import_module("kernels_pallas.grouped_matmul")
 
 IMPLS = ("auto", "pallas", "reference")
 GPU_BACKENDS = ("gpu", "cuda", "rocm")
@@ -76,31 +77,26 @@ def gather_rows(planes: dict, plane_of_lane, positions, *, kv_format: str, out_d
     return latent[:, :M], rope[:, :M]
 
 
-# The indexer kernels are built for decode and MTP verify (a few query rows against every key); prefill chunks of
-# hundreds of queries are a dense matmul that XLA tiles better, so they take the reference path.
-MAX_KERNEL_QUERIES = 8
-
-
-def indexer_scores(q, weights, keys, key_plane, query_positions, *, softmax_scale: float, impl: str):
+def indexer_scores(q, weights, keys, key_plane, query_positions, key_scale=None, *, softmax_scale: float,
+                   precision: str, impl: str):
     """DSA indexer scores ``f32[S, T, N]`` of lane s's queries against key plane ``key_plane[s]`` of ``keys``
-    (``[P, N, D]``)."""
+    (``[P, N, D]``; fp8 keys with ``key_scale [P, N]``) at ``precision``."""
     use_pallas, interpret = resolve(impl)
-    use_pallas = use_pallas and q.shape[1] <= MAX_KERNEL_QUERIES
     if not use_pallas or interpret:
         keys = _to_device({"keys": keys})["keys"]
-    if not use_pallas:
-        return _indexer.indexer_scores_reference(q, weights, keys, key_plane, query_positions,
-                                                 softmax_scale=softmax_scale)
-    return _indexer.indexer_scores(q, weights, keys, key_plane, query_positions, softmax_scale=softmax_scale,
-                                   interpret=interpret)
+    fn = _indexer.indexer_scores if use_pallas else _indexer.indexer_scores_reference
+    kw = dict(interpret=interpret) if use_pallas else {}
+    return fn(q, weights, keys, key_plane, query_positions, key_scale, softmax_scale=softmax_scale,
+              precision=precision, **kw)
 
 
-def topk_positions(scores, k: int, *, impl: str):
-    """Positions of the k highest scores per row, ascending (``int32[S, T, k]``)."""
+def topk_positions(scores, k: int, query_positions, *, impl: str):
+    """Positions of the k highest scores per row, ascending (``int32[S, T, k]``); rows are causal at
+    ``query_positions [S, T]``, which bounds the kernel's work by the live history."""
     use_pallas, interpret = resolve(impl)
-    if not use_pallas or scores.shape[1] > MAX_KERNEL_QUERIES:
+    if not use_pallas:
         return _indexer.topk_positions_reference(scores, k)
-    return _indexer.topk_positions(scores, k, interpret=interpret)
+    return _indexer.topk_positions(scores, k, query_positions, interpret=interpret)
 
 
 def hot_gather(source, row, ring: dict, hot: dict, host: dict, *, kv_format: str, out_dtype, impl: str):
@@ -175,3 +171,12 @@ def copy_blocks(dst: dict, src: dict, src_start, dst_start, count, *, block_size
     # pallas_call types every output as device memory, an aliased pinned_host buffer too: the transfer back says
     # where the result lives. On the kernel path it is the input's own buffer, so XLA has nothing to move.
     return {n: jax.device_put(v, jax.memory.Space.Host) if on_host[n] else v for n, v in out.items()}
+
+
+def grouped_matmul(x, w, group_sizes, *, impl: str):
+    """MoE experts: rows of ``x [M, K]`` sorted by group times their group's ``w [G, K, N]`` (``ragged_dot``),
+    reading only the groups that have rows."""
+    use_pallas, interpret = resolve(impl)
+    if not use_pallas:
+        return _gmm.grouped_matmul_reference(x, w, group_sizes)
+    return _gmm.grouped_matmul(x, w, group_sizes, interpret=interpret)

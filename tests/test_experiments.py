@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config=configs/tiny.py", "--config.run.prompt_len=100", "--config.run.batch=1"]
 
@@ -124,3 +126,97 @@ def test_bench_fill_round(tmp_path):
     (kernel,) = report["kernel"]
     assert kernel["num_warps"] == 4 and kernel["bit_identical_to_reference"] and kernel["us"] > 0
     assert report["reference_us"] > 0
+
+
+def test_sessions_1m(tmp_path):
+    """A history prefilled in two timed pieces and saved (--prefill_only), then two sessions of it (the restored one
+    and a fork with its own host pages) decoding together."""
+    hist, first, out = tmp_path / "history", tmp_path / "prefill.json", tmp_path / "s1m.json"
+    _run("experiments.sessions_1m", "--config.run.prompt_len=160", "--sessions=1", "--prefill_piece=64",
+         "--prefill_only", f"--save_history={hist}", f"--out={first}")
+    report = json.loads(first.read_text())
+    assert report["status"] == "done" and report["history"]["saved_to"] == str(hist) and "decode" not in report
+    assert report["git"] and report["device_kind"] and report["jax"]
+    pre = report["prefill"]
+    assert [(p["start"], p["end"]) for p in pre["pieces"]] == [(0, 64), (64, 160)]
+    assert pre["tokens_per_s"] > 0 and pre["time_to_first_token_s"] > pre["prefill_s"] > 0
+    assert pre["bulk_bytes_from_host"] > 0 and pre["compile_s_during_prefill"] >= 0
+
+    _run("experiments.sessions_1m", "--config.run.prompt_len=160", "--config.run.max_new_tokens=6", "--sessions=2",
+         "--check_tokens=3", "--suffix=4", f"--load_history={hist}", f"--out={out}")
+    report = json.loads(out.read_text())
+    assert report["status"] == "done" and report["mode"] == "capacity" and report["history"]["tokens"] == 160
+    assert "share_pages=False" in report["histories"] and "prefill" not in report
+    assert len(report["build"]["fork_s"]) == 1
+    host = report["build"]["engine"]["host"]
+    # every session's history in its own pages: 2 x (160 + 4) rows of pages in use, none shared
+    assert host["used_pages"] >= 2 * (164 // report["plan"]["page_rows"]) and host["pool_bytes"] > 0
+    assert all(s["shared_pages"] == 0 for s in report["build"]["engine"]["sessions"].values())
+    assert report["build"]["host"]["rss"] > 0 and report["plan"]["host_pool_bytes"] == host["pool_bytes"]
+    d = report["decode"]
+    assert d["aggregate_tokens_per_s"] > 0 and len(d["per_session_tokens_per_s"]) == 2 and d["tokens_total"] == 12
+    assert 0 < d["hit_rate"] <= 1 and len(d["hit_rate_per_session"]) == 2 and d["bytes_from_host_per_s"] >= 0
+
+
+def test_sessions_1m_ab(tmp_path):
+    """Offload prefills and saves; a resident engine restores; the decodes agree bit for bit."""
+    out = tmp_path / "ab.json"
+    _run("experiments.sessions_1m", "--config.run.max_new_tokens=5", "--sessions=1", "--ab", "--pairs=1",
+         "--check_tokens=3", f"--out={out}")
+    report = json.loads(out.read_text())
+    assert report["status"] == "done" and report["mode"] == "ab"
+    assert report["check"]["tokens_identical"] and report["check"]["logits_identical"]
+    (pair,) = report["pairs"]
+    assert pair["tokens_identical"] and pair["offload"]["aggregate_tokens_per_s"] > 0
+    assert pair["resident"]["aggregate_tokens_per_s"] > 0 and 0 < pair["offload"]["hit_rate"] <= 1
+    assert report["summary"]["all_tokens_identical"] and report["save_restore"]["restore_s"] > 0
+
+
+def test_sessions_1m_refuses_what_host_ram_cannot_hold(tmp_path):
+    out = tmp_path / "refused.json"
+    p = subprocess.run([sys.executable, "-m", "experiments.sessions_1m", *TINY, "--host_margin_gib=1e9",
+                        f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 2 and "host RAM" in p.stderr and "sessions fit" in p.stderr
+    report = json.loads(out.read_text())
+    assert report["status"] == "refused" and "host RAM" in report["error"]
+
+
+def test_profile_prefill(tmp_path):
+    out = tmp_path / "pp.json"
+    _run("experiments.profile_prefill", "--config.cache.mode=offload", "--prompt_lens=64,128", f"--out={out}")
+    report = json.loads(out.read_text())
+    assert [r["prompt_len"] for r in report["runs"]] == [64, 128] and report["peak_flops"] == 989e12
+    for r in report["runs"]:
+        assert r["tokens_per_s"] > 0 and r["mfu"] > 0 and r["chunks"] == r["prompt_len"] // 64
+        f = r["flops_per_token"]
+        assert f["total"] > 0 and f["lm_head"] > 0 and f["indexer_scores"] > 0 and f["moe"] > 0
+        prof = r["profile"]
+        parts = prof["per_part_us_per_chunk"]
+        for part in ("indexer_scores", "topk", "attention_gather", "attention_math", "moe"):
+            assert parts[part] > 0, part
+        assert parts["lm_head"] == 0  # a prefill chunk computes no logits
+        assert abs(sum(parts.values()) - prof["busy_us_per_chunk"]) < 1e-6 * prof["busy_us_per_chunk"] + 1e-6
+        assert prof["chunks_profiled"] == r["chunks"] and prof["top_kernels"]
+    # the indexer's FLOPs per token grow with the history; the weights' do not
+    a, b = (r["flops_per_token"] for r in report["runs"])
+    assert b["indexer_scores"] > a["indexer_scores"] and b["moe"] == a["moe"]
+    assert "projection" in report
+
+
+def test_hf_prefill(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf.json"
+    p = subprocess.run([sys.executable, "-m", "experiments.hf_prefill", "--config=configs/tiny.py",
+                        "--prompt_lens=64", "--chunk=32", "--warmup_tokens=64", "--device=cpu", f"--out={out}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["torch_device"] == "cpu" and report["model"]["params"] > 0
+    runs = report["runs"]
+    assert [(r["prompt_len"], r["mode"]) for r in runs] == [(64, "whole"), (64, "chunked")]
+    assert all(r["ok"] and r["tokens_per_s"] > 0 for r in runs)
+    # chunked prefill with transformers' cache computes what the whole forward does
+    whole, chunked = runs
+    assert whole["last_token_argmax"] == chunked["last_token_argmax"]
+    assert chunked["last_logits_max_abs_diff_vs_whole"] <= 1e-2 * chunked["last_logits_max_abs"]

@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kernels_pallas import indexer_scores, indexer_scores_reference, topk_positions, topk_positions_reference
+from kernels_pallas.indexer_topk import (CHUNK_QUERIES, FP8_MAX, dequantize_index_keys, quantize_index_keys,
+                                         selectable_positions)
 
 # Interpreted on the CPU, compiled on a GPU: the same tests check the real kernels on the H200.
 INTERPRET = jax.default_backend() not in ("gpu", "cuda", "rocm")
@@ -68,9 +70,9 @@ def test_scores_validation():
         indexer_scores_reference(q, w, keys, jnp.zeros((2,), jnp.int32), qpos, softmax_scale=1.0)
 
 
-def _check_topk(scores, k, block_n=64):
+def _check_topk(scores, k, block_n=64, query_positions=None):
     scores = jnp.asarray(scores, jnp.float32)
-    got = topk_positions(scores, k, block_n=block_n, interpret=INTERPRET)
+    got = topk_positions(scores, k, query_positions, block_n=block_n, interpret=INTERPRET)
     want = topk_positions_reference(scores, k)
     assert got.shape == (*scores.shape[:-1], k) and got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -157,3 +159,94 @@ _VALUES = [-np.inf, -2.0, -1.0, -0.0, 0.0, 0.5, 1.0, 3.0, 1e30]
 )
 def test_topk_property_exact_ties(values, k):
     _check_topk(np.asarray(values, np.float32).reshape(_SHAPE), k)
+
+
+# ---- chunk (prefill) scores, FP8 keys, precisions, live-history bounds ----
+
+def _check_scores(got, want, qpos, rtol=1e-5, atol=1e-5):
+    got, want = np.asarray(got), np.asarray(want)
+    n = np.arange(want.shape[-1])
+    np.testing.assert_array_equal(np.isneginf(want), n > np.asarray(qpos)[..., None])
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_chunk_scores_match_reference(dtype):
+    """More than MAX_DECODE_QUERIES queries per lane: the chunk kernel (queries in blocks of CHUNK_QUERIES, heads
+    accumulated one at a time), with a ragged last query block and causal key blocks skipped."""
+    S, T, Hi, D, N = 2, CHUNK_QUERIES + 5, 4, 32, 256
+    q, w, keys, key_plane, _ = _indexer_inputs(S, T, Hi, D, N, dtype, seed=7)
+    # A prefill chunk: consecutive positions, the second lane further into its history.
+    qpos = jnp.stack([jnp.arange(T, dtype=jnp.int32), 100 + jnp.arange(T, dtype=jnp.int32)])
+    kw = _SCORE_KW
+    got = indexer_scores(q, w, keys, key_plane, qpos, interpret=INTERPRET, **kw)
+    want = indexer_scores_reference(q, w, keys, key_plane, qpos, **kw)
+    assert got.shape == (S, T, N)
+    _check_scores(got, want, qpos)
+
+
+@pytest.mark.parametrize("T", [2, CHUNK_QUERIES + 1])
+@pytest.mark.parametrize("precision", ["highest", "bf16", "fp8"])
+def test_fp8_keys_scores(T, precision):
+    """FP8 keys (e4m3 + one scale per key) on both kernels and every precision: kernel == reference, and the
+    scores follow the dequantised keys' (within the queries' own rounding at bf16 / fp8)."""
+    S, Hi, D, N = 2, 4, 32, 128
+    q, w, keys, key_plane, _ = _indexer_inputs(S, T, Hi, D, N, jnp.bfloat16, seed=11)
+    keys = keys * jnp.linspace(0.01, 30.0, N)[None, :, None].astype(keys.dtype)  # scales differ per key
+    k8, scale = quantize_index_keys(keys)
+    qpos = jnp.minimum(jnp.arange(T, dtype=jnp.int32)[None, :] * 9 + jnp.array([[3], [60]]), N - 1)
+    kw = dict(_SCORE_KW, precision=precision)
+    got = indexer_scores(q, w, k8, key_plane, qpos, scale, interpret=INTERPRET, **kw)
+    want = indexer_scores_reference(q, w, k8, key_plane, qpos, scale, **kw)
+    _check_scores(got, want, qpos, rtol=2e-5, atol=1e-4)
+    exact = indexer_scores_reference(q.astype(jnp.float32), w, dequantize_index_keys(k8, scale), key_plane, qpos,
+                                     **_SCORE_KW)
+    tol = {"highest": 1e-4, "bf16": 2e-2, "fp8": 2e-1}[precision]
+    _check_scores(want, exact, qpos, rtol=tol, atol=tol * float(jnp.abs(exact[jnp.isfinite(exact)]).max()))
+
+
+def test_precision_validation():
+    q, w, keys, key_plane, qpos = _indexer_inputs(1, 1, 4, 16, 128, jnp.bfloat16)
+    with pytest.raises(ValueError, match="needs fp8 index keys"):
+        indexer_scores_reference(q, w, keys, key_plane, qpos, softmax_scale=1.0, precision="fp8")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        indexer_scores_reference(q, w, keys, key_plane, qpos, softmax_scale=1.0, precision="tf32")
+    k8, scale = quantize_index_keys(keys)
+    with pytest.raises(ValueError, match="key_scale"):
+        indexer_scores_reference(q, w, k8, key_plane, qpos, softmax_scale=1.0)
+    with pytest.raises(ValueError, match="key_scale"):
+        indexer_scores_reference(q, w, keys, key_plane, qpos, scale, softmax_scale=1.0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.floats(-1e4, 1e4, width=32), min_size=16, max_size=16),
+       st.floats(1e-6, 1e3))
+def test_fp8_key_error_bound(values, magnitude):
+    """e4m3 keeps 3 mantissa bits: each element within 2**-4 of its value above e4m3's normal range (2**-6 of the
+    scale's 448), within half a subnormal step (2**-10 * scale) below it."""
+    k = jnp.asarray(np.asarray(values, np.float32) * np.float32(magnitude))[None]
+    k8, scale = quantize_index_keys(k)
+    back = np.asarray(dequantize_index_keys(k8, scale))[0]
+    k, scale = np.asarray(k)[0], float(scale[0])
+    assert np.all(np.isfinite(back))
+    assert np.abs(k).max() == 0 or np.isclose(np.abs(back).max(), np.abs(k).max(), rtol=2 ** -4)
+    bound = 2.0 ** -4 * np.abs(k) + 2.0 ** -10 * scale + 1e-6 * np.abs(k)
+    assert np.all(np.abs(back - k) <= bound), (k, back, scale)
+    assert scale * FP8_MAX >= np.abs(k).max() * (1 - 1e-6)
+
+
+def test_topk_live_bound_changes_nothing():
+    """Rows causal at their query position: the kernel reads only max(q + 1, k) leading positions, and selects
+    exactly what it selects over the whole row (rows with fewer than k finite scores included)."""
+    S, T, N = 2, 3, 200
+    qpos = jnp.asarray([[5, 70, 199], [0, 63, 130]], jnp.int32)
+    x = _rng_scores((S, T, N), 9)
+    x = np.where(np.arange(N) > np.asarray(qpos)[..., None], -np.inf, x)
+    x[1, 2, :20] = 0.0  # ties inside the live part
+    assert np.array_equal(np.asarray(selectable_positions(qpos, _K, N)), [[64, 71, 200], [64, 64, 131]])
+    got = _check_topk(x, _K, query_positions=qpos)
+    np.testing.assert_array_equal(got, np.asarray(topk_positions(jnp.asarray(x), _K, block_n=64,
+                                                                 interpret=INTERPRET)))
+    np.testing.assert_array_equal(got[0, 0], np.arange(_K))  # 6 finite, then the lowest -inf positions

@@ -24,6 +24,7 @@ hg = importlib.import_module("kernels_pallas.hot_gather")
 fr = importlib.import_module("kernels_pallas.fill_rows")
 frd = importlib.import_module("kernels_pallas.fill_round")
 cb = importlib.import_module("kernels_pallas.copy_blocks")
+gm = importlib.import_module("kernels_pallas.grouped_matmul")
 
 S = jax.ShapeDtypeStruct
 I32 = jnp.int32
@@ -57,6 +58,20 @@ def _cases():
         S((B, 1, 32, 128), jnp.bfloat16), S((B, 1, 32), jnp.float32), S((L * SLOTS, N, 128), jnp.bfloat16),
         S((B,), I32), S((B, 1), I32))
     yield "topk_positions", functools.partial(it.topk_positions, k=K), (S((B, 1, N), jnp.float32),)
+    # prefill chunk: queries in blocks, heads accumulated one by one; the top-k bounded by the query positions
+    TC = 2 * it.CHUNK_QUERIES
+    yield "indexer_scores_chunk", functools.partial(it.indexer_scores, softmax_scale=128 ** -0.5), (
+        S((1, TC, 32, 128), jnp.bfloat16), S((1, TC, 32), jnp.float32), S((L * SLOTS, N, 128), jnp.bfloat16),
+        S((1,), I32), S((1, TC), I32))
+    yield "topk_positions_causal", lambda x, qpos: it.topk_positions(x, K, qpos), (
+        S((1, TC, N), jnp.float32), S((1, TC), I32))
+    # FP8 keys with their scales, in both kernels, at fp8 precision
+    for name, t in (("decode", T), ("chunk", TC)):
+        yield f"indexer_scores_fp8_{name}", functools.partial(it.indexer_scores, softmax_scale=128 ** -0.5,
+                                                              precision="fp8"), (
+            S((1, t, 32, 128), jnp.bfloat16), S((1, t, 32), jnp.float32),
+            S((L * SLOTS, N, 128), jnp.float8_e4m3fn), S((1,), I32), S((1, t), I32),
+            S((L * SLOTS, N), jnp.float32))
     for fmt in kvf.KV_FORMATS:
         yield f"hot_gather_{fmt}", functools.partial(hg.hot_gather, kv_format=fmt, out_dtype=jnp.bfloat16,
                                                           block_rows=hg.DEFAULT_BLOCK_ROWS,
@@ -72,6 +87,10 @@ def _cases():
     # MTP verify: T rows' selections in one round, positions repeated up to T times
     yield "fill_round_repeats", functools.partial(frd.fill_round, layers=layers, hot_rows=H, distinct=False,
                                                   max_repeats=T), _fill_round_args(T * K)
+    # MoE experts (configs/h200_bench.py widths): a decode step's 4 lanes x 8 routed rows, and a prefill chunk
+    for rows in (B * 8, 1024 * 8):
+        yield f"grouped_matmul_{rows}", gm.grouped_matmul, (
+            S((rows, 6144), jnp.bfloat16), S((16, 6144, 2048), jnp.bfloat16), S((16,), I32))
     ring, pool = _planes("fp8g128", L * SLOTS * 2 * P), _planes("fp8g128", POOL_PAGES * L * P, sharding=HOST)
     NB = B * L * 2  # two pages per lane and layer
     idx = (S((NB,), I32),) * 3

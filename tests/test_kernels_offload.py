@@ -338,6 +338,28 @@ def test_fill_round_matches_reference_random_sizes(seed, S, H, K, T, layers, occ
     _check_fill_round_oracle(maps, rounds, lane_slot, lane_active, layers, H, got)
 
 
+@pytest.mark.parametrize("T", [1, 4])
+def test_fill_round_int16_slot_map(T):
+    """The slot map as the cache stores it when hot_rows <= 32,768 (int16, glm53.offload.slot_map_dtype): kernel ==
+    reference bit for bit, int16 in and out, -1 where not hot, and the same maps, entries and victims as with an
+    int32 map (T = 4: verify rounds whose elections use the map as scratch)."""
+    layers, H, M = (0, 2), 48, 32
+    maps, rounds, lane_slot, lane_active = _round_case(5, layers, lane_slot=(2, 0, 0),
+                                                       lane_active=(True, True, False), H=H, M=M, T=T, N=96,
+                                                       occupancy=0.6)
+    small = {**maps, "slot_of_position": maps["slot_of_position"].astype(np.int16)}
+    got = _fill_round_kernel_vs_reference(small, rounds, lane_slot, lane_active, layers, H, distinct=T == 1,
+                                          max_repeats=T)
+    assert got[0]["slot_of_position"].dtype == np.int16
+    _check_fill_round_oracle(small, rounds, lane_slot, lane_active, layers, H, got)
+    wide = _run_fill_round(frd.fill_round, maps, rounds, lane_slot, lane_active, layers=layers, hot_rows=H,
+                           distinct=T == 1, max_repeats=T, interpret=INTERPRET)
+    for n in frd.MAP_NAMES:
+        np.testing.assert_array_equal(got[0][n].astype(np.int32), wide[0][n], err_msg=n)
+    for g, w in zip(got[1:], wide[1:]):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_fill_round_validation():
     maps, rounds, lane_slot, lane_active = _round_case(0, (0, 1))
     j = {n: jnp.asarray(v) for n, v in maps.items()}
@@ -356,6 +378,20 @@ def test_fill_round_validation():
     with pytest.raises(ValueError, match="max_repeats"):
         frd.fill_round(j, tuple(rounds), ls, la, layers=(0, 1), hot_rows=48, distinct=False, max_repeats=0,
                        interpret=INTERPRET)
+    with pytest.raises(ValueError, match="int16 or int32"):
+        frd.fill_round_reference({**j, "slot_of_position": j["slot_of_position"].astype(jnp.int8)}, tuple(rounds),
+                                 ls, la, layers=(0, 1), hot_rows=48)
+    with pytest.raises(ValueError, match="pin_round must be int32"):
+        frd.fill_round_reference({**j, "pin_round": j["pin_round"].astype(jnp.int16)}, tuple(rounds), ls, la,
+                                 layers=(0, 1), hot_rows=48)
+    # an int16 map cannot take the election codes of rounds past 16,384 positions (prefill-sized rounds take the
+    # reference: kernels_pallas.ops.MAX_KERNEL_ROUND_POSITIONS)
+    M = 16385
+    big = tuple(dict(pos=jnp.zeros((2, M), jnp.int32), source=jnp.zeros((2, M), jnp.int32),
+                     slot=jnp.full((2, M), -1, jnp.int32), valid=jnp.zeros((2, M), bool)) for _ in range(2))
+    with pytest.raises(ValueError, match="election codes"):
+        frd.fill_round({**j, "slot_of_position": j["slot_of_position"].astype(jnp.int16)}, big, ls, la,
+                       layers=(0, 1), hot_rows=48, distinct=False, max_repeats=2, interpret=INTERPRET)
 
 
 def test_ops_offload_fill_kernel_equals_reference():

@@ -208,6 +208,13 @@ def test_copyback_writes_one_page_for_all_layers():
     assert (np.asarray(cache.copybacks)[SLOTS] == 1).all() and int(cache.copybacks[1]) == 0
     for name, plane in cache.pool.items():
         assert plane.sharding.memory_kind == "pinned_host", name
+    # hot_rows <= 32,768: the slot map is int16, -1 where a position is not hot, and counted as such
+    from glm53 import memory
+
+    assert cache.slot_of_position.dtype == np.int16 and (np.asarray(cache.slot_of_position)[:, 1] == -1).all()
+    parts = memory.cache_bytes(CFG, CC, S, N, S * N // P, jnp.float32)
+    assert parts["device"]["slot_of_position"] == cache.slot_of_position.nbytes
+    assert parts["host"]["pool"] == sum(v.nbytes for v in cache.pool.values())
 
 
 def test_a_page_with_no_pool_page_stays_in_the_ring():
