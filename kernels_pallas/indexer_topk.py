@@ -111,7 +111,10 @@ def _prepare_queries(q, weights, keys, precision: str):
         if not fp8_keys:
             raise ValueError(f"indexer precision 'fp8' needs fp8 index keys, got {keys.dtype} keys")
         q8, q_scale = quantize_index_keys(q)
-        return q8, weights * q_scale, jnp.bfloat16
+        # Handed to the kernels as bf16 (exactly the e4m3 values): compiled for the H200, an e4m3 query block
+        # loaded by the kernel gave wrong scores (the interpreter was right; fp8 keys read from an ANY ref are
+        # fine), and the products are the same either way.
+        return q8.astype(jnp.bfloat16), weights * q_scale, jnp.bfloat16
     if precision == "bf16":
         return q.astype(jnp.bfloat16), weights, jnp.bfloat16
     narrow = q.dtype == jnp.bfloat16 and (keys.dtype == jnp.bfloat16 or fp8_keys)
