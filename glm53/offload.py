@@ -542,7 +542,23 @@ def _host_zeros(shape: tuple, dtype, host: jax.sharding.Sharding) -> Array:
 
     Measured by ``experiments/probe_pool_alloc.py`` (a 2 GiB q8g64 pool, CPU backend, 2 cores): this way one plane
     at a time 0.90 s, all planes at once 0.76 s, the jitted zeros 0.77 s; peak RSS the pool plus the 0.2 GiB
-    baseline in every case (no second host-sized copy)."""
+    baseline in every case (no second host-sized copy).
+
+    On the H200 that reasoning failed: the 77 GB latent plane of a 16 x 1M-token pool got the process killed for
+    host memory (125 GiB machine) during this ``device_put``, so a host-sized second copy was made after all. On GPUs
+    the plane is therefore made as device zeros and moved to pinned host memory (a device-to-host DMA into the
+    pinned buffer; the device buffer is transient and freed), when the device has room for it; otherwise as above."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    device = next(iter(host.device_set))
+    if device.platform in ops.GPU_BACKENDS:
+        stats = device.memory_stats() or {}
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        if free > size + (1 << 30):
+            zeros = jnp.zeros(shape, dtype, device=device)
+            out = jax.device_put(zeros, host)
+            out.block_until_ready()
+            zeros.delete()
+            return out
     return jax.device_put(np.zeros(shape, dtype), host)
 
 
