@@ -83,7 +83,8 @@ def quantize_index_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
     kf = keys.astype(jnp.float32)
     amax = jnp.max(jnp.abs(kf), axis=-1)
     scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
-    return (kf / scale[..., None]).astype(jnp.float8_e4m3fn), scale
+    # Clipped: amax / (amax / 448) may round just above 448, which e4m3fn (no infinities) would turn into NaN.
+    return jnp.clip(kf / scale[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), scale
 
 
 def dequantize_index_keys(keys: jax.Array, scale: jax.Array) -> jax.Array:
@@ -111,10 +112,11 @@ def _prepare_queries(q, weights, keys, precision: str):
         if not fp8_keys:
             raise ValueError(f"indexer precision 'fp8' needs fp8 index keys, got {keys.dtype} keys")
         q8, q_scale = quantize_index_keys(q)
-        # Handed to the kernels as bf16 (exactly the e4m3 values): compiled for the H200, an e4m3 query block
-        # loaded by the kernel gave wrong scores (the interpreter was right; fp8 keys read from an ANY ref are
-        # fine), and the products are the same either way.
-        return q8.astype(jnp.bfloat16), weights * q_scale, jnp.bfloat16
+        # The barrier keeps the e4m3 rounding: XLA's GPU pipeline otherwise folds convert(convert(q, f8), bf16)
+        # into convert(q, bf16) (excess precision is allowed by default), and kernel and reference, folded
+        # differently, disagreed on the H200. Stored fp8 keys are unaffected (they are materialised as e4m3).
+        # Handed to the kernels as bf16, exactly the e4m3 values: the products are the same as an fp8 dot's.
+        return lax.optimization_barrier(q8).astype(jnp.bfloat16), weights * q_scale, jnp.bfloat16
     if precision == "bf16":
         return q.astype(jnp.bfloat16), weights, jnp.bfloat16
     narrow = q.dtype == jnp.bfloat16 and (keys.dtype == jnp.bfloat16 or fp8_keys)

@@ -110,13 +110,20 @@ def _write_then_gather(rows: int, starts: list, block: int = 8):
     starts = np.asarray(starts, np.int32)
     written = _packed_rows(len(starts) * block, 3)
     src = {n: jnp.asarray(v) for n, v in written.items()}
-    pool = ops.copy_blocks(pool, src, jnp.arange(len(starts), dtype=jnp.int32) * block, jnp.asarray(starts),
-                           jnp.full((len(starts),), block, jnp.int32), block_size=block, impl="pallas")
+    # Inside jitted functions with the pool's placement as the output's, as the engine's steps run them (an eager
+    # call cannot return a kernel's output aliased to pinned_host memory: XLA refuses the output's location).
+    write = jax.jit(lambda pool, src: ops.copy_blocks(
+        pool, src, jnp.arange(len(starts), dtype=jnp.int32) * block, jnp.asarray(starts),
+        jnp.full((len(starts),), block, jnp.int32), block_size=block, impl="pallas"),
+        out_shardings={n: v.sharding for n, v in pool.items()}, donate_argnums=0)
+    pool = write(pool, src)
     assert all(v.sharding.memory_kind == "pinned_host" for v in pool.values())
     at = (starts[:, None] + np.arange(block)[None, :]).reshape(-1)
     ring = {n: jnp.zeros((8, v.shape[1]), v.dtype) for n, v in src.items()}
-    latent, _, packed = ops.hot_gather(jnp.full((len(at),), hg.HOST, jnp.int32), jnp.asarray(at, jnp.int32), ring,
-                                       ring, pool, kv_format=FMT, out_dtype=jnp.float32, impl="pallas")
+    gather = jax.jit(lambda pool: ops.hot_gather(jnp.full((len(at),), hg.HOST, jnp.int32), jnp.asarray(at, jnp.int32),
+                                                 ring, ring, pool, kv_format=FMT, out_dtype=jnp.float32,
+                                                 impl="pallas"))
+    latent, _, packed = gather(pool)
     for n in written:
         np.testing.assert_array_equal(np.asarray(packed[n]), written[n], err_msg=n)
     want_latent, _ = kvf.unpack(fmt, src, jnp.float32)
