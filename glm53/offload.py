@@ -544,10 +544,13 @@ def _host_zeros(shape: tuple, dtype, host: jax.sharding.Sharding) -> Array:
     at a time 0.90 s, all planes at once 0.76 s, the jitted zeros 0.77 s; peak RSS the pool plus the 0.2 GiB
     baseline in every case (no second host-sized copy).
 
-    On the H200 that reasoning failed: the 77 GB latent plane of a 16 x 1M-token pool got the process killed for
-    host memory (125 GiB machine) during this ``device_put``, so a host-sized second copy was made after all. On GPUs
-    the plane is therefore made as device zeros and moved to pinned host memory (a device-to-host DMA into the
-    pinned buffer; the device buffer is transient and freed), when the device has room for it; otherwise as above."""
+    On the H200 (125 GiB machine) a 16 x 1M-token pool (92.3 GiB) was killed for host memory while its 77 GB latent
+    plane was allocated, with ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=118``, both this way and as device zeros moved to
+    pinned memory; with the cap at 96 the device-zeros way ran (45 s for the pool, RSS 105 GiB after it). So the
+    cap, not the copy, is the likely cause (XLA's pinned allocator may take more than the request; this way with
+    the lower cap was not tried). On GPUs the plane is made as device zeros and moved to pinned host memory (a
+    device-to-host DMA into the pinned buffer; the device buffer is transient and freed) when the device has room
+    for it, the way that is known to work at this size; otherwise as above."""
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
     device = next(iter(host.device_set))
     if device.platform in ops.GPU_BACKENDS:
