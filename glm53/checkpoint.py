@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import re
+import struct
 from typing import Any, Mapping
 
 import jax
@@ -15,7 +16,8 @@ import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from glm53.config import CacheConfig, ConfigError, ModelConfig
-from glm53.params import param_shapes, resolve_dtype
+from glm53.params import EXPERT_WEIGHTS, expert_weights_of, param_shapes, quantize_experts, resolve_dtype
+from kernels_pallas.grouped_matmul import dequantize_blocks
 from glm53.tokenizer import Tokenizer
 
 NATIVE_META = "glm53.json"
@@ -119,21 +121,46 @@ def _weight_files(path: str) -> list[str]:
     raise CheckpointError(f"no weights in {path}: expected model.safetensors or model.safetensors.index.json")
 
 
+# safetensors' numpy and flax readers (0.8) cannot build FP8 arrays ("module 'numpy' has no attribute
+# 'float8_e4m3fn'"), which is how published FP8 checkpoints store their weights: such tensors are read from the file's
+# bytes directly (the format is an 8-byte header length, a JSON header of dtype / shape / offsets, then the data).
+_RAW_DTYPES = {"F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2}
+
+
+def _safetensors_header(file: str) -> tuple[int, dict]:
+    with open(file, "rb") as fh:
+        n = struct.unpack("<Q", fh.read(8))[0]
+        return 8 + n, json.loads(fh.read(n))
+
+
+def _raw_tensor(file: str, data_start: int, info: dict) -> jax.Array:
+    import numpy as np
+
+    start, end = info["data_offsets"]
+    data = np.memmap(file, dtype=np.uint8, mode="r", offset=data_start + start, shape=(end - start,))
+    return jnp.asarray(data.view(_RAW_DTYPES[info["dtype"]]).reshape(info["shape"]))
+
+
 def _dequant_fp8_block(w: jax.Array, scale_inv: jax.Array, dtype) -> jax.Array:
-    """Block-wise FP8 weights (published FP8 checkpoints): w [out, in] e4m3 times a per-128x128-block scale."""
-    out_f, in_f = w.shape
-    s = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), 128, axis=0)[:out_f], 128, axis=1)[:, :in_f]
-    return (w.astype(jnp.float32) * s).astype(dtype)
+    """Block-wise FP8 weights (published FP8 checkpoints): w [out, in] e4m3 times a per-128x128-block scale; the
+    grouped matmul's in-kernel dequantisation computes the same (``dequantize_blocks``), bit for bit."""
+    return dequantize_blocks(w, scale_inv, dtype)
 
 
-def read_hf(path: str, dtype) -> tuple[ModelConfig, Any, Tokenizer | None]:
+def read_hf(path: str, dtype, expert_weights: str = "model") -> tuple[ModelConfig, Any, Tokenizer | None]:
     """Read an HF-format GLM-5 (``glm_moe_dsa``) directory: ``config.json`` plus ``model.safetensors`` or shards
     with ``model.safetensors.index.json``; per-expert tensor names (``mlp.experts.E.gate_proj.weight``) as published
     and as transformers' ``save_pretrained`` writes them, or fused ``mlp.experts.gate_up_proj``.
 
     Tensors stream one at a time from the memory-mapped files to the device (an expert stack is assembled per
     layer), so the model is never held twice. A ``tokenizer.json`` beside the weights is attached.
+
+    ``expert_weights="fp8"`` keeps MoE experts in FP8 on the device: an FP8 checkpoint's expert tensors and block
+    scales as they are (not dequantised), other checkpoints' experts quantised after loading
+    (``glm53.params.quantize_experts``).
     """
+    if expert_weights not in EXPERT_WEIGHTS:
+        raise ValueError(f"expert_weights must be one of {EXPERT_WEIGHTS}, got {expert_weights!r}")
     from safetensors import safe_open
 
     dtype = resolve_dtype(dtype)
@@ -154,6 +181,7 @@ def read_hf(path: str, dtype) -> tuple[ModelConfig, Any, Tokenizer | None]:
     expected = {k: v for k, v in flatten_dict(param_shapes(cfg, dtype)).items()}
     loaded: dict[tuple[str, ...], jax.Array] = {}
     experts: dict[tuple[str, ...], dict[int, jax.Array]] = {}
+    fp8_experts: dict[tuple[str, ...], dict[int, tuple[jax.Array, jax.Array]]] = {}  # expert_weights="fp8"
     unexpected: list[str] = []
 
     def put(path_, arr, name):
@@ -175,6 +203,17 @@ def read_hf(path: str, dtype) -> tuple[ModelConfig, Any, Tokenizer | None]:
             handle = safe_open(file, framework="flax")
         except Exception as e:  # safetensors raises its own error types for truncated / corrupt headers
             raise CheckpointError(f"cannot read {file}: {e}") from e
+        try:
+            data_start, header = _safetensors_header(file)
+        except (OSError, ValueError, struct.error) as e:
+            raise CheckpointError(f"cannot read the header of {file}: {e}") from e
+
+        def tensor(f, name):
+            info = header.get(name, {})
+            if info.get("dtype") in _RAW_DTYPES:
+                return _raw_tensor(file, data_start, info)
+            return f.get_tensor(name)
+
         with handle as f:
             names = list(f.keys())
             scales = {n[: -len("_scale_inv")] for n in names if n.endswith("weight_scale_inv")}
@@ -182,12 +221,15 @@ def read_hf(path: str, dtype) -> tuple[ModelConfig, Any, Tokenizer | None]:
                 if name.endswith("weight_scale_inv"):
                     continue
                 try:
-                    t = f.get_tensor(name)
+                    t = tensor(f, name)
                 except Exception as e:
                     raise CheckpointError(f"cannot read tensor {name} from {file}: {e}") from e
-                if name in scales:
-                    t = _dequant_fp8_block(t, f.get_tensor(name + "_scale_inv"), dtype)
                 m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(.+)$", name)
+                raw_scale = None
+                if name in scales:
+                    raw_scale = tensor(f, name + "_scale_inv")
+                    if not (m and expert_weights == "fp8"):
+                        t, raw_scale = _dequant_fp8_block(t, raw_scale, dtype), None
                 if m:
                     i = int(m.group(1))
                     prefix = (f"layers_{i}",) if i < cfg.num_hidden_layers else ("mtp_layer", "block")
@@ -202,6 +244,11 @@ def read_hf(path: str, dtype) -> tuple[ModelConfig, Any, Tokenizer | None]:
                         if e >= cfg.n_routed_experts:
                             raise CheckpointError(f"tensor {name}: expert {e} but config has n_routed_experts="
                                                   f"{cfg.n_routed_experts}")
+                        if raw_scale is not None:  # [out, in] e4m3 and [out/128, in/128]: our layout is [in, out]
+                            _check_finite(t, name)
+                            fp8_experts.setdefault(prefix + ("mlp", f"experts_{kind}_proj"), {})[e] = (
+                                t.T, raw_scale.astype(jnp.float32).T)
+                            continue
                         experts.setdefault(prefix + ("mlp", f"experts_{kind}_proj"), {})[e] = t.T
                         continue
                     if m.group(2) == "gate_up_proj":  # fused [E, 2I, H] as transformers holds it in memory
@@ -226,6 +273,18 @@ def read_hf(path: str, dtype) -> tuple[ModelConfig, Any, Tokenizer | None]:
         for p in [p for p, parts in experts.items() if len(parts) == cfg.n_routed_experts]:
             parts = experts.pop(p)
             put(p, jnp.stack([parts[e] for e in range(cfg.n_routed_experts)]), f"{'/'.join(p)} (stacked experts)")
+        for p in [p for p, parts in fp8_experts.items() if len(parts) == cfg.n_routed_experts]:
+            parts = fp8_experts.pop(p)
+            w8 = jnp.stack([parts[e][0] for e in range(cfg.n_routed_experts)])
+            want = expected.get(p)
+            if want is not None and tuple(w8.shape) != tuple(want.shape):
+                raise CheckpointError(f"{'/'.join(p)} (stacked FP8 experts): shape {tuple(w8.shape)} does not match "
+                                      f"the model's {tuple(want.shape)}")
+            if p in loaded:
+                raise CheckpointError(f"{'/'.join(p)} appears twice in the checkpoint")
+            loaded[p] = w8
+            loaded[p[:-1] + (p[-1] + "_scale",)] = jnp.stack([parts[e][1] for e in range(cfg.n_routed_experts)])
+    experts.update(fp8_experts)
     for p, parts in experts.items():
         missing_e = sorted(set(range(cfg.n_routed_experts)) - set(parts))
         raise CheckpointError(f"parameter {'/'.join(p)}: experts {missing_e[:8]} missing from the checkpoint")
@@ -239,7 +298,10 @@ def read_hf(path: str, dtype) -> tuple[ModelConfig, Any, Tokenizer | None]:
         raise CheckpointError(f"{len(missing)} parameters missing from the checkpoint: {missing[:10]}")
     tok_path = os.path.join(path, "tokenizer.json")
     tokenizer = Tokenizer.from_file(tok_path) if os.path.exists(tok_path) else None
-    return cfg, unflatten_dict(loaded), tokenizer
+    params = unflatten_dict(loaded)
+    if expert_weights == "fp8":
+        params = quantize_experts(params)
+    return cfg, params, tokenizer
 
 
 def _check_finite(arr, name: str) -> None:
@@ -268,7 +330,8 @@ def write_native(directory: str, cfg: ModelConfig, params, dtype, cache_config: 
     ckptr.save(params_dir, params)
     ckptr.wait_until_finished()
     meta = {"format": "glm53", "version": NATIVE_FORMAT_VERSION, "model_config": cfg.to_hf(),
-            "dtype": jnp.dtype(dtype).name, "cache_config": dataclasses.asdict(cache_config)}
+            "dtype": jnp.dtype(dtype).name, "cache_config": dataclasses.asdict(cache_config),
+            "expert_weights": expert_weights_of(params)}
     with open(os.path.join(directory, NATIVE_META), "w") as f:
         json.dump(meta, f, indent=2)
     if tokenizer is not None:
@@ -296,6 +359,9 @@ def read_native(directory: str, dtype=None) -> tuple[ModelConfig, Any, Any, Cach
     try:
         cfg = ModelConfig.from_hf(meta["model_config"])
         saved_dtype = resolve_dtype(meta["dtype"])
+        expert_weights = meta.get("expert_weights", "model")
+        if expert_weights not in EXPERT_WEIGHTS:
+            raise ValueError(f"expert_weights {expert_weights!r} unknown")
         # Fields of earlier versions that no longer exist (the pool is sized by the Engine now) are dropped.
         cc = {k: v for k, v in meta.get("cache_config", {}).items() if k not in ("page_rows", "host_pool_rows")}
         cache_config = CacheConfig.from_config_dict(cc) if "cache_config" in meta else None
@@ -303,7 +369,7 @@ def read_native(directory: str, dtype=None) -> tuple[ModelConfig, Any, Any, Cach
         raise CheckpointError(f"{meta_path} is incomplete or inconsistent: {type(e).__name__}: {e}") from e
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev),
-                                    param_shapes(cfg, saved_dtype))
+                                    param_shapes(cfg, saved_dtype, expert_weights))
     try:
         params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), target)
     except Exception as e:  # orbax raises several types for missing/mismatched arrays
@@ -312,7 +378,7 @@ def read_native(directory: str, dtype=None) -> tuple[ModelConfig, Any, Any, Cach
         _check_finite(leaf, "params" + jax.tree_util.keystr(path))
     dtype = resolve_dtype(dtype) if dtype is not None else saved_dtype
     if dtype != saved_dtype:
-        shapes = param_shapes(cfg, dtype)
+        shapes = param_shapes(cfg, dtype, expert_weights)
         params = jax.tree_util.tree_map(lambda p, s: p.astype(s.dtype), params, shapes)
     tok_path = os.path.join(directory, "tokenizer.json")
     tokenizer = Tokenizer.from_file(tok_path) if os.path.exists(tok_path) else None

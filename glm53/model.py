@@ -298,6 +298,11 @@ class MoE(nn.Module):
         w_gate = self.param("experts_gate_proj", _normal(c), (E, H, I), self.dtype)
         w_up = self.param("experts_up_proj", _normal(c), (E, H, I), self.dtype)
         w_down = self.param("experts_down_proj", _normal(c), (E, I, H), self.dtype)
+        # FP8 experts (glm53.params.quantize_experts): e4m3 weights plus one scale per 128 x 128 block, dequantised
+        # inside the grouped matmul; the parameters themselves say which (no flag to keep in sync).
+        names = {n: f"experts_{n}_proj_scale" for n in ("gate", "up", "down")}
+        scale = {n: self.get_variable("params", v) if self.has_variable("params", v) else None
+                 for n, v in names.items()}
         shape = x.shape
         xf = x.reshape(-1, H)
         n, k = xf.shape[0], c.num_experts_per_tok
@@ -307,9 +312,9 @@ class MoE(nn.Module):
         order = jnp.argsort(flat, stable=True)
         xs = xf[order // k]
         sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-        hidden = (jax.nn.silu(ops.grouped_matmul(xs, w_gate, sizes, impl=kernels))
-                  * ops.grouped_matmul(xs, w_up, sizes, impl=kernels))
-        ys = ops.grouped_matmul(hidden.astype(x.dtype), w_down, sizes, impl=kernels)
+        hidden = (jax.nn.silu(ops.grouped_matmul(xs, w_gate, sizes, scale["gate"], impl=kernels))
+                  * ops.grouped_matmul(xs, w_up, sizes, scale["up"], impl=kernels))
+        ys = ops.grouped_matmul(hidden.astype(x.dtype), w_down, sizes, scale["down"], impl=kernels)
         y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, H)
         routed = jnp.einsum("nkh,nk->nh", y.astype(F32), w).astype(x.dtype)
         shared = MLP(c, I * c.n_shared_experts, self.dtype, name="shared_experts")(x)

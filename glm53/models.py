@@ -14,7 +14,7 @@ from glm53 import checkpoint, offload
 from glm53.config import CacheConfig, ConfigError, ModelConfig
 from glm53.engine import Engine
 from glm53.model import GLM5
-from glm53.params import init_params, num_params, resolve_dtype
+from glm53.params import expert_weights_of, init_params, num_params, resolve_dtype
 from glm53.steps import Steps
 
 
@@ -40,9 +40,15 @@ class Model:
         self._digest: str | None = None
 
     def __repr__(self):
+        experts = ", fp8 experts" if self.expert_weights == "fp8" else ""
         return (f"Model({self.config.num_hidden_layers} layers, hidden {self.config.hidden_size}, "
-                f"{self.num_params() / 1e6:.1f}M params, dtype {jnp.dtype(self.dtype).name}, "
+                f"{self.num_params() / 1e6:.1f}M params, dtype {jnp.dtype(self.dtype).name}{experts}, "
                 f"cache {self.cache_config.mode}/{self.cache_config.kv_format})")
+
+    @property
+    def expert_weights(self) -> str:
+        """"fp8" when the MoE experts are held in FP8 (``from_config`` / ``from_pretrained(expert_weights=)``)."""
+        return expert_weights_of(self.params)
 
     def num_params(self) -> int:
         return num_params(self.params)
@@ -129,26 +135,29 @@ class Model:
 # Constructors
 # ----------------------------------------------------------------------------------------------------------------
 def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype="bfloat16",
-                cache_config: CacheConfig | None = None) -> Model:
+                cache_config: CacheConfig | None = None, expert_weights: str = "model") -> Model:
     """A randomly initialised model (normal(0, initializer_range) matrices, unit norms) for research/benchmarks.
-    ``config``: a ``ModelConfig``, or a mapping/ConfigDict of its fields."""
+    ``config``: a ``ModelConfig``, or a mapping/ConfigDict of its fields. ``expert_weights="fp8"`` keeps the MoE
+    experts in FP8 with 128 x 128 block scales on the device (the same random values, quantised)."""
     if not isinstance(config, ModelConfig):
         if hasattr(config, "to_dict"):
             config = config.to_dict()
         config = ModelConfig.from_config_dict(config)
     dtype = resolve_dtype(dtype)
-    return Model(config, init_params(config, dtype, seed), dtype, cache_config=cache_config)
+    return Model(config, init_params(config, dtype, seed, expert_weights), dtype, cache_config=cache_config)
 
 
 def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None,
-                    cache_config: CacheConfig | None = None) -> Model:
+                    cache_config: CacheConfig | None = None, expert_weights: str = "model") -> Model:
     """Load an HF-format GLM-5 (``glm_moe_dsa``) directory: ``config.json`` plus ``model.safetensors`` or shards
     with ``model.safetensors.index.json``; per-expert tensor names (``mlp.experts.E.gate_proj.weight``) as published
     and as transformers' ``save_pretrained`` writes them, or fused ``mlp.experts.gate_up_proj``. Tensors stream one
     at a time from the memory-mapped files to the device and are checked to be finite; a ``tokenizer.json`` beside
-    the weights is attached."""
+    the weights is attached. ``expert_weights="fp8"`` keeps the MoE experts in FP8 on the device (an FP8
+    checkpoint's own bytes and block scales; other checkpoints' experts quantised), dequantised inside the grouped
+    matmul: decode reads half the expert bytes, with outputs bit-identical to dequantising on load."""
     dtype = resolve_dtype(dtype)
-    cfg, params, tokenizer = checkpoint.read_hf(path, dtype)
+    cfg, params, tokenizer = checkpoint.read_hf(path, dtype, expert_weights)
     if kv_format is not None:
         cache_config = (cache_config or CacheConfig()).replace(kv_format=kv_format)
     return Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer)

@@ -11,6 +11,7 @@ import numpy as np
 from glm53.cache import Lanes, init_resident
 from glm53.config import CacheConfig, ModelConfig
 from glm53.model import GLM5, make_step
+from kernels_pallas import grouped_matmul as _gmm
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "f32": jnp.float32, "bf16": jnp.bfloat16}
 
@@ -47,19 +48,53 @@ def _init_all(module: GLM5, key, tokens, step, cache):
     return module.init(key, tokens, step, cache, method=run)["params"]
 
 
-def param_shapes(cfg: ModelConfig, dtype) -> Any:
+EXPERT_WEIGHTS = ("model", "fp8")  # MoE expert weights on the device: the model dtype, or e4m3 + block scales
+
+
+def _expert_leaf(path) -> bool:
+    return str(path[-1]).startswith("experts_") and str(path[-1]).endswith("_proj")
+
+
+def quantize_experts(params) -> Any:
+    """Every MoE layer's expert weights (``experts_{gate,up,down}_proj``, the MTP layer's too) as float8_e4m3fn with
+    one f32 scale per 128 x 128 block (``experts_*_proj_scale``), as GLM-5-FP8 checkpoints store them: the grouped
+    matmul dequantises them block by block as it reads them, so decode reads half the expert bytes of bf16.
+    Leaves already in FP8 are kept."""
+    from flax.traverse_util import flatten_dict, unflatten_dict
+
+    flat = dict(flatten_dict(params))
+    for path in [p for p in flat if _expert_leaf(p) and flat[p].dtype != jnp.float8_e4m3fn]:
+        flat[path], flat[path[:-1] + (path[-1] + "_scale",)] = _gmm.quantize_blocks(flat[path])
+    return unflatten_dict(flat)
+
+
+def expert_weights_of(params) -> str:
+    """"fp8" when the parameters hold FP8 experts, else "model"."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    return "fp8" if any(str(getattr(p[-1], "key", p[-1])).endswith("_proj_scale") for p, _ in leaves) else "model"
+
+
+def param_shapes(cfg: ModelConfig, dtype, expert_weights: str = "model") -> Any:
     """The parameter pytree as ShapeDtypeStructs, without allocating anything."""
+    if expert_weights not in EXPERT_WEIGHTS:
+        raise ValueError(f"expert_weights must be one of {EXPERT_WEIGHTS}, got {expert_weights!r}")
     module = GLM5(cfg, dtype)
-    return jax.eval_shape(lambda: _init_all(module, jax.random.key(0), *_dummy_inputs(cfg, dtype)))
+    shapes = jax.eval_shape(lambda: _init_all(module, jax.random.key(0), *_dummy_inputs(cfg, dtype)))
+    if expert_weights == "fp8":
+        shapes = jax.eval_shape(quantize_experts, shapes)
+    return shapes
 
 
 _ONES = ("weight", "k_norm_weight")  # RMSNorm / LayerNorm scales
 _ZEROS = ("k_norm_bias", "e_score_correction_bias")
 
 
-def init_params(cfg: ModelConfig, dtype, seed: int = 0) -> Any:
+def init_params(cfg: ModelConfig, dtype, seed: int = 0, expert_weights: str = "model") -> Any:
     """Random parameters: normal(0, initializer_range) matrices, unit norm scales, zero biases (as transformers
-    initialises GLM-5). Filled leaf by leaf from the shapes, so the model itself is never compiled for this."""
+    initialises GLM-5). Filled leaf by leaf from the shapes, so the model itself is never compiled for this.
+    ``expert_weights="fp8"``: the same values, experts then quantised (``quantize_experts``)."""
+    if expert_weights not in EXPERT_WEIGHTS:
+        raise ValueError(f"expert_weights must be one of {EXPERT_WEIGHTS}, got {expert_weights!r}")
     from flax.traverse_util import flatten_dict, unflatten_dict
 
     flat = flatten_dict(param_shapes(cfg, dtype))
@@ -79,7 +114,8 @@ def init_params(cfg: ModelConfig, dtype, seed: int = 0) -> Any:
                 out[path] = (cfg.initializer_range * jax.random.normal(k, s.shape, jnp.float32)).astype(s.dtype)
         return out
 
-    return unflatten_dict(make(jax.random.key(seed)))
+    params = unflatten_dict(make(jax.random.key(seed)))
+    return jax.jit(quantize_experts)(params) if expert_weights == "fp8" else params
 
 
 def num_params(params) -> int:

@@ -12,6 +12,12 @@ Schedule (jnp glue, like megablox's ``make_group_metadata``): a group of rows ``
 (each group boundary inside a tile adds one). A visit loads its whole tile of ``x`` and the group's weight blocks
 and stores only the rows of its group (masked store into the output, so two visits of one tile never overwrite
 each other's rows).
+
+FP8 weights (``w_scale``): ``w`` in float8_e4m3fn with one f32 scale per 128 x 128 block of each group's ``[K, N]``
+matrix (the layout of published GLM-5-FP8 / DeepSeek-V3 checkpoints, transposed), dequantised inside the kernel
+block by block as ``(w * scale).astype(x.dtype)``: the same arithmetic as dequantising on load
+(``dequantize_blocks``), so the products, and the output, are bit-identical to the dequantised weights' while HBM
+reads half the bytes of bf16.
 """
 
 from __future__ import annotations
@@ -29,6 +35,31 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+SCALE_BLOCK = 128  # FP8 weights: one scale per 128 x 128 block
+
+
+def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``w [..., K, N]`` -> (float8_e4m3fn ``[..., K, N]``, f32 scales ``[..., ceil(K/128), ceil(N/128)]``), one
+    scale (amax / 448) per 128 x 128 block, as FP8 checkpoints store them."""
+    *lead, K, N = w.shape
+    kb, nb = -(-K // SCALE_BLOCK), -(-N // SCALE_BLOCK)
+    wf = jnp.pad(w.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, kb * SCALE_BLOCK - K), (0, nb * SCALE_BLOCK - N)])
+    blocks = wf.reshape(*lead, kb, SCALE_BLOCK, nb, SCALE_BLOCK)
+    amax = jnp.max(jnp.abs(blocks), axis=(-3, -1))
+    scale = jnp.where(amax > 0, amax / 448.0, 1.0).astype(jnp.float32)
+    q = jnp.clip(blocks / scale[..., :, None, :, None], -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    return q.reshape(*lead, kb * SCALE_BLOCK, nb * SCALE_BLOCK)[..., :K, :N], scale
+
+
+def dequantize_blocks(w: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """``(w * scale)`` per 128 x 128 block, in f32, rounded to ``dtype``: what the kernel computes per block, and
+    how ``glm53.checkpoint`` dequantises FP8 checkpoints on load."""
+    K, N = w.shape[-2:]
+    s = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), SCALE_BLOCK, axis=-2)[..., :K, :], SCALE_BLOCK,
+                   axis=-1)[..., :N]
+    return (w.astype(jnp.float32) * s).astype(dtype)
+
+
 def _kernel(
     tile_ref,  # [V] int32 row tile of each visit, ANY
     group_ref,  # [V] int32 group of each visit (G: no visit), ANY
@@ -36,14 +67,14 @@ def _kernel(
     end_ref,  # [G + 1] int32 end row of each group, ANY
     x_ref,  # [Mp, K], ANY
     w_ref,  # [G, K, N], ANY
-    o_ref,  # [Mp, N], ANY (masked stores)
-    *,
+    *rest,  # (s_ref [G, K/128, N/128] f32, ANY: FP8 block scales)?, o_ref [Mp, N], ANY (masked stores)
     num_groups: int,
     block_m: int,
     block_n: int,
     block_k: int,
     dot_dtype,
 ):
+    s_ref, o_ref = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
     v, j = pl.program_id(0), pl.program_id(1)
     g = group_ref[v]
 
@@ -56,7 +87,11 @@ def _kernel(
 
         def step(k, acc):
             xs = x_ref[pl.ds(row0, block_m), pl.ds(k * block_k, block_k)].astype(dot_dtype)
-            ws = w_ref[g, pl.ds(k * block_k, block_k), pl.ds(col0, block_n)].astype(dot_dtype)
+            ws = w_ref[g, pl.ds(k * block_k, block_k), pl.ds(col0, block_n)]
+            if s_ref is not None:  # the tile lies inside one 128 x 128 scale block (block_k, block_n divide 128)
+                scale = s_ref[g, (k * block_k) // SCALE_BLOCK, col0 // SCALE_BLOCK]
+                ws = (ws.astype(jnp.float32) * scale).astype(x_ref.dtype)
+            ws = ws.astype(dot_dtype)
             return acc + lax.dot_general(xs, ws, (((1,), (0,)), ((), ())), precision=precision,
                                          preferred_element_type=jnp.float32)
 
@@ -86,13 +121,22 @@ def _schedule(group_sizes: jax.Array, num_tiles: int, block_m: int):
     return tile.astype(jnp.int32), group, jnp.concatenate([starts, pad]), jnp.concatenate([ends, pad])
 
 
-def _validate(x, w, group_sizes):
+def _validate(x, w, group_sizes, w_scale):
     if x.ndim != 2 or w.ndim != 3 or group_sizes.ndim != 1:
         raise ValueError(f"expected x[M, K], w[G, K, N], group_sizes[G]; got {x.shape}, {w.shape}, "
                          f"{group_sizes.shape}")
     if w.shape[1] != x.shape[1] or w.shape[0] != group_sizes.shape[0]:
         raise ValueError(f"x[M, K] = {x.shape}, w[G, K, N] = {w.shape} and group_sizes[G] = {group_sizes.shape} "
                          "disagree")
+    fp8 = w.dtype == jnp.float8_e4m3fn
+    if fp8 != (w_scale is not None):
+        raise ValueError(f"float8_e4m3fn weights need their w_scale (and only they have one); got {w.dtype} weights "
+                         f"and w_scale {None if w_scale is None else w_scale.shape}")
+    if fp8:
+        G, K, N = w.shape
+        want = (G, -(-K // SCALE_BLOCK), -(-N // SCALE_BLOCK))
+        if w_scale.shape != want:
+            raise ValueError(f"w_scale must be [G, ceil(K/128), ceil(N/128)] = {want}, got {w_scale.shape}")
 
 
 def block_rows_for(M: int) -> int:
@@ -101,12 +145,14 @@ def block_rows_for(M: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret"))
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, block_m: int | None = None,
-                   block_n: int = 128, block_k: int = 64, interpret: bool = False) -> jax.Array:
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: jax.Array | None = None, *,
+                   block_m: int | None = None, block_n: int = 128, block_k: int = 64,
+                   interpret: bool = False) -> jax.Array:
     """``jax.lax.ragged_dot(x, w, group_sizes)`` for rows sorted by group: ``[M, N]`` in ``x``'s dtype, f32
     accumulation (bf16 inputs: tensor-core dots; f32 inputs: HIGHEST precision). ``sum(group_sizes)`` must be M
-    (every row belongs to a group). K a multiple of ``block_k``, N of ``block_n``."""
-    _validate(x, w, group_sizes)
+    (every row belongs to a group). K a multiple of ``block_k``, N of ``block_n``. FP8 weights come with
+    ``w_scale`` (see the module doc)."""
+    _validate(x, w, group_sizes, w_scale)
     M, K = x.shape
     G, _, N = w.shape
     bm = block_m or block_rows_for(M)
@@ -117,28 +163,34 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, block_
     Mp = num_tiles * bm
     xp = jnp.pad(x, ((0, Mp - M), (0, 0))) if Mp != M else x
     tile, group, starts, ends = _schedule(group_sizes, num_tiles, bm)
+    if w_scale is not None and (SCALE_BLOCK % bk or SCALE_BLOCK % bn):
+        raise ValueError(f"FP8 weights: block_k={bk} and block_n={bn} must divide the {SCALE_BLOCK}-wide scale blocks")
     dot_dtype = jnp.float32 if jnp.float32 in (x.dtype, w.dtype) else jnp.bfloat16
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    scales = [] if w_scale is None else [w_scale.astype(jnp.float32)]
     out = pl.pallas_call(
         functools.partial(_kernel, num_groups=G, block_m=bm, block_n=bn, block_k=bk, dot_dtype=dot_dtype),
         grid=(num_tiles + G - 1, N // bn),
-        in_specs=[any_spec] * 6,
+        in_specs=[any_spec] * (6 + len(scales)),
         out_specs=any_spec,
         out_shape=jax.ShapeDtypeStruct((Mp, N), x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
         name="grouped_matmul",
-    )(tile, group, starts, ends, xp, w)
+    )(tile, group, starts, ends, xp, w, *scales)
     return out[:M]
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret"))
-def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, block_m: int | None = None,
-                             block_n: int = 128, block_k: int = 64, interpret: bool = False) -> jax.Array:
+def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: jax.Array | None = None,
+                             *, block_m: int | None = None, block_n: int = 128, block_k: int = 64,
+                             interpret: bool = False) -> jax.Array:
     """Pure-jnp ``grouped_matmul`` (same signature; blocks and interpret unused): ``jax.lax.ragged_dot`` with f32
-    accumulation."""
+    accumulation, FP8 weights dequantised first."""
     del block_m, block_n, block_k, interpret
-    _validate(x, w, group_sizes)
+    _validate(x, w, group_sizes, w_scale)
+    if w_scale is not None:
+        w = dequantize_blocks(w, w_scale, x.dtype)
     precision = lax.Precision.HIGHEST if jnp.float32 in (x.dtype, w.dtype) else None
     out = lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), precision=precision,
                          preferred_element_type=jnp.float32)

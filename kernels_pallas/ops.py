@@ -173,10 +173,10 @@ def copy_blocks(dst: dict, src: dict, src_start, dst_start, count, *, block_size
     return {n: jax.device_put(v, jax.memory.Space.Host) if on_host[n] else v for n, v in out.items()}
 
 
-def grouped_matmul(x, w, group_sizes, *, impl: str):
+def grouped_matmul(x, w, group_sizes, w_scale=None, *, impl: str):
     """MoE experts: rows of ``x [M, K]`` sorted by group times their group's ``w [G, K, N]`` (``ragged_dot``),
-    reading only the groups that have rows."""
+    reading only the groups that have rows; FP8 ``w`` with its 128 x 128 block scales ``w_scale``."""
     use_pallas, interpret = resolve(impl)
     if not use_pallas:
-        return _gmm.grouped_matmul_reference(x, w, group_sizes)
-    return _gmm.grouped_matmul(x, w, group_sizes, interpret=interpret)
+        return _gmm.grouped_matmul_reference(x, w, group_sizes, w_scale)
+    return _gmm.grouped_matmul(x, w, group_sizes, w_scale, interpret=interpret)

@@ -91,6 +91,9 @@ def _cases():
     for rows in (B * 8, 1024 * 8):
         yield f"grouped_matmul_{rows}", gm.grouped_matmul, (
             S((rows, 6144), jnp.bfloat16), S((16, 6144, 2048), jnp.bfloat16), S((16,), I32))
+        yield f"grouped_matmul_fp8_{rows}", gm.grouped_matmul, (  # FP8 experts, block scales read in the kernel
+            S((rows, 6144), jnp.bfloat16), S((16, 6144, 2048), jnp.float8_e4m3fn), S((16,), I32),
+            S((16, 48, 16), jnp.float32))
     ring, pool = _planes("fp8g128", L * SLOTS * 2 * P), _planes("fp8g128", POOL_PAGES * L * P, sharding=HOST)
     NB = B * L * 2  # two pages per lane and layer
     idx = (S((NB,), I32),) * 3

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kernels_pallas.grouped_matmul import _schedule, grouped_matmul, grouped_matmul_reference
+from kernels_pallas.grouped_matmul import (_schedule, dequantize_blocks, grouped_matmul, grouped_matmul_reference,
+                                            quantize_blocks)
 
 INTERPRET = jax.default_backend() not in ("gpu", "cuda", "rocm")
 
@@ -57,3 +58,23 @@ def test_grouped_matmul_validation():
         grouped_matmul(x, w[:, :32], gs, interpret=INTERPRET)
     with pytest.raises(ValueError, match="multiple of block_k"):
         grouped_matmul(x, w, gs, block_k=48, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 1, 4], [40, 0, 0, 77, 1, 2, 0, 8]])
+def test_fp8_weights_equal_dequantised_weights(sizes):
+    """FP8 expert weights dequantised inside the kernel, block by block, give exactly what the weights dequantised
+    beforehand give (same bf16 operands, same accumulation): bit-identical, kernel and reference alike."""
+    x, w, gs = _inputs(sizes, 256, 128, jnp.bfloat16, seed=4)
+    w = w * jnp.linspace(0.1, 10.0, 256)[None, :, None].astype(w.dtype)  # scales differ across blocks
+    w8, scale = quantize_blocks(w)
+    assert w8.dtype == jnp.float8_e4m3fn and scale.shape == (len(sizes), 2, 1)
+    deq = dequantize_blocks(w8, scale, jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(deq, np.float32), np.asarray(w, np.float32), rtol=2 ** -4, atol=1e-3)
+    got = grouped_matmul(x, w8, gs, scale, block_m=16, interpret=INTERPRET)
+    want = grouped_matmul(x, deq, gs, block_m=16, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    ref = grouped_matmul_reference(x, w8, gs, scale)
+    np.testing.assert_array_equal(np.asarray(ref, np.float32), np.asarray(grouped_matmul_reference(x, deq, gs),
+                                                                           np.float32))
+    with pytest.raises(ValueError, match="need their w_scale"):
+        grouped_matmul(x, w8, gs, interpret=INTERPRET)

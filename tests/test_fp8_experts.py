@@ -1,0 +1,96 @@
+"""MoE experts kept in FP8 on the device (e4m3 + one scale per 128 x 128 block, dequantised inside the grouped
+matmul): bit-identical to the same weights dequantised beforehand, from random init, from an FP8 HF checkpoint (whose
+bytes are kept as they are) and through a native save / load."""
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax.traverse_util import flatten_dict, unflatten_dict
+from safetensors.numpy import load_file, save_file
+
+import glm53
+from glm53.params import expert_weights_of
+from kernels_pallas.grouped_matmul import dequantize_blocks, quantize_blocks
+from tests.engine_common import CFG, CC, ids
+
+sys.path.insert(0, os.path.dirname(__file__))
+from hf_reference import write_tiny_checkpoint  # noqa: E402
+
+
+def dequantised(params, dtype):
+    """The same parameters with every FP8 expert stack dequantised to ``dtype`` and its scales dropped."""
+    flat = dict(flatten_dict(params))
+    for path in [p for p in flat if str(p[-1]).endswith("_proj_scale")]:
+        scale = flat.pop(path)
+        w = path[:-1] + (path[-1][: -len("_scale")],)
+        flat[w] = dequantize_blocks(flat[w], scale, dtype)
+    return unflatten_dict(flat)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "pallas"])
+def test_random_fp8_experts_equal_their_dequantised_weights(kernels):
+    fp8 = glm53.from_config(CFG, seed=7, dtype="bfloat16", expert_weights="fp8")
+    assert fp8.expert_weights == "fp8" and "fp8 experts" in repr(fp8)
+    deq = glm53.Model(CFG, dequantised(fp8.params, jnp.bfloat16), "bfloat16")
+    assert deq.expert_weights == "model"
+    cc = CC.replace(kv_format="bf16", mode="offload")
+    a = glm53.generate(fp8, [ids(40, 1)], max_new_tokens=6, cache=cc, return_logits=True, kernels=kernels)
+    b = glm53.generate(deq, [ids(40, 1)], max_new_tokens=6, cache=cc, return_logits=True, kernels=kernels)
+    assert a.tokens == b.tokens
+    assert np.array_equal(a.logits, b.logits)
+    # and the experts are really stored as e4m3: half the bytes of the bf16 stacks
+    flat = flatten_dict(fp8.params)
+    stacks = [v for p, v in flat.items() if str(p[-1]).startswith("experts_") and str(p[-1]).endswith("_proj")]
+    assert stacks and all(v.dtype == jnp.float8_e4m3fn for v in stacks)
+
+
+def _fp8_checkpoint(path):
+    """A tiny HF checkpoint rewritten as FP8 checkpoints are published: expert and attention-output weights in
+    e4m3 with ``weight_scale_inv`` per 128 x 128 block, the rest as they were."""
+    write_tiny_checkpoint(path, seed=2, index_topk=8)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight") and (".mlp.experts." in name or name.endswith("self_attn.o_proj.weight")):
+            q, s = quantize_blocks(jnp.asarray(t))
+            out[name] = np.asarray(q)
+            out[name + "_scale_inv"] = np.asarray(s)
+        else:
+            out[name] = t
+    save_file(out, file, metadata={"format": "pt"})
+    return out
+
+
+def test_fp8_checkpoint_kept_as_fp8_equals_dequantised_on_load(tmp_path):
+    tensors = _fp8_checkpoint(str(tmp_path))
+    on_load = glm53.from_pretrained(str(tmp_path), dtype="float32", kv_format="f32")
+    kept = glm53.from_pretrained(str(tmp_path), dtype="float32", kv_format="f32", expert_weights="fp8")
+    assert on_load.expert_weights == "model" and kept.expert_weights == "fp8"
+    # the checkpoint's own e4m3 bytes and scales, transposed to glm53's [in, out] layout
+    w = kept.params["layers_1"]["mlp"]["experts_gate_proj"]
+    s = kept.params["layers_1"]["mlp"]["experts_gate_proj_scale"]
+    src = tensors["model.layers.1.mlp.experts.3.gate_proj.weight"]
+    np.testing.assert_array_equal(np.asarray(w[3]).view(np.uint8), np.asarray(src).T.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(s[3]), tensors["model.layers.1.mlp.experts.3.gate_proj.weight_scale_inv"].T)
+    # dequantised on load (the non-expert o_proj too) vs kept: the same logits, bit for bit
+    prompt = np.random.default_rng(0).integers(0, 256, 40)
+    np.testing.assert_array_equal(kept.forward(prompt), on_load.forward(prompt))
+    with pytest.raises(ValueError, match="expert_weights must be one of"):
+        glm53.from_pretrained(str(tmp_path), expert_weights="int4")
+
+
+def test_fp8_experts_survive_native_save_and_load(tmp_path):
+    fp8 = glm53.from_config(CFG, seed=7, dtype="bfloat16", expert_weights="fp8")
+    fp8.save(str(tmp_path / "m"))
+    back = glm53.load(str(tmp_path / "m"))
+    assert back.expert_weights == "fp8"
+    for (pa, a), (pb, b) in zip(jax.tree_util.tree_leaves_with_path(fp8.params),
+                                jax.tree_util.tree_leaves_with_path(back.params)):
+        assert pa == pb and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert expert_weights_of(back.params) == "fp8"
