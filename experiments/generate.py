@@ -4,20 +4,39 @@
     python -m experiments.generate --config=configs/h200_bench.py --config.run.output_json=experiments/results/x.json
 
 An untimed warm-up generate with the same shapes runs first, so jit compilation is not timed.
+
+The JSON's ``roofline`` entry (``--roofline``, on by default; ``glm53.roofline``): the HBM bandwidth measured at the
+start of the run (a jitted copy / read loop, before any engine exists), the bytes a decode step reads for this
+config, history (the prompt plus half the new tokens: the mean over the timed decode) and batch, by part (weights
+with the routed experts the batch really uses, KV rows gathered, indexer keys scored; offload: misses from host
+memory apart, at the run's measured miss rate), and the ideal vs achieved step time and their ratio. Routed experts
+(``--routing``): ``auto`` is exact without any device work for one token per step (it routes to
+``num_experts_per_tok`` distinct experts) and otherwise runs ``--probe_tokens`` more tokens through an instrumented
+decode step that reports the model's expert choices (one extra compile); ``uniform`` uses the uniform-routing
+expectation (labelled as such); ``probe`` always probes.
 """
 
 import json
 import os
+import time
 
 import jax
 import numpy as np
-from absl import app
+from absl import app, flags
 from ml_collections import config_flags
 
 import glm53
+from glm53 import roofline
 from glm53.provenance import provenance
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config (configs/*.py)", lock_config=True)
+_ROOFLINE = flags.DEFINE_bool("roofline", True, "measure the HBM bandwidth and report the decode roofline")
+_ROUTING = flags.DEFINE_enum("routing", "auto", ["auto", "probe", "uniform"],
+                             "routed experts for the roofline: auto (exact for one token per step, else probe), "
+                             "probe (the model's routing, one instrumented decode), uniform (the expectation)")
+_PROBE_TOKENS = flags.DEFINE_integer("probe_tokens", 4, "tokens per session of the routing probe")
+_BANDWIDTH_MIB = flags.DEFINE_integer("bandwidth_mib", 0, "array size of the bandwidth benchmark (0: 1 GiB on "
+                                      "accelerators, 64 MiB on a CPU)")
 
 
 def build_model(config) -> glm53.Model:
@@ -60,6 +79,50 @@ def print_cache_stats(stats: dict, indent: str = "  ") -> None:
             print(f"{indent}{l:>5} " + " ".join(f"{c:>{width}}" for c in cells))
 
 
+def routing_of(model, engine, run, mtp: int, kw: dict) -> tuple:
+    """Routed experts per main MoE layer (and per MTP draft) for the roofline of the timed ``run`` (a
+    ``RunReport``): ``(routed, mtp_routed, source, probe_info)``; ``routed`` None means the uniform expectation
+    (exact for one token per step). A probe generates on ``engine`` (its sessions are left changed)."""
+    batch = len(run.sids)
+    one_token = batch * (mtp + 1) == 1
+    want = _ROUTING.value
+    if want == "uniform" or (want == "auto" and one_token):
+        return None, None, None, None
+    t = time.perf_counter()
+    try:
+        # The timed run's last n tokens again (rolled back, then regenerated: the same tokens, the same routing;
+        # the slots hold no rows beyond the timed run's).
+        n = max(1, min(_PROBE_TOKENS.value, min(len(v) for v in run.tokens.values())))
+        for sid in run.sids:
+            engine.rollback(sid, n)
+        probe = roofline.probe_routing(engine, {sid: n for sid in run.sids}, rollback=False, **kw)
+        d = roofline.distinct_experts(probe, model.config)
+    except Exception as err:  # noqa: BLE001 - the roofline falls back to the uniform expectation
+        print(f"routing probe failed ({type(err).__name__}: {err}): uniform-routing expectation instead", flush=True)
+        return None, None, None, {"error": f"{type(err).__name__}: {err}"}
+    info = {"steps": probe["steps"], "bucket": probe["bucket"], "seconds": time.perf_counter() - t,
+            "per_layer": d["per_layer"], "mtp_draft": d["mtp_draft"],
+            "tokens_identical_to_the_timed_run": all(probe["tokens"][sid] == run.tokens[sid][-n:] for sid in run.sids)}
+    return d["per_layer"], d["mtp_draft"], d["source"], info
+
+
+def roofline_entry(model, engine, run, result, bandwidth: dict, prompt_len: int, mtp: int, routing: tuple) -> dict:
+    """The roofline of one timed generate (``run``: its ``RunReport``)."""
+    if run.steps == 0 or run.decode_s <= 0:
+        return {"skipped": "no timed decode steps (max_new_tokens < 2)"}
+    routed, mtp_routed, source, probe_info = routing
+    batch = len(run.sids)
+    miss = roofline.miss_fraction_of((result.cache_stats or {}).get("decode"))
+    history = prompt_len + run.decode_tokens / batch / 2  # the mean over the timed decode
+    b = roofline.decode_bytes(model.config, engine.cache_config, history, batch, routed, model.dtype, mtp=mtp,
+                              mtp_routed_experts=mtp_routed, routed_source=source, miss_fraction=miss,
+                              expert_weights=getattr(model, "expert_weights", "model"), capacity=engine.capacity)
+    rep = roofline.roofline_report(b, bandwidth["bandwidth_Bps"], run.decode_s / run.steps,
+                                   run.decode_tokens / run.steps)
+    return {**rep, "bytes": b, "routing_probe": probe_info, "steps": run.steps, "decode_s": run.decode_s,
+            "history": history}
+
+
 def main(argv):
     del argv
     config = _CONFIG.value
@@ -76,11 +139,32 @@ def main(argv):
     capacity = max(model.cache_config.max_len, run.prompt_len + run.max_new_tokens + run.mtp)
     warm_tokens = min(run.max_new_tokens, model.cache_config.copyback_every + 2)
 
+    bandwidth = None
+    if _ROOFLINE.value:  # before any engine exists: the benchmark's arrays have the device to themselves
+        bandwidth = roofline.measure_hbm_bandwidth(_BANDWIDTH_MIB.value << 20 if _BANDWIDTH_MIB.value else None)
+        print(f"HBM bandwidth (measured): copy {bandwidth['copy_GBps']:,.1f} GB/s, read {bandwidth['read_GBps']:,.1f} "
+              f"GB/s ({bandwidth['array_bytes'] / 2**30:.2f} GiB x {bandwidth['passes']} passes)", flush=True)
+    rooflines = {}
+    routing_cache = []
+
     def timed(mode):
         cache = model.cache_config.replace(mode=mode, max_len=capacity)
         glm53.generate(model, prompts, max_new_tokens=warm_tokens, cache=cache, **kw)  # compile: not timed
-        return glm53.generate(model, prompts, max_new_tokens=run.max_new_tokens, cache=cache, progress=True,
-                              return_logits=run.compare_resident, **kw)
+        res = glm53.generate(model, prompts, max_new_tokens=run.max_new_tokens, cache=cache, progress=True,
+                             return_logits=run.compare_resident, keep_cache=_ROOFLINE.value, **kw)
+        if _ROOFLINE.value:
+            engine, res.engine = res.engine, None
+            timed_run = engine.last_run
+            entry = roofline_entry(model, engine, timed_run, res, bandwidth, run.prompt_len, run.mtp, (None,) * 4)
+            if "skipped" not in entry:
+                if not routing_cache:  # the same tokens in every mode: one probe serves all
+                    routing_cache.append(routing_of(model, engine, timed_run, run.mtp, kw))
+                entry = roofline_entry(model, engine, timed_run, res, bandwidth, run.prompt_len, run.mtp,
+                                       routing_cache[0])
+                print(f"[{mode}] roofline: {roofline.summary_line(entry['bytes'], entry)}", flush=True)
+            rooflines.setdefault(mode, entry)  # compare_resident in resident mode: the first run's
+            del engine
+        return res
 
     mode = model.cache_config.mode
     print(f"{run.batch} x {run.prompt_len}-token prompts, {run.max_new_tokens} new tokens, cache {mode}/"
@@ -111,8 +195,13 @@ def main(argv):
         out["comparison"] = {"tokens_identical": same_tokens, "logits_bit_identical": same_logits,
                              "decode_ratio": ratio}
 
+    if bandwidth is not None:
+        out_roofline = {"bandwidth": bandwidth, "run": rooflines.get(mode)}
+        if run.compare_resident and mode != "resident":
+            out_roofline["resident_baseline"] = rooflines.get("resident")
     if run.output_json:
         report = {"config": config.to_dict(), "figures": out, "tokens": result.tokens,
+                  **({"roofline": out_roofline} if bandwidth is not None else {}),
                   "cache_stats": jax.tree_util.tree_map(lambda x: np.asarray(x).tolist(), result.cache_stats),
                   "jax_version": jax.__version__, "backend": jax.default_backend(),
                   **provenance()}

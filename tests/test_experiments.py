@@ -220,3 +220,64 @@ def test_hf_prefill(tmp_path):
     whole, chunked = runs
     assert whole["last_token_argmax"] == chunked["last_token_argmax"]
     assert chunked["last_logits_max_abs_diff_vs_whole"] <= 1e-2 * chunked["last_logits_max_abs"]
+
+
+def test_generate_roofline(tmp_path):
+    """generate's JSON carries the roofline: the measured bandwidth, the bytes of a step by part (routed experts from
+    the model's routing: 2 sessions per step), ideal vs achieved, for the run and its resident baseline."""
+    out = tmp_path / "gen.json"
+    _run("experiments.generate", "--config.run.batch=2", "--config.run.max_new_tokens=6", "--config.cache.mode=offload",
+         "--config.run.compare_resident=True", f"--config.run.output_json={out}", "--bandwidth_mib=8")
+    report = json.loads(out.read_text())
+    roof = report["roofline"]
+    assert roof["bandwidth"]["bandwidth_Bps"] > 0 and roof["bandwidth"]["array_bytes"] == 8 << 20
+    run, base = roof["run"], roof["resident_baseline"]
+    for r in (run, base):
+        b = r["bytes"]
+        assert r["bytes_per_step"] == b["total"] > 0 and r["ideal_step_ms"] > 0 and r["achieved_step_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["achieved_step_ms"] / r["ideal_step_ms"])
+        assert r["tokens_per_step"] == 2 and b["inputs"]["batch"] == 2
+        assert b["routed_experts"]["source"].startswith("probe") and len(b["routed_experts"]["per_layer"]) == 3
+        assert b["parts"]["kv_rows"] > 0 and b["parts"]["indexer_keys"] > 0
+    assert run["routing_probe"]["tokens_identical_to_the_timed_run"]
+    assert run["bytes"]["inputs"]["mode"] == "offload" and base["bytes"]["inputs"]["mode"] == "resident"
+    assert run["bytes"]["host"]["copyback_to_host"] > 0 and base["bytes"]["host_total"] == 0
+    assert run["bytes"]["routed_experts"]["per_layer"] == base["bytes"]["routed_experts"]["per_layer"]
+
+
+def test_throughput(tmp_path):
+    """Sessions x histories x modes: every point timed with its roofline, tokens equal between modes, the plot; a
+    point that cannot fit is skipped with the reason; --plot_only merges result files."""
+    out = tmp_path / "tp.json"
+    _run("experiments.throughput", "--sessions=1,2", "--histories=40,72", "--new_tokens=4", "--warmup_tokens=3",
+         "--suffix=4", "--probe_tokens=3", "--bandwidth_mib=8", f"--out={out}")
+    report = json.loads(out.read_text())
+    points = report["points"]
+    assert sorted((q["mode"], q["history"], q["sessions"]) for q in points) == sorted(
+        (m, h, s) for m in ("resident", "offload") for h in (40, 72) for s in (1, 2))
+    assert report["comparison"]["points_compared"] == 4 and report["comparison"]["all_identical"]
+    assert report["bandwidth"]["bandwidth_Bps"] > 0 and not report["skipped"] and "errors" not in report
+    for q in points:
+        assert q["tokens_per_s"] > 0 and q["steps"] == 4 and q["decode_tokens"] == 4 * q["sessions"]
+        assert q["compile_s"] == 0  # the warm-up compiled every step of the point
+        r = q["roofline"]
+        assert r["ideal_tokens_per_s"] > 0 and r["tokens_per_step"] == q["sessions"]
+        b = r["bytes"]
+        assert b["inputs"]["batch"] == q["sessions"] and b["routed_experts"]["source"].startswith("probe")
+        assert b["per_session"]["weights_amortised"] == pytest.approx(b["weights"] / q["sessions"])
+        if q["mode"] == "offload":
+            assert 0 < q["cache"]["hit_rate"] <= 1 and b["host"]["copyback_to_host"] > 0
+    # one token per step routes to exactly num_experts_per_tok experts
+    assert all(d == 2.0 for q in points if q["sessions"] == 1 for d in q["routing"]["per_layer"])
+    assert (tmp_path / "tp.png").stat().st_size > 0
+
+    merged = tmp_path / "merged.json"
+    _run("experiments.throughput", f"--plot_only={out}", f"--out={merged}")
+    m = json.loads(merged.read_text())
+    assert len(m["points"]) == 8 and m["comparison"]["all_identical"] and (tmp_path / "merged.png").exists()
+
+    small = tmp_path / "skip.json"
+    _run("experiments.throughput", "--sessions=1", "--histories=40", "--modes=resident", "--device_gib=0.001",
+         "--margin_gib=0", "--bandwidth_mib=8", f"--out={small}")
+    s = json.loads(small.read_text())
+    assert not s["points"] and s["skipped"] and "device" in s["skipped"][0]["why"]
