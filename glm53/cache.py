@@ -22,7 +22,9 @@ Layout (S session slots, L cache layers = main layers + MTP layer, N rows per sl
     index_keys            [Lf, S, N, D] DSA indexer keys of the layers with a "full" indexer, in the model dtype
                                        or (``CacheConfig.index_keys="fp8"``) float8_e4m3fn ...
     index_key_scale       f32[Lf, S, N] ... with one scale per key (None for model-dtype keys)
-    resident history      {plane: [L, S, N, W]} MLA rows as kv_format planes (kernels_pallas.kv_formats)
+    resident history      {plane: [L * S + pad, N, W]} MLA rows as kv_format planes (kernels_pallas.kv_formats):
+                                       the N rows of layer l, slot s are plane l * S + s; ``pad`` planes (none
+                                       unless a 1-byte plane needs them, ``addressable_planes``) are never used
 
 A step works on B *lanes*; lane b is slot ``lanes.slot[b]``. Inactive lanes are padding (batches are bucketed to a
 few sizes) and must change nothing: every per-slot write goes through ``Lanes.write_slot``, which sends inactive
@@ -36,9 +38,11 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from glm53.config import CacheConfig, ModelConfig, round_up
 from kernels_pallas import indexer_topk, kv_formats, ops
+from kernels_pallas.hot_gather import triton_misaddressed
 
 Array = jax.Array
 
@@ -184,7 +188,7 @@ class ResidentCache(CacheBase):
     sessions: Sessions
     index_keys: Array
     index_key_scale: Array | None
-    history: dict  # plane -> [L, S, N, W]
+    history: dict  # plane -> [L * S + pad, N, W]: layer l, slot s at plane l * S + s (pad: addressable_planes)
     kv_format: str = flax.struct.field(pytree_node=False, default="bf16")
     indexer_precision: str = flax.struct.field(pytree_node=False, default="highest")
     key_slot_of_layer: tuple = flax.struct.field(pytree_node=False, default=())
@@ -200,9 +204,10 @@ class ResidentCache(CacheBase):
         same bytes: that is what makes offload bit-identical to resident."""
         with jax.named_scope("resident_write"):
             planes = kv_formats.pack(self.fmt, latent, rope)
-            slot = step.lanes.write_slot(self.num_slots)
-            history = {n: h.at[layer, slot[:, None], step.write_positions].set(planes[n].astype(h.dtype),
-                                                                                 mode="drop")
+            # Inactive lanes go past the last plane (padding planes included): dropped, like padding positions.
+            plane = layer * self.num_slots + step.lanes.slot
+            history = {n: h.at[jnp.where(step.lanes.active, plane, h.shape[0])[:, None], step.write_positions]
+                       .set(planes[n].astype(h.dtype), mode="drop")
                        for n, h in self.history.items()}
         return self.replace(history=history)
 
@@ -210,9 +215,9 @@ class ResidentCache(CacheBase):
         """Dequantised rows at ``selected [B, T, K]``: ``(latent [B,T,K,512], rope [B,T,K,64], cache, None)``."""
         del valid
         B, T, K = selected.shape
-        # All layers' and slots' planes as [L*S, N, W] (a free reshape) and each lane's plane: slicing out a layer
-        # would make XLA copy its whole history before the kernel, on every layer of every step.
-        planes = {n: p.reshape(-1, *p.shape[2:]) for n, p in self.history.items()}
+        # All layers' and slots' planes [L*S + pad, N, W] as they are stored and each lane's plane: slicing out a
+        # layer would make XLA copy its whole history before the kernel, on every layer of every step.
+        planes = self.history
         plane_of_lane = (layer * self.num_slots + step.lanes.slot).astype(jnp.int32)
         with jax.named_scope("resident_gather"):
             latent, rope = ops.gather_rows(planes, plane_of_lane, selected.reshape(B, T * K),
@@ -226,8 +231,17 @@ class ResidentCache(CacheBase):
     def clear_slot(self, slot: Array) -> "ResidentCache":
         return self.replace(**self._clear_common(slot))
 
+    def _slot_planes(self, slot: Array) -> Array:
+        """int32[L]: the history planes of one slot, one per layer."""
+        return jnp.arange(self.num_layers, dtype=jnp.int32) * self.num_slots + slot
+
+    def history_planes(self) -> dict:
+        """The history as ``{plane: [L, S, N, W]}`` (padding planes dropped; a copy, for inspection and tests)."""
+        L, S = self.num_layers, self.num_slots
+        return {n: h[:L * S].reshape(L, S, *h.shape[1:]) for n, h in self.history.items()}
+
     def copy_slot(self, src: Array, dst: Array) -> "ResidentCache":
-        history = {n: h.at[:, dst].set(h[:, src]) for n, h in self.history.items()}
+        history = {n: h.at[self._slot_planes(dst)].set(h[self._slot_planes(src)]) for n, h in self.history.items()}
         return self.replace(history=history, **self._copy_common(src, dst))
 
     def truncate_slot(self, slot: Array, length: Array, mtp_length: Array, kernels: str) -> "ResidentCache":
@@ -239,12 +253,12 @@ class ResidentCache(CacheBase):
     def read_slot_rows(self, slot: Array, kernels: str) -> dict:
         """Every row of one slot, ``{plane: [L, N, W]}`` on the device (for save)."""
         del kernels
-        return {n: h[:, slot] for n, h in self.history.items()}
+        return {n: h[self._slot_planes(slot)] for n, h in self.history.items()}
 
     def write_slot_rows(self, slot: Array, rows: dict, length: Array, mtp_length: Array, kernels: str):
         """Restore: rows ``{plane: [L, N, W]}`` (valid below the lengths) into a cleared slot."""
         del kernels
-        history = {n: h.at[:, slot].set(rows[n].astype(h.dtype)) for n, h in self.history.items()}
+        history = {n: h.at[self._slot_planes(slot)].set(rows[n].astype(h.dtype)) for n, h in self.history.items()}
         return self.replace(history=history)
 
 
@@ -252,6 +266,34 @@ def capacity_for(rows: int, cache_config: CacheConfig) -> int:
     """Rows per slot to allocate for ``rows`` positions: whole pages, and a multiple of the indexer kernel's
     128-key blocks (both powers of two)."""
     return round_up(max(rows, 1), max(cache_config.copyback_every, 128))
+
+
+def padded_rows(rows: int, row_shape: tuple, dtype) -> int:
+    """Rows to allocate for an array ``[rows, *row_shape]`` of ``dtype`` so Pallas' Triton lowering addresses it
+    right: ``rows`` itself, unless the array would hold 2**31 or more elements in at most 2**32 bytes (1-byte
+    dtypes: int8 / fp8 latent planes; of wider ones only exactly 2**31 2-byte elements), which the lowering
+    addresses with 32-bit offsets that wrap negative (``kernels_pallas.hot_gather``, "Addressing") and the compiled
+    kernels refuse (``check_addressable``); then just enough rows to pass 2**32 bytes, into its 64-bit regime. The
+    rows past ``rows`` are padding that nothing addresses."""
+    if not triton_misaddressed((rows, *row_shape), dtype):
+        return rows
+    return 2**32 // (int(np.prod(row_shape, dtype=np.int64)) * np.dtype(dtype).itemsize) + 1
+
+
+def addressable_planes(fmt: kv_formats.KVFormat, rows: int, *inner: int, uniform: bool = False) -> dict:
+    """``{plane: (shape, dtype)}`` of the kv_format planes ``[rows + pad, *inner, W]`` holding ``rows`` used rows
+    (or planes of ``inner`` rows), each padded as ``padded_rows`` says: only a plane that would be misaddressed
+    grows, and only by rows, never by session slots. ``uniform``: one row count for every plane (the largest any
+    needs), for kernels that take planes of one shape (``gather_rows``). The padding rows sit past every row a
+    slot addresses, so nothing reads or writes them; ``glm53.memory.cache_bytes`` counts them."""
+    shapes = fmt.plane_shapes(rows, *inner)
+    padded = {n: padded_rows(rows, shape[1:], dt) for n, (shape, dt) in shapes.items()}
+    if uniform:
+        r = max(padded.values())
+        while any(triton_misaddressed((r, *shape[1:]), dt) for shape, dt in shapes.values()):
+            r = max(padded_rows(r, shape[1:], dt) for shape, dt in shapes.values())
+        padded = dict.fromkeys(shapes, r)
+    return {n: ((padded[n], *shape[1:]), dt) for n, (shape, dt) in shapes.items()}
 
 
 def key_slots(cfg: ModelConfig) -> tuple[int, ...]:
@@ -274,10 +316,17 @@ def init_index_keys(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int
     return dict(index_keys=jnp.zeros((*shape, cfg.index_head_dim), dtype), index_key_scale=None)
 
 
+def history_shapes(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int) -> dict:
+    """``{plane: (shape, dtype)}`` of the resident history: ``[L * slots + pad, capacity, W]``, one plane of
+    ``capacity`` rows per layer and slot, and padding planes only where a 1-byte plane would be misaddressed
+    (``addressable_planes``; uniform: ``gather_rows`` takes planes of one shape)."""
+    fmt = kv_formats.get_format(cc.kv_format)
+    return addressable_planes(fmt, cfg.num_cache_layers * slots, capacity, uniform=True)
+
+
 def init_resident(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, dtype, device=None) -> ResidentCache:
     fmt = kv_formats.get_format(cc.kv_format)
-    L = cfg.num_cache_layers
-    history = {n: jnp.zeros(shape, dt) for n, (shape, dt) in fmt.plane_shapes(L, slots, capacity).items()}
+    history = {n: jnp.zeros(shape, dt) for n, (shape, dt) in history_shapes(cfg, cc, slots, capacity).items()}
     cache = ResidentCache(sessions=init_sessions(cfg, slots), **init_index_keys(cfg, cc, slots, capacity, dtype),
                           history=history, kv_format=fmt.name, indexer_precision=cc.indexer_precision,
                           key_slot_of_layer=key_slots(cfg), _has_mtp_layer=bool(cfg.num_nextn_predict_layers))

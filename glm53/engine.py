@@ -212,9 +212,10 @@ class Engine:
         else:
             self.pool_pages = 0
             self.page_bytes = 0
-        # Slots and pages allocated beyond the usable ones only where a kernel could not address the arrays
-        # otherwise (glm53.memory.allocated_slots); nothing ever uses them.
-        self.alloc_slots = memory.allocated_slots(self.cfg, cc, self.max_sessions, self.capacity)
+        # One slot per session: device planes a kernel could not address otherwise get padding rows, not phantom
+        # slots (glm53.cache.addressable_planes). The host pool gets pages beyond the usable ones in that case
+        # (glm53.memory.allocated_pages); nothing ever uses them.
+        self.alloc_slots = self.max_sessions
         self.alloc_pages = memory.allocated_pages(self.cfg, cc, self.pool_pages) if self.offload else 0
         # The device budget is checked on the configuration, before anything is allocated.
         need = self._device_need()

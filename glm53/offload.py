@@ -12,7 +12,12 @@ second implementation of the cache interface in ``glm53.cache``:
   sessions of different lengths would waste the pool.
 * **Device state** (per layer and slot): ``hot`` slots, ``slot_of_position`` and its inverse ``position_of_slot``,
   pins (``pin_round``: slots the latest round read as hits), the circular ``clock``, the recent ``ring`` of rows not
-  yet in host memory, the ``page_table``, ``host_len`` (rows in host pages) and counters.
+  yet in host memory, the ``page_table``, ``host_len`` (rows in host pages) and counters. The hot cache and the ring
+  are stored as the flat planes the kernels take, ``[L * S * H + pad, W]`` and ``[L * S * R + pad, W]`` (row of
+  (layer, slot, h) at ``(layer * S + slot) * H + h``), where ``pad`` rows, past every row a slot addresses, are
+  only there when a 1-byte plane would otherwise fall in the range Pallas' Triton lowering misaddresses
+  (``glm53.cache.addressable_planes``): that plane alone grows, by rows, instead of every per-slot array by
+  phantom session slots.
 * **Copyback inside the step, first.** A step begins by writing every page whose rows became final in earlier
   steps (all layers, the MTP layer one position behind) from the ring to its pool page with one Pallas kernel
   (``kernels_pallas.copy_blocks``, zero-copy writes), then does its reads. Measured on the H200
@@ -49,8 +54,9 @@ logits and tokens are bit-identical; the tests check it in every path.
 ring, ``b * N + p`` into a bulk buffer) and in the kernels; byte offsets are the kernels' business, 64-bit for
 any operand past 2**32 bytes (``kernels_pallas.hot_gather``, "Addressing"). Every product above is below the row
 count of the array it indexes (a bulk buffer's lanes x capacity rows are fewer than the slot map's entries), so
-``validate`` refusing arrays of 2**31 rows or more (``indexed_rows``) makes all of them safe: the target of 16
-sessions x 1,048,576 rows x 9 cache layers is 151M pool rows (a 77 GB int8 latent plane) and a 151M-entry slot map.
+``validate`` refusing arrays of 2**31 rows or more (``indexed_rows``; padding rows stay far below that: a padded
+plane has just over 2**32 bytes) makes all of them safe: the target of 16 sessions x 1,048,576 rows x 9 cache
+layers is 151M pool rows (a 77 GB int8 latent plane) and a 151M-entry slot map.
 ``slot_of_position`` is int16 whenever the hot cache has at most 32,768 slots (``slot_map_dtype``), the design's 2
 bytes per position. The pool is allocated once, in place, plane by plane (``allocate_pool``).
 """
@@ -65,7 +71,8 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
-from glm53.cache import CacheBase, Round, Sessions, init_index_keys, init_sessions, key_slots, place
+from glm53.cache import (CacheBase, Round, Sessions, addressable_planes, init_index_keys, init_sessions, key_slots,
+                         padded_rows, place)
 from glm53.config import CacheConfig, ConfigError, ModelConfig
 from kernels_pallas import kv_formats, ops
 from kernels_pallas.hot_gather import HOST, HOT, MAX_PLANE_ROWS, RING
@@ -85,8 +92,8 @@ class OffloadCache(CacheBase):
     pool: dict  # plane -> [pool_pages * L * P, W] in pinned_host memory
     page_table: Array  # int32[S, N // P]: logical page -> pool page (-1 = none assigned)
     host_len: Array  # int32[S]: rows [0, host_len) are in host pages (a multiple of P); the rest only in the ring
-    ring: dict  # plane -> [L, S, R, W]: row of position p at p % R
-    hot: dict  # plane -> [L, S, H, W]
+    ring: dict  # plane -> [L * S * R + pad, W]: position p of (layer, slot) at row (layer * S + slot) * R + p % R
+    hot: dict  # plane -> [L * S * H + pad, W]: hot slot h of (layer, slot) at row (layer * S + slot) * H + h
     slot_of_position: Array  # int16 / int32[L, S, N] (slot_map_dtype): hot slot holding position p (-1 = not hot)
     position_of_slot: Array  # int32[L, S, H]: position held by a slot (-1 = empty)
     # Pins as round stamps: a slot is pinned by a round when it was read there as a hit (never that round's victim).
@@ -94,7 +101,9 @@ class OffloadCache(CacheBase):
     rounds: Array  # int32[L, S]: fill rounds completed
     clock: Array  # int32[L, S]: where the next victim search starts
     counters: Array  # int32[L, S, len(COUNTERS)]
-    bulk_rows: Array  # int32[L, S]: rows read from host memory by bulk (prefill / append) rounds
+    # int32[L, S]: pages (of page_rows rows) read from host memory by bulk (prefill / append) rounds. Pages, not
+    # rows: a 1M-token prefill reads ~5.4e8 rows per layer, so rows overflow int32 at ~2M tokens; pages at ~128M.
+    bulk_pages: Array
     copybacks: Array  # int32[S]: pages written to host memory
     unassigned: Array  # int32[S]: pages that were due with no pool page assigned (an engine bug if ever > 0)
     kv_format: str = flax.struct.field(pytree_node=False, default="bf16")
@@ -102,12 +111,13 @@ class OffloadCache(CacheBase):
     key_slot_of_layer: tuple = flax.struct.field(pytree_node=False, default=())
     _has_mtp_layer: bool = flax.struct.field(pytree_node=False, default=False)
     page_rows: int = flax.struct.field(pytree_node=False, default=64)
+    _ring_rows: int = flax.struct.field(pytree_node=False, default=0)  # R (the planes may hold padding rows)
 
     mode = "offload"
 
     @property
     def ring_rows(self) -> int:
-        return int(next(iter(self.ring.values())).shape[2])
+        return self._ring_rows
 
     @property
     def hot_rows(self) -> int:
@@ -117,8 +127,15 @@ class OffloadCache(CacheBase):
     def pool_pages(self) -> int:
         return int(next(iter(self.pool.values())).shape[0]) // (self.num_layers * self.page_rows)
 
-    def _flat(self, planes: dict) -> dict:
-        return {n: a.reshape(-1, a.shape[-1]) for n, a in planes.items()}
+    def hot_planes(self) -> dict:
+        """The hot cache as ``{plane: [L, S, H, W]}`` (padding rows dropped; a copy, for inspection and tests)."""
+        L, S, H = self.num_layers, self.num_slots, self.hot_rows
+        return {n: a[:L * S * H].reshape(L, S, H, -1) for n, a in self.hot.items()}
+
+    def ring_planes(self) -> dict:
+        """The ring as ``{plane: [L, S, R, W]}`` (padding rows dropped; a copy, for inspection and tests)."""
+        L, S, R = self.num_layers, self.num_slots, self.ring_rows
+        return {n: a[:L * S * R].reshape(L, S, R, -1) for n, a in self.ring.items()}
 
     # ------------------------------------------------------------------------------------------------------------
     # Inside a step
@@ -150,7 +167,7 @@ class OffloadCache(CacheBase):
         src = (l * S + slot[:, None, None]) * R + ((k * P) % R)[..., None]
         dst = (jnp.maximum(pool_page, 0)[..., None] * L + l) * P
         count = jnp.broadcast_to(jnp.where(do, P, 0)[..., None], src.shape)
-        pool = ops.copy_blocks(self.pool, self._flat(self.ring), src.reshape(-1).astype(jnp.int32),
+        pool = ops.copy_blocks(self.pool, self.ring, src.reshape(-1).astype(jnp.int32),
                                dst.reshape(-1).astype(jnp.int32), count.reshape(-1).astype(jnp.int32),
                                block_size=P, impl=kernels)
         ws = lanes.write_slot(S)
@@ -163,11 +180,13 @@ class OffloadCache(CacheBase):
     def write_rows(self, layer: int, latent: Array, rope: Array, step) -> "OffloadCache":
         """New rows go to the ring only; host memory gets them once their page is final."""
         planes = kv_formats.pack(self.fmt, latent, rope)
-        R = self.ring_rows
-        slot = step.lanes.write_slot(self.num_slots)
+        S, R = self.num_slots, self.ring_rows
         pos = step.write_positions
-        ring_pos = jnp.where(pos < self.capacity, pos % R, R)  # padding tokens: dropped
-        ring = {n: a.at[layer, slot[:, None], ring_pos].set(planes[n].astype(a.dtype), mode="drop")
+        row = (layer * S + step.lanes.slot[:, None]) * R + pos % R
+        write = step.lanes.active[:, None] & (pos < self.capacity)  # padding tokens and inactive lanes: dropped
+        B, T = pos.shape
+        ring = {n: a.at[jnp.where(write, row, a.shape[0]).reshape(-1)]
+                .set(planes[n].reshape(B * T, -1).astype(a.dtype), mode="drop")
                 for n, a in self.ring.items()}
         return self.replace(ring=ring)
 
@@ -203,8 +222,8 @@ class OffloadCache(CacheBase):
             return latent.reshape(B, T, K, -1), rope.reshape(B, T, K, -1), cache, None
         source, row, hot_slot = self.classify(layer, pos, step.lanes)
         with jax.named_scope("offload_gather"):
-            latent, rope, packed = ops.hot_gather(source.reshape(-1), row.reshape(-1), self._flat(self.ring),
-                                                  self._flat(self.hot), self.pool, kv_format=self.kv_format,
+            latent, rope, packed = ops.hot_gather(source.reshape(-1), row.reshape(-1), self.ring,
+                                                  self.hot, self.pool, kv_format=self.kv_format,
                                                   out_dtype=dtype, impl=step.kernels)
         valid = valid.reshape(B, T * K) & step.lanes.active[:, None]
         cache, round_ = self, None
@@ -242,7 +261,7 @@ class OffloadCache(CacheBase):
         # transient device memory would be every layer's history instead of one.
         src, pos = jax.lax.optimization_barrier((src, pos))
         with jax.named_scope("offload_bulk_read"):
-            buf = {n: jnp.zeros((B * N, a.shape[1]), a.dtype) for n, a in self.pool.items()}
+            buf = _device_buffer(self.pool, B * N)
             buf = ops.copy_blocks(buf, self.pool, src.reshape(-1).astype(jnp.int32),
                                   dst.reshape(-1).astype(jnp.int32), count.reshape(-1).astype(jnp.int32),
                                   block_size=P, impl=step.kernels)
@@ -253,10 +272,11 @@ class OffloadCache(CacheBase):
         source = jnp.where(in_ring, RING, HOT).astype(jnp.int32)
         row = jnp.where(in_ring, ring_row, buf_row).astype(jnp.int32)
         with jax.named_scope("offload_gather"):
-            latent, rope, _ = ops.hot_gather(source.reshape(-1), row.reshape(-1), self._flat(self.ring), buf, buf,
+            latent, rope, _ = ops.hot_gather(source.reshape(-1), row.reshape(-1), self.ring, buf, buf,
                                              kv_format=self.kv_format, out_dtype=dtype, impl=step.kernels)
         ws = lanes.write_slot(S)
-        cache = self.replace(bulk_rows=self.bulk_rows.at[layer, ws].add(jnp.sum(count, axis=1), mode="drop"))
+        pages_read = jnp.sum(count > 0, axis=1).astype(jnp.int32)
+        cache = self.replace(bulk_pages=self.bulk_pages.at[layer, ws].add(pages_read, mode="drop"))
         return latent, rope, cache
 
     @jax.named_scope("offload_fill")
@@ -288,12 +308,11 @@ class OffloadCache(CacheBase):
             maps, tuple(dict(pos=r.pos, source=r.source, slot=r.slot, valid=r.valid) for r in merged),
             step.lanes.slot, step.lanes.active, layers=layers, hot_rows=H, distinct=repeats == 1,
             max_repeats=repeats, impl=step.kernels)
-        hot = ops.fill_rows(self._flat(self.hot), tuple({n: v.reshape(B * M, -1) for n, v in r.packed.items()}
+        hot = ops.fill_rows(self.hot, tuple({n: v.reshape(B * M, -1) for n, v in r.packed.items()}
                                                         for r in merged),
                             entry, victim, n_fill, step.lanes.slot, layers=layers, sessions=S, hot_rows=H,
                             impl=step.kernels)
-        L = self.num_layers
-        return self.replace(hot={n: hot[n].reshape(L, S, H, -1) for n in self.hot}, **maps)
+        return self.replace(hot=hot, **maps)
 
     # ------------------------------------------------------------------------------------------------------------
     # Between steps: session lifecycle. Each is jitted by glm53.steps with the cache donated.
@@ -310,7 +329,7 @@ class OffloadCache(CacheBase):
             position_of_slot=self.position_of_slot.at[:, slot].set(-1),
             pin_round=self.pin_round.at[:, slot].set(-1), rounds=self.rounds.at[:, slot].set(0),
             clock=self.clock.at[:, slot].set(0), counters=self.counters.at[:, slot].set(0),
-            bulk_rows=self.bulk_rows.at[:, slot].set(0), copybacks=self.copybacks.at[slot].set(0),
+            bulk_pages=self.bulk_pages.at[:, slot].set(0), copybacks=self.copybacks.at[slot].set(0),
             unassigned=self.unassigned.at[slot].set(0), **self._clear_common(slot))
 
     def copy_slot(self, src: Array, dst: Array) -> "OffloadCache":
@@ -320,11 +339,20 @@ class OffloadCache(CacheBase):
         def cp(a, axis):
             return a.at[(slice(None),) * axis + (dst,)].set(a[(slice(None),) * axis + (src,)])
 
+        S = self.num_slots
+
+        def cp_rows(a, per_slot: int):  # a flat plane: each layer's block of the slot's rows, one slice at a time
+            for layer in range(self.num_layers):
+                block = jax.lax.dynamic_slice_in_dim(a, (layer * S + src) * per_slot, per_slot)
+                a = jax.lax.dynamic_update_slice_in_dim(a, block, (layer * S + dst) * per_slot, 0)
+            return a
+
         out = dict(page_table=cp(self.page_table, 0), host_len=cp(self.host_len, 0),
-                   ring={n: cp(a, 1) for n, a in self.ring.items()}, hot={n: cp(a, 1) for n, a in self.hot.items()},
+                   ring={n: cp_rows(a, self.ring_rows) for n, a in self.ring.items()},
+                   hot={n: cp_rows(a, self.hot_rows) for n, a in self.hot.items()},
                    slot_of_position=cp(self.slot_of_position, 1), position_of_slot=cp(self.position_of_slot, 1),
                    pin_round=cp(self.pin_round, 1), rounds=cp(self.rounds, 1), clock=cp(self.clock, 1),
-                   counters=self.counters.at[:, dst].set(0), bulk_rows=self.bulk_rows.at[:, dst].set(0),
+                   counters=self.counters.at[:, dst].set(0), bulk_pages=self.bulk_pages.at[:, dst].set(0),
                    copybacks=self.copybacks.at[dst].set(0), unassigned=self.unassigned.at[dst].set(0))
         return self.replace(**out, **self._copy_common(src, dst))
 
@@ -334,7 +362,7 @@ class OffloadCache(CacheBase):
         n = pages.shape[0]
         starts = (pages * L * P).astype(jnp.int32)
         blocks = (starts[:, None] + jnp.arange(L, dtype=jnp.int32)[None, :] * P).reshape(-1)
-        buf = {k: jnp.zeros((n * L * P, a.shape[1]), a.dtype) for k, a in self.pool.items()}
+        buf = _device_buffer(self.pool, n * L * P)
         return ops.copy_blocks(buf, self.pool, blocks, jnp.arange(n * L, dtype=jnp.int32) * P,
                                jnp.full((n * L,), P, jnp.int32), block_size=P, impl=kernels)
 
@@ -370,7 +398,7 @@ class OffloadCache(CacheBase):
         src = (jnp.maximum(pool_page, 0) * L + l) * P
         dst = (l * S + slot) * R + (k * P) % R
         count = jnp.where(reload & (pool_page >= 0), P, 0) * jnp.ones((L,), jnp.int32)
-        ring = ops.copy_blocks(self._flat(self.ring), self.pool, src.astype(jnp.int32), dst.astype(jnp.int32),
+        ring = ops.copy_blocks(self.ring, self.pool, src.astype(jnp.int32), dst.astype(jnp.int32),
                                count.astype(jnp.int32), block_size=P, impl=kernels)
         pos_of_slot = self.position_of_slot[:, slot]  # [L, H]
         stale = pos_of_slot >= new
@@ -378,8 +406,7 @@ class OffloadCache(CacheBase):
         n = jnp.arange(N, dtype=jnp.int32)[None, :]
         sop = self.slot_of_position[:, slot]
         slot_of_position = self.slot_of_position.at[:, slot].set(jnp.where(n >= new, -1, sop))
-        return cache.replace(ring={n_: r.reshape(self.ring[n_].shape) for n_, r in ring.items()},
-                             host_len=self.host_len.at[slot].set(new), position_of_slot=position_of_slot,
+        return cache.replace(ring=ring, host_len=self.host_len.at[slot].set(new), position_of_slot=position_of_slot,
                              slot_of_position=slot_of_position)
 
     def flush_slot(self, slot: Array, kernels: str) -> "OffloadCache":
@@ -395,7 +422,7 @@ class OffloadCache(CacheBase):
         count = jnp.where(pool_page >= 0, jnp.clip(final - k * P, 0, P), 0)
         src = (l * S + slot) * R + (k * P) % R
         dst = (jnp.maximum(pool_page, 0) * L + l) * P
-        pool = ops.copy_blocks(self.pool, self._flat(self.ring), src.astype(jnp.int32), dst.astype(jnp.int32),
+        pool = ops.copy_blocks(self.pool, self.ring, src.astype(jnp.int32), dst.astype(jnp.int32),
                                count.astype(jnp.int32), block_size=P, impl=kernels)
         return self.replace(pool=pool)
 
@@ -410,10 +437,10 @@ class OffloadCache(CacheBase):
         count = jnp.broadcast_to(jnp.where(pool_page >= 0, P, 0), (L, pages))
         src = (jnp.maximum(pool_page, 0) * L + l) * P
         dst = l * N + k * P
-        buf = {n: jnp.zeros((L * N, a.shape[1]), a.dtype) for n, a in self.pool.items()}
+        buf = _device_buffer(self.pool, L * N)
         buf = ops.copy_blocks(buf, self.pool, src.reshape(-1).astype(jnp.int32), dst.reshape(-1).astype(jnp.int32),
                               count.reshape(-1).astype(jnp.int32), block_size=P, impl=kernels)
-        return {n: v.reshape(L, N, -1) for n, v in buf.items()}
+        return {n: v[: L * N].reshape(L, N, -1) for n, v in buf.items()}
 
     def write_slot_rows(self, slot: Array, rows: dict, length: Array, mtp_length: Array, kernels: str):
         """Restore into a cleared slot whose page table the engine has set: the complete pages' rows go to their
@@ -426,17 +453,28 @@ class OffloadCache(CacheBase):
         l = jnp.arange(L, dtype=jnp.int32)[:, None]
         pool_page = self.page_table[slot][None, :]
         flat = {n: v.reshape(L * N, -1).astype(self.pool[n].dtype) for n, v in rows.items()}
+        flat = {n: jnp.pad(v, ((0, _padded(v.shape[0], v) - v.shape[0]), (0, 0))) for n, v in flat.items()}
         count = jnp.broadcast_to(jnp.where((k < complete) & (pool_page >= 0), P, 0), (L, pages))
         pool = ops.copy_blocks(self.pool, flat, (l * N + k * P).reshape(-1).astype(jnp.int32),
                                ((jnp.maximum(pool_page, 0) * L + l) * P).reshape(-1).astype(jnp.int32),
                                count.reshape(-1).astype(jnp.int32), block_size=P, impl=kernels)
         lr = jnp.arange(L, dtype=jnp.int32)
         partial = jnp.where(complete * P < N, P, 0)  # a full slot has no partial page
-        ring = ops.copy_blocks(self._flat(self.ring), flat, (lr * N + complete * P).astype(jnp.int32),
+        ring = ops.copy_blocks(self.ring, flat, (lr * N + complete * P).astype(jnp.int32),
                                ((lr * S + slot) * R + (complete * P) % R).astype(jnp.int32),
                                jnp.full((L,), partial, jnp.int32), block_size=P, impl=kernels)
-        return self.replace(pool=pool, ring={n: r.reshape(self.ring[n].shape) for n, r in ring.items()},
-                            host_len=self.host_len.at[slot].set(complete * P))
+        return self.replace(pool=pool, ring=ring, host_len=self.host_len.at[slot].set(complete * P))
+
+
+def _padded(rows: int, like) -> int:
+    return padded_rows(rows, like.shape[1:], like.dtype)
+
+
+def _device_buffer(planes: dict, rows: int) -> dict:
+    """A transient zero buffer ``{plane: [rows + pad, W]}`` shaped like ``planes`` for the kernels to read or write
+    (bulk reads, save, fork): padded like the cache's own planes (``glm53.cache.padded_rows``), since a 1-byte plane
+    of 2**31..2**32 elements would be misaddressed (a save of a ~500K-row session is one: 9 layers x 500K x 512)."""
+    return {n: jnp.zeros((_padded(rows, a), a.shape[1]), a.dtype) for n, a in planes.items()}
 
 
 def _concat_rounds(rs: list) -> Round:
@@ -485,6 +523,18 @@ def slot_map_dtype(hot_rows: int) -> np.dtype:
     i.e. ``hot_rows <= 32,768`` (the design's 2 bytes per position: 18 MB instead of 36 MB for 9 layers of a
     1M-row slot), else int32."""
     return np.dtype(np.int16) if hot_rows <= np.iinfo(np.int16).max + 1 else np.dtype(np.int32)
+
+
+def ring_shapes(cfg: ModelConfig, cc: CacheConfig, slots: int) -> dict:
+    """``{plane: (shape, dtype)}`` of the ring: flat ``[L * slots * R + pad, W]`` (``addressable_planes``)."""
+    return addressable_planes(kv_formats.get_format(cc.kv_format), cfg.num_cache_layers * slots * ring_rows_for(cc))
+
+
+def hot_shapes(cfg: ModelConfig, cc: CacheConfig, slots: int) -> dict:
+    """``{plane: (shape, dtype)}`` of the hot cache: flat ``[L * slots * H + pad, W]``: at the H200 target (9 layers x
+    16 slots x 32,768 rows, q8g64) the int8 latent plane's 2.4G elements would be misaddressed, so it alone gets
+    3.7M padding rows (+1.9 GB) where phantom slots added 13 slots of every per-slot array (+18.5 GB)."""
+    return addressable_planes(kv_formats.get_format(cc.kv_format), cfg.num_cache_layers * slots * cc.hot_rows)
 
 
 def indexed_rows(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, pool_pages: int) -> dict:
@@ -613,16 +663,16 @@ def init_offload(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, p
     cache = OffloadCache(
         sessions=init_sessions(cfg, S), **init_index_keys(cfg, cc, S, N, dtype), pool=pool,
         page_table=jnp.full((S, N // P), -1, jnp.int32), host_len=jnp.zeros((S,), jnp.int32),
-        ring={n: jnp.zeros(s, d) for n, (s, d) in fmt.plane_shapes(L, S, R).items()},
-        hot={n: jnp.zeros(s, d) for n, (s, d) in fmt.plane_shapes(L, S, H).items()},
+        ring={n: jnp.zeros(s, d) for n, (s, d) in ring_shapes(cfg, cc, S).items()},
+        hot={n: jnp.zeros(s, d) for n, (s, d) in hot_shapes(cfg, cc, S).items()},
         slot_of_position=jnp.full((L, S, N), -1, slot_map_dtype(H)),
         position_of_slot=jnp.full((L, S, H), -1, jnp.int32),
         pin_round=jnp.full((L, S, H), -1, jnp.int32), rounds=jnp.zeros((L, S), jnp.int32),
         clock=jnp.zeros((L, S), jnp.int32), counters=jnp.zeros((L, S, len(COUNTERS)), jnp.int32),
-        bulk_rows=jnp.zeros((L, S), jnp.int32), copybacks=jnp.zeros((S,), jnp.int32),
+        bulk_pages=jnp.zeros((L, S), jnp.int32), copybacks=jnp.zeros((S,), jnp.int32),
         unassigned=jnp.zeros((S,), jnp.int32), kv_format=fmt.name, indexer_precision=cc.indexer_precision,
         key_slot_of_layer=key_slots(cfg),
-        _has_mtp_layer=bool(cfg.num_nextn_predict_layers), page_rows=P)
+        _has_mtp_layer=bool(cfg.num_nextn_predict_layers), page_rows=P, _ring_rows=R)
     return place(cache, device)
 
 
@@ -631,15 +681,18 @@ def init_offload(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, p
 # ----------------------------------------------------------------------------------------------------------------
 def slot_stats(cache: OffloadCache, slot: int, counters=None, bulk=None, copybacks=None) -> dict:
     """Per-layer counters of one slot and the bytes moved, as plain Python numbers. Arrays already fetched to the
-    host can be passed in (``counters [L, S, C]`` etc.) to avoid another device read."""
+    host can be passed in (``counters [L, S, C]``, ``bulk`` = ``bulk_pages [L, S]`` etc.) to avoid another device
+    read. Bulk reads are counted in pages on the device and converted to rows and bytes here, in int64."""
     c = np.asarray(cache.counters if counters is None else counters)[:, slot].astype(np.int64)  # [L, C]
-    bulk = np.asarray(cache.bulk_rows if bulk is None else bulk)[:, slot].astype(np.int64)
+    bulk_pages = np.asarray(cache.bulk_pages if bulk is None else bulk)[:, slot].astype(np.int64)
+    bulk = bulk_pages * cache.page_rows  # rows, in int64
     pages = int(np.asarray(cache.copybacks if copybacks is None else copybacks)[slot])
     row_bytes = cache.fmt.bytes_per_row
     per = {name: c[:, i].tolist() for i, name in enumerate(COUNTERS)}
     lookups = c[:, 0] + c[:, 1]
     # A layer that looked nothing up has no hit rate (not 1.0): None.
     per["hit_rate"] = [float(h / n) if n else None for h, n in zip(c[:, 0], lookups)]
+    per["bulk_pages"] = bulk_pages.tolist()
     per["bulk_rows"] = bulk.tolist()
     total = int(lookups.sum())
     return {

@@ -50,10 +50,11 @@ def _copy_kernel(src_start_ref, dst_start_ref, count_ref, *refs, n_planes: int, 
         r = j * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
         mask = r < n
         src = src_start_ref[i] + jnp.where(mask, r, 0)
-        # Masked-off rows point past the end: GPUs skip them anyway, but the Pallas interpreter writes every row
-        # (the old value where masked), which at an in-range dummy row could undo another block's copy.
-        dst = jnp.where(mask, dst_start_ref[i] + r, dst_refs[0].shape[0])
         for src_ref, dst_ref in zip(src_refs, dst_refs):
+            # Masked-off rows point past the end of this plane (planes may differ in padding rows): GPUs skip them
+            # anyway, but the Pallas interpreter writes every row (the old value where masked), which at an
+            # in-range dummy row could undo another block's copy.
+            dst = jnp.where(mask, dst_start_ref[i] + r, dst_ref.shape[0])
             cols = jnp.arange(dst_ref.shape[1], dtype=jnp.int32)[None, :]
             # No fill value: masked-off rows are never stored, and the Triton lowering has no fp8 constant for one.
             val = plgpu.load(src_ref.at[src[:, None], cols], mask=mask[:, None])  # [block_rows, W_p]
@@ -66,12 +67,11 @@ def _validate(dst, src, src_start, dst_start, count, block_size: int, block_rows
                          "block_rows <= block_size")
     if not dst or dst.keys() != src.keys():
         raise ValueError(f"dst and src must hold the same planes, got {sorted(dst)} and {sorted(src)}")
-    rows = {}
+    # The planes of one side may differ in rows: a plane can carry padding rows past the ones addressed, so the
+    # Triton lowering addresses it right (glm53.cache.addressable_planes). Copied rows must lie inside every plane.
     for side, planes in (("dst", dst), ("src", src)):
-        rows[side] = {v.shape[0] if v.ndim == 2 else None for v in planes.values()}
-        if len(rows[side]) != 1 or None in rows[side]:
-            raise ValueError(f"{side} planes must be [R, W] with one R, got "
-                             f"{ {n: v.shape for n, v in planes.items()} }")
+        if any(v.ndim != 2 for v in planes.values()):
+            raise ValueError(f"{side} planes must be [R, W], got { {n: v.shape for n, v in planes.items()} }")
     for name in dst:
         d, s = dst[name], src[name]
         if d.shape[1] != s.shape[1] or d.dtype != s.dtype:
@@ -97,7 +97,8 @@ def copy_blocks(dst: dict, src: dict, src_start: jax.Array, dst_start: jax.Array
     block_size)``; other rows of ``dst`` keep their values.
 
     Args:
-      dst: ``{plane: [R_dst, W]}``, updated in place (aliased and donated); device or ``pinned_host``.
+      dst: ``{plane: [R_dst, W]}``, updated in place (aliased and donated); device or ``pinned_host``. Planes
+        may differ in rows (padding rows that keep a plane addressable: glm53.cache.addressable_planes).
       src: ``{plane: [R_src, W]}`` with the same planes, widths and dtypes; device or ``pinned_host``.
       src_start, dst_start, count: int32[NB]. Copied rows must lie inside both (the caller's bug otherwise: the
         kernel would touch memory outside the planes, while the reference drops or clamps).
@@ -143,7 +144,7 @@ def copy_blocks_reference(dst: dict, src: dict, src_start: jax.Array, dst_start:
     r = jnp.arange(block_size, dtype=jnp.int32)[None, :]
     do = r < jnp.clip(count.astype(jnp.int32), 0, block_size)[:, None]  # [NB, block_size]
     src_row = jnp.where(do, src_start.astype(jnp.int32)[:, None] + r, 0).reshape(-1)
-    R_dst = next(iter(dst.values())).shape[0]
-    dst_row = jnp.where(do, dst_start.astype(jnp.int32)[:, None] + r, R_dst).reshape(-1)
-    return {n: v.at[dst_row].set(jnp.take(src[n], src_row, axis=0, mode="clip"), mode="drop")
+    dst_row = dst_start.astype(jnp.int32)[:, None] + r
+    return {n: v.at[jnp.where(do, dst_row, v.shape[0]).reshape(-1)].set(
+                jnp.take(src[n], src_row, axis=0, mode="clip"), mode="drop")
             for n, v in dst.items()}

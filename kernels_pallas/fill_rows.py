@@ -32,7 +32,7 @@ def _fill_kernel(entry_ref, victim_ref, n_fill_ref, lane_slot_ref, *refs, layers
     Refs (all ANY):
       entry_ref, victim_ref: [Lp, B, F] int32; n_fill_ref: [Lp, B] int32; lane_slot_ref: [B] int32
       rows: per layer i, per plane: [B * entries, W] — the round's gathered packed rows
-      hot (aliased inputs, unused), then hot outputs: per plane [L * sessions * hot_rows, W]
+      hot (aliased inputs, unused), then hot outputs: per plane [L * sessions * hot_rows + pad, W]
     A program reads one count and usually returns: one grid axis per layer keeps that a single memory round trip
     (looping over the layers inside a program chained one per layer: 13 us for 8 layers, measured).
     """
@@ -53,8 +53,9 @@ def _fill_kernel(entry_ref, victim_ref, n_fill_ref, lane_slot_ref, *refs, layers
             # Masked-off rows point past the end: GPUs skip them anyway, but the Pallas interpreter writes every
             # row (the old value where masked), which at an in-range dummy row could undo a real fill of it.
             first_row = (layer * sessions + lane_slot_ref[b]) * hot_rows
-            dst = jnp.where(mask, first_row + victim, hot_out[0].shape[0])
             for p in range(n_planes):
+                # Past the end of this plane (planes may differ in padding rows: glm53.cache.addressable_planes).
+                dst = jnp.where(mask, first_row + victim, hot_out[p].shape[0])
                 width = hot_out[p].shape[1]
                 cols = jnp.arange(width, dtype=jnp.int32)[None, :]
                 ref = row_refs[i * n_planes + p]
@@ -81,9 +82,10 @@ def _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot
     if entry.shape[2] % block_rows:
         raise ValueError(f"F={entry.shape[2]} must be a multiple of block_rows={block_rows}")
     for n, plane in hot.items():
-        if plane.ndim != 2 or plane.shape[0] % (sessions * hot_rows):
-            raise ValueError(f"hot plane {n!r} must be [L * sessions * hot_rows, W] with sessions={sessions}, "
-                             f"hot_rows={hot_rows}; got {plane.shape}")
+        # Rows past the slots' are padding (so the plane stays addressable: glm53.cache.addressable_planes).
+        if plane.ndim != 2 or plane.shape[0] < (max(layers, default=0) + 1) * sessions * hot_rows:
+            raise ValueError(f"hot plane {n!r} must be [L * sessions * hot_rows + pad, W] with sessions={sessions}, "
+                             f"hot_rows={hot_rows} and L > {max(layers, default=0)}; got {plane.shape}")
     for r in rows:
         if r.keys() != hot.keys():
             raise ValueError(f"row planes {sorted(r)} differ from hot planes {sorted(hot)}")
@@ -104,9 +106,10 @@ def fill_rows(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Array, n_fil
               *, layers: tuple, sessions: int, hot_rows: int, block_rows: int = 16, num_warps: int = 4,
               interpret: bool = False) -> dict:
     """``hot[plane][(layers[i] * sessions + lane_slot[b]) * hot_rows + victim[i, b, f]] = rows[i][plane][b * E +
-    entry[i, b, f]]`` for ``f < n_fill[i, b]``. ``hot``: flat ``[L * sessions * hot_rows, W]`` planes (``sessions``
-    is the number of session slots S); ``rows[i]``: flat ``[B * E, W]`` planes, one row block per lane. Inactive
-    lanes have n_fill 0 (``fill_round``) and so copy nothing. Returns the updated hot planes (in place)."""
+    entry[i, b, f]]`` for ``f < n_fill[i, b]``. ``hot``: flat ``[L * sessions * hot_rows + pad, W]`` planes
+    (``sessions`` is the number of session slots S; ``pad`` rows, never written, may differ per plane); ``rows[i]``:
+    flat ``[B * E, W]`` planes, one row block per lane. Inactive lanes have n_fill 0 (``fill_round``) and so copy
+    nothing. Returns the updated hot planes (in place)."""
     _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot_rows, block_rows,
               compiled=not interpret)
     names = tuple(sorted(hot))
@@ -147,10 +150,10 @@ def fill_rows_reference(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Ar
     b = jnp.arange(B)[None, :, None]
     slot = lane_slot.astype(jnp.int32)[None, :, None]
     dst = (jnp.asarray(layers, jnp.int32)[:, None, None] * sessions + slot) * hot_rows + victim
-    dst = jnp.where(do, dst, next(iter(hot.values())).shape[0])  # out of range: dropped
     out = {}
     for n, plane in hot.items():
+        dst_n = jnp.where(do, dst, plane.shape[0])  # out of range: dropped
         src = jnp.stack([r[n] for r in rows])  # [Lp, B * E, W]
         vals = jnp.take_along_axis(src, (b * E + jnp.where(do, entry, 0)).reshape(Lp, B * F)[..., None], axis=1)
-        out[n] = plane.at[dst.reshape(-1)].set(vals.reshape(Lp * B * F, -1), mode="drop")
+        out[n] = plane.at[dst_n.reshape(-1)].set(vals.reshape(Lp * B * F, -1), mode="drop")
     return out

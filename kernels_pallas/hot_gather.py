@@ -29,8 +29,9 @@ Hence, with int32 row indices everywhere (XLA glue and kernels):
   while its row indices stay below 2**31 (``tests/test_pool_scale.py`` checks the lowering at that size);
 * an operand of at most 2**32 bytes with fewer than 2**31 elements has every offset below 2**31;
 * an operand of 2**31..2**32 one-byte elements (int8 / fp8 latent planes of 2.1-4.3 GB) gets i32 offsets past
-  2**31 that wrap negative: misaddressed (illegal memory accesses on the H200). ``glm53.memory`` grows such planes
-  past 2**32 bytes, and the compiled kernels refuse them (``check_addressable``);
+  2**31 that wrap negative: misaddressed (illegal memory accesses on the H200). The caches give such planes
+  padding rows that nothing addresses, past 2**32 bytes (``glm53.cache.addressable_planes``; the host pool whole
+  pages, ``glm53.memory.allocated_pages``), and the compiled kernels refuse them (``check_addressable``);
 * a plane has fewer than 2**31 rows, so its row indices and the one-past-the-end row of masked stores are int32
   (``check_addressable``; ``glm53.offload.validate`` refuses caches that would need more).
 
@@ -86,7 +87,8 @@ def check_addressable(planes: dict, what: str, *, compiled: bool) -> None:
             raise ValueError(f"{what} plane {name!r} {plane.dtype}{list(plane.shape)}: {elements:,} elements in "
                              f"{elements * jnp.dtype(plane.dtype).itemsize:,} bytes; Pallas' Triton lowering "
                              "addresses 2**31..2**32 one-byte elements with negative 32-bit offsets (allocate it "
-                             "past 2**32 bytes: glm53.memory.allocated_slots / allocated_pages)")
+                             "past 2**32 bytes with padding rows: glm53.cache.padded_rows, "
+                             "glm53.memory.allocated_pages)")
 
 
 def _load3(srcs, masks, row, cols, dtype):

@@ -289,7 +289,7 @@ def test_copyback_only_writes_accepted_rows(model):
     P, L = CC.copyback_every, CFG.num_cache_layers
     host_len = int(c.host_len[s.slot])
     assert host_len == s.host_rows == (min(s.processed, s.mtp_processed) // P) * P
-    hist = {n: np.asarray(v)[:, rs] for n, v in res.cache.history.items()}  # [L, N, W]
+    hist = {n: np.asarray(v)[:, rs] for n, v in res.cache.history_planes().items()}  # [L, N, W]
     pool = {n: np.asarray(v) for n, v in c.pool.items()}
     table = np.asarray(c.page_table[s.slot])
     for k in range(host_len // P):
@@ -306,7 +306,7 @@ def test_copyback_only_writes_accepted_rows(model):
         for n in pool:
             assert not pool[n][r0:r0 + L * P].any(), "rows past the committed length reached host memory"
     pos = np.asarray(c.position_of_slot)[:, s.slot]  # [L, H]
-    hot = {n: np.asarray(v)[:, s.slot] for n, v in c.hot.items()}
+    hot = {n: np.asarray(v)[:, s.slot] for n, v in c.hot_planes().items()}
     for layer in range(L):
         for h in np.nonzero(pos[layer] >= 0)[0]:
             p = pos[layer, h]
@@ -373,7 +373,8 @@ def test_inputs_accept_lists_arrays_and_check_them(model):
 def test_planes_stay_addressable_by_the_kernels():
     """Pallas' Triton lowering uses 32-bit offsets up to 2**32 bytes, added as signed numbers: 1-byte planes of
     2**31..2**32 elements would be misaddressed (illegal memory accesses on the H200 with 10 x 50K-row caches).
-    Engines allocate phantom slots / pages to push such planes past 2**32 bytes, and nothing else."""
+    Such a plane gets padding rows (resident: padding planes of N rows) that push it past 2**32 bytes, and nothing
+    else grows: no phantom slots. The host pool grows by pages."""
     from glm53 import memory
     from configs import h200_bench
 
@@ -381,13 +382,74 @@ def test_planes_stay_addressable_by_the_kernels():
     cfg, cc = glm53.ModelConfig.from_config_dict(c.model), glm53.CacheConfig.from_config_dict(c.cache)
     L, N = cfg.num_cache_layers, 54272
     assert 2**31 <= 10 * L * N * 512 <= 2**32  # the q8g64 latent history of 10 resident 54K-row slots
-    s = memory.allocated_slots(cfg, cc, 10, N)
-    assert s * L * N * 512 > 2**32 and (s - 1) * L * N * 512 <= 2**32
-    assert memory.allocated_slots(cfg, cc.replace(kv_format="bf16"), 10, N) == 10  # 2-byte planes: never
+    assert memory.allocated_slots(cfg, cc, 10, N) == 10
+    shapes = glm53.cache.history_shapes(cfg, cc, 10, N)
+    planes = 2**32 // (N * 512) + 1  # the fewest planes past 2**32 bytes: 155 for 90 used
+    assert {n: s for n, (s, _) in shapes.items()} == {"latent": (planes, N, 512), "scale": (planes, N, 8),
+                                                       "rope": (planes, N, 64)}  # one shape (gather_rows)
+    assert planes * N * 512 > 2**32 >= (planes - 1) * N * 512
+    # the cache as it would be built (traced: nothing allocated), and what cache_bytes counts
+    res = jax.eval_shape(lambda: glm53.cache.init_resident(cfg, cc, 10, N, jax.numpy.bfloat16))
+    assert res.num_slots == 10 and res.index_keys.shape[1] == 10
+    assert {n: (a.shape, a.dtype) for n, a in res.history.items()} == shapes
+    parts = memory.cache_bytes(cfg, cc, 10, N, 0, jax.numpy.bfloat16)["device"]
+    assert parts["history"] == planes * N * (512 + 2 * 8 + 2 * 64)
+    assert parts["index_keys"] == 5 * 10 * N * 128 * 2
+    bf16 = glm53.cache.history_shapes(cfg, cc.replace(kv_format="bf16"), 10, N)
+    assert bf16["latent"][0] == (10 * L, N, 512)  # 2-byte planes: never padded
     pages = memory.allocated_pages(cfg, cc.replace(mode="offload"), 8480)
     assert pages * L * 64 * 512 > 2**32
     assert memory.allocated_pages(cfg, cc.replace(mode="offload"), 781) == 781
-    assert memory.allocated_slots(cfg, cc.replace(mode="offload"), 10, N) == 10  # hot + ring are small enough
+    # offload, 10 slots: the hot cache and ring are small enough as they are
+    assert all(s[0] == 10 * L * cc.hot_rows for s, _ in glm53.offload.hot_shapes(cfg, cc.replace(mode="offload"),
+                                                                                  10).values())
+
+
+def test_padding_rows_change_nothing(model, monkeypatch, tmp_path):
+    """Padding rows, as the H200 target's hot int8 latent plane gets them (forced here on every 1-byte plane of a
+    small cache: the hot cache and the ring), are never read or written: an offload engine with them decodes
+    bit-identically to a resident engine without, through prefill (bulk reads), fork, append, decode (fills),
+    rollback, save and restore; they stay zero; no phantom slots; memory_report and cache_bytes count them."""
+    import gc
+
+    from glm53 import memory
+
+    plain = engine(model, "resident", 2)
+    real = glm53.cache.padded_rows
+    monkeypatch.setattr(glm53.cache, "padded_rows", lambda rows, row_shape, dtype: real(rows, row_shape, dtype) + (
+        24 if np.dtype(dtype).itemsize == 1 else 0))
+    # The padded engine's executables (new shapes: a step set of their own) belong to a model of its own (the same
+    # weights), freed with it at the end: every CPU executable holds memory maps, and one process running the engine
+    # and offload test files stays below the kernel's vm.max_map_count (65,530) only if they do not pile up.
+    own = make_model()
+    e = engine(own, "offload", 2)
+    L, S, H, R = CFG.num_cache_layers, 2, CC.hot_rows, glm53.offload.ring_rows_for(CC)
+    c = e.cache
+    assert c.num_slots == 2 and c.ring_rows == R and c.hot_rows == H
+    assert c.hot["latent"].shape == (L * S * H + 24, 512) and c.hot["rope"].shape == (L * S * H, 64)
+    assert c.ring["latent"].shape == (L * S * R + 24, 512) and c.ring["scale"].shape == (L * S * R, 8)
+
+    def script(e):
+        a = e.open(ids(200, seed=90))
+        b = e.fork(a)
+        e.append(b, ids(20, seed=91))
+        out = gen(e, {a: 10, b: 10})
+        e.rollback(a, 5)
+        e.save(b, str(tmp_path / e.cache_config.mode))
+        e.close(b)
+        c = e.restore(str(tmp_path / e.cache_config.mode))
+        return out + gen(e, {a: 8, c: 6})
+
+    assert_same(script(plain), script(e))
+    assert e.stats(0)["fills"] > 0 and e.stats(0)["bulk_bytes_from_host"] > 0
+    assert not np.asarray(e.cache.hot["latent"])[L * S * H:].any(), "a padding row of the hot cache was written"
+    assert not np.asarray(e.cache.ring["latent"])[L * S * R:].any(), "a padding row of the ring was written"
+    rep = e.memory_report()
+    parts = memory.cache_bytes(CFG, e.cache_config, 2, e.capacity, e.alloc_pages, np.float32)
+    assert rep["device"]["cache_bytes"] == sum(parts["device"].values())
+    assert rep["device"]["allocated_slots"] == rep["device"]["slots"] == 2
+    del e, c, own
+    gc.collect()
 
 
 def test_a_failing_callback_leaves_the_session_consistent(model):

@@ -89,8 +89,8 @@ def check_invariants(cache, shadow, lengths, host_len):
     sop = np.asarray(cache.slot_of_position)
     pos = np.asarray(cache.position_of_slot)
     H, R = cache.hot_rows, cache.ring_rows
-    hot = {n: np.asarray(v) for n, v in cache.hot.items()}
-    ring = {n: np.asarray(v) for n, v in cache.ring.items()}
+    hot = {n: np.asarray(v) for n, v in cache.hot_planes().items()}  # [L, S, H, W]
+    ring = {n: np.asarray(v) for n, v in cache.ring_planes().items()}  # [L, S, R, W]
     assert (np.asarray(cache.host_len)[SLOTS] == host_len).all()
     assert int(cache.host_len[1]) == 0 and (pos[:, 1] == -1).all() and int(cache.sessions.lengths[1]) == 0
     for layer in range(L):
@@ -215,6 +215,36 @@ def test_copyback_writes_one_page_for_all_layers():
     parts = memory.cache_bytes(CFG, CC, S, N, S * N // P, jnp.float32)
     assert parts["device"]["slot_of_position"] == cache.slot_of_position.nbytes
     assert parts["host"]["pool"] == sum(v.nbytes for v in cache.pool.values())
+    held = cache.nbytes()  # every part, as allocated
+    assert held.pop("pool") == parts["host"]["pool"] and held == parts["device"]
+
+
+def test_padding_rows_are_never_addressed(monkeypatch):
+    """Padding rows in the 1-byte hot and ring planes (forced here; at the H200 target the hot latent plane gets
+    3.7M): the same rounds read the same rows and leave the same hot cache, ring and pool as without them, the
+    padding stays zero, and cache_bytes counts it."""
+    from glm53 import cache as gcache
+    from glm53 import memory
+
+    want = _rounds(new_cache(), 6, seed=5)
+    real = gcache.padded_rows
+    monkeypatch.setattr(gcache, "padded_rows", lambda rows, row_shape, dtype: real(rows, row_shape, dtype) + (
+        40 if np.dtype(dtype).itemsize == 1 else 0))
+    cache = new_cache()
+    H, R = cache.hot_rows, cache.ring_rows
+    assert cache.hot["latent"].shape[0] == L * S * H + 40 and cache.hot["rope"].shape[0] == L * S * H
+    assert cache.ring["latent"].shape[0] == L * S * R + 40 and cache.ring["scale"].shape[0] == L * S * R
+    got = _rounds(cache, 6, seed=5)
+    for name in ("hot_planes", "ring_planes"):
+        for n, v in getattr(want, name)().items():
+            np.testing.assert_array_equal(np.asarray(getattr(got, name)()[n]), np.asarray(v), err_msg=f"{name} {n}")
+    for n, v in want.pool.items():
+        np.testing.assert_array_equal(np.asarray(got.pool[n]), np.asarray(v))
+    np.testing.assert_array_equal(np.asarray(got.counters), np.asarray(want.counters))
+    assert not np.asarray(got.hot["latent"])[L * S * H:].any() and not np.asarray(got.ring["latent"])[L * S * R:].any()
+    held = got.nbytes()
+    parts = memory.cache_bytes(CFG, CC, S, N, S * N // P, jnp.float32)
+    assert held.pop("pool") == parts["host"]["pool"] and held == parts["device"]
 
 
 def test_a_page_with_no_pool_page_stays_in_the_ring():
@@ -227,3 +257,28 @@ def test_a_page_with_no_pool_page_stays_in_the_ring():
     assert (np.asarray(cache.unassigned)[SLOTS] >= 1).all()
     for n, v in cache.pool.items():
         np.testing.assert_array_equal(np.asarray(v), before[n])
+
+
+def test_bulk_reads_are_counted_in_pages():
+    """A bulk round (prefill / append) counts the host pages it copies, in int32 pages (rows overflowed int32 at
+    ~2M tokens of prefill: a 1M-token prefill reads ~5.4e8 rows per layer); the stats turn them into rows and
+    bytes in int64."""
+    cache = _rounds(new_cache(), 5)  # 20 rows per lane; the pages [0, 16) are in host memory
+    assert (np.asarray(cache.host_len)[SLOTS] == 16).all()
+    ln = lanes()
+    step = make_step(cache.sessions.lengths[ln.slot], jnp.zeros((B,), jnp.int32), T, N, CFG, jnp.float32, ln,
+                     kernels="auto", bulk=True)
+    sel = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, T, K))  # positions 0..15: both host pages
+    _, _, cache, round_ = cache.gather_rows(0, sel, jnp.ones((B, T, K), bool), step, jnp.float32)
+    assert round_ is None
+    pages = np.asarray(cache.bulk_pages)
+    assert cache.bulk_pages.dtype == np.int32 and (pages[0, SLOTS] == 2).all() and pages.sum() == 2 * B
+    row = kv_formats.get_format(FMT).bytes_per_row
+    st = offload.slot_stats(cache, SLOTS[0])
+    assert st["per_layer"]["bulk_pages"] == [2] + [0] * (L - 1)
+    assert st["per_layer"]["bulk_rows"] == [2 * P] + [0] * (L - 1)
+    assert st["bulk_bytes_from_host"] == 2 * P * row
+    most = np.full((L, S), 2**31 - 1, np.int32)  # int32 pages at their limit: rows and bytes far past int32
+    st = offload.slot_stats(cache, 0, bulk=most)
+    assert st["per_layer"]["bulk_rows"] == [(2**31 - 1) * P] * L
+    assert st["bulk_bytes_from_host"] == L * (2**31 - 1) * P * row

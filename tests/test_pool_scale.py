@@ -34,6 +34,7 @@ from kernels_pallas import ops
 hg = importlib.import_module("kernels_pallas.hot_gather")
 cb = importlib.import_module("kernels_pallas.copy_blocks")
 frd = importlib.import_module("kernels_pallas.fill_round")
+fr = importlib.import_module("kernels_pallas.fill_rows")
 
 ON_GPU = jax.default_backend() in ops.GPU_BACKENDS
 FMT = "q8g64"
@@ -302,3 +303,85 @@ def test_allocate_pool_is_zero_pinned_host_with_progress(capsys):
         assert not np.asarray(pool[n]).any()
     offload.allocate_pool(fmt, rows, jax.devices()[0])  # small pools: no bar
     assert capsys.readouterr().err == ""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The hot cache at the target: padding rows, not phantom slots
+# ----------------------------------------------------------------------------------------------------------------
+def _pool_stub(fmt, rows, device, **kw):
+    """``allocate_pool`` traced: zeros of the pool's shapes (eval_shape allocates nothing)."""
+    return {n: jnp.zeros(s, d) for n, (s, d) in fmt.plane_shapes(rows).items()}
+
+
+def test_hot_cache_at_the_target_gets_padding_rows_not_phantom_slots(monkeypatch):
+    """16 sessions x 32,768 hot rows x 9 layers: the hot int8 latent plane (2.4G elements, 2.4 GB) would be
+    misaddressed. It alone grows, by rows, just past 2**32 bytes; the 2-byte planes, the ring and every per-slot
+    array keep 16 slots (phantom slots made them 29: 42.4 GiB of device cache instead of 25.1)."""
+    cfg, cc = _h200_config()
+    L, H, N = LAYERS, cc.hot_rows, 1048832  # N: the 16 x 1M run's capacity (experiments/results/sessions_1m_16x.json)
+    R = offload.ring_rows_for(cc)
+    hot, ring = offload.hot_shapes(cfg, cc, SESSIONS), offload.ring_shapes(cfg, cc, SESSIONS)
+    assert hg.triton_misaddressed((L * SESSIONS * H, 512), jnp.int8)  # unpadded: 2**31 <= 2.4G elements <= 2**32
+    assert hot["latent"] == ((2**32 // 512 + 1, 512), np.int8)  # the fewest rows past 2**32 bytes
+    assert hot["scale"][0] == (L * SESSIONS * H, 8) and hot["rope"][0] == (L * SESSIONS * H, 64)  # never padded
+    assert all(s[0] == L * SESSIONS * R for s, _ in ring.values())  # 151M elements: addressable as it is
+    assert not any(hg.triton_misaddressed(s, d) for s, d in (*hot.values(), *ring.values()))
+    assert glm53.memory.allocated_slots(cfg, cc, SESSIONS, N) == SESSIONS
+    parts = glm53.memory.cache_bytes(cfg, cc, SESSIONS, N, 1, jnp.bfloat16)["device"]
+    assert parts["hot"] == (2**32 // 512 + 1) * 512 + L * SESSIONS * H * (8 + 64) * 2
+    assert parts["index_keys"] == 5 * SESSIONS * N * 128 * 2  # 16 slots of indexer keys, not 29
+    assert sum(parts.values()) == 26_989_246_016  # was 45,512,232,628 with 29 slots (the measured 42.4 GiB)
+
+    # The cache init, traced (nothing allocated): every per-slot array has 16 slots, the hot and ring planes the
+    # shapes above, and cache_bytes counts exactly what it holds, padding included.
+    monkeypatch.setattr(offload, "allocate_pool", _pool_stub)
+    small = 4096  # capacity does not enter the hot plane; a small one keeps the traced arrays small
+    c = jax.eval_shape(lambda: offload.init_offload(cfg, cc, SESSIONS, small, 1, jnp.bfloat16))
+    assert c.num_slots == SESSIONS and c.hot_rows == H and c.ring_rows == R
+    for name, a in c.hot.items():
+        assert (a.shape, a.dtype) == hot[name]
+    for name, a in c.ring.items():
+        assert (a.shape, a.dtype) == ring[name]
+    assert c.page_table.shape[0] == c.position_of_slot.shape[1] == c.bulk_pages.shape[1] == SESSIONS
+    held: dict = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(c):
+        part = str(getattr(path[0], "name", path[0]))
+        held[part] = held.get(part, 0) + int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+    parts = glm53.memory.cache_bytes(cfg, cc, SESSIONS, small, 1, jnp.bfloat16)
+    assert held.pop("pool") == parts["host"]["pool"]
+    assert held == parts["device"]
+
+
+def test_lowering_of_the_padded_hot_cache_at_the_target(triton_modules):
+    """The padded hot planes at the target, as the kernels get them: the int8 latent plane (just past 2**32
+    bytes) is addressed in 64 bits by the gather and the fill, its 2-byte planes (fewer than 2**31 elements) in 32;
+    unpadded, the compiled kernels refuse it."""
+    cfg, cc = _h200_config()
+    hot = {n: S(s, d) for n, (s, d) in offload.hot_shapes(cfg, cc, SESSIONS).items()}
+    ring = {n: S(s, d) for n, (s, d) in offload.ring_shapes(cfg, cc, SESSIONS).items()}
+    pool = _planes(TARGET_POOL_ROWS, HOST)
+    E = 4 * 2048
+    hot_gather = functools.partial(hg.hot_gather, kv_format=FMT, out_dtype=jnp.bfloat16,
+                                   block_rows=hg.DEFAULT_BLOCK_ROWS, num_warps=hg.DEFAULT_NUM_WARPS)
+    _lower_for_cuda(hot_gather, S((E,), jnp.int32), S((E,), jnp.int32), ring, hot, pool)
+    (module,) = triton_modules
+    latent, rope = _offset_types(module, "i8", 512), _offset_types(module, "bf16", 64)
+    # ring: 32-bit; hot and host: 64-bit (rope: the host pool's only)
+    assert latent.count("i64") == 2 and "i32" in latent
+    assert rope.count("i64") == 1 and "i32" in rope
+    assert set(_offset_types(module, "bf16", 8)) == {"i32"}
+
+    triton_modules.clear()
+    B, F = 4, 4 * 2048
+    fill = functools.partial(fr.fill_rows, layers=tuple(range(LAYERS)), sessions=SESSIONS, hot_rows=cc.hot_rows,
+                             block_rows=16)
+    rows = tuple({n: S((B * F, v.shape[1]), v.dtype) for n, v in hot.items()} for _ in range(LAYERS))
+    _lower_for_cuda(fill, hot, rows, *(S((LAYERS, B, F), jnp.int32),) * 2, S((LAYERS, B), jnp.int32),
+                    S((B,), jnp.int32))
+    (module,) = triton_modules
+    assert "i64" in _offset_types(module, "i8", 512)  # the stores into the padded latent plane
+    assert set(_offset_types(module, "bf16", 64)) == {"i32"}
+
+    unpadded = {n: S((LAYERS * SESSIONS * cc.hot_rows, v.shape[1]), v.dtype) for n, v in hot.items()}
+    with pytest.raises(ValueError, match="negative 32-bit offsets"):
+        jax.eval_shape(hot_gather, S((E,), jnp.int32), S((E,), jnp.int32), ring, unpadded, pool)
