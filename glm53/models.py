@@ -155,7 +155,8 @@ def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None
     at a time from the memory-mapped files to the device and are checked to be finite; a ``tokenizer.json`` beside
     the weights is attached. ``expert_weights="fp8"`` keeps the MoE experts in FP8 on the device (an FP8
     checkpoint's own bytes and block scales; other checkpoints' experts quantised), dequantised inside the grouped
-    matmul: decode reads half the expert bytes, with outputs bit-identical to dequantising on load."""
+    matmul on the same bf16 operands as dequantising on load: decode reads half the expert bytes (outputs
+    bit-identical on the CPU; compiled on a GPU the kernel's summation order may differ)."""
     dtype = resolve_dtype(dtype)
     cfg, params, tokenizer = checkpoint.read_hf(path, dtype, expert_weights)
     if kv_format is not None:

@@ -16,8 +16,9 @@ each other's rows).
 FP8 weights (``w_scale``): ``w`` in float8_e4m3fn with one f32 scale per 128 x 128 block of each group's ``[K, N]``
 matrix (the layout of published GLM-5-FP8 / DeepSeek-V3 checkpoints, transposed), dequantised inside the kernel
 block by block as ``(w * scale).astype(x.dtype)``: the same arithmetic as dequantising on load
-(``dequantize_blocks``), so the products, and the output, are bit-identical to the dequantised weights' while HBM
-reads half the bytes of bf16.
+(``dequantize_blocks``), so the dot multiplies the same bf16 operands while HBM reads half the bytes of bf16. The
+output is bit-identical to the dequantised weights' in the interpreter; compiled for the H200 the converted operand
+takes another MMA path, whose f32 summation order differs (outputs equal to bf16 rounding; measured).
 """
 
 from __future__ import annotations

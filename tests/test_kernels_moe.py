@@ -62,8 +62,9 @@ def test_grouped_matmul_validation():
 
 @pytest.mark.parametrize("sizes", [[3, 0, 1, 4], [40, 0, 0, 77, 1, 2, 0, 8]])
 def test_fp8_weights_equal_dequantised_weights(sizes):
-    """FP8 expert weights dequantised inside the kernel, block by block, give exactly what the weights dequantised
-    beforehand give (same bf16 operands, same accumulation): bit-identical, kernel and reference alike."""
+    """FP8 expert weights dequantised inside the kernel, block by block, multiply the same bf16 operands as the
+    weights dequantised beforehand: bit-identical in the interpreter and the reference; compiled for the H200 the
+    converted operand takes another MMA path (its summation order differs), so there it is equal to bf16 rounding."""
     x, w, gs = _inputs(sizes, 256, 128, jnp.bfloat16, seed=4)
     w = w * jnp.linspace(0.1, 10.0, 256)[None, :, None].astype(w.dtype)  # scales differ across blocks
     w8, scale = quantize_blocks(w)
@@ -72,7 +73,10 @@ def test_fp8_weights_equal_dequantised_weights(sizes):
     np.testing.assert_allclose(np.asarray(deq, np.float32), np.asarray(w, np.float32), rtol=2 ** -4, atol=1e-3)
     got = grouped_matmul(x, w8, gs, scale, block_m=16, interpret=INTERPRET)
     want = grouped_matmul(x, deq, gs, block_m=16, interpret=INTERPRET)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    if INTERPRET:
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    else:
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2 ** -7, atol=1e-2)
     ref = grouped_matmul_reference(x, w8, gs, scale)
     np.testing.assert_array_equal(np.asarray(ref, np.float32), np.asarray(grouped_matmul_reference(x, deq, gs),
                                                                            np.float32))
