@@ -141,6 +141,14 @@ class RunReport:
     def acceptance(self) -> list:
         return [a / p if p else None for a, p in zip(self.mtp_accepted, self.mtp_proposed)]
 
+    @property
+    def step_call_ms(self) -> dict:
+        """Host time of the step calls, ms: p50 / p90 / p99 / max ({} when no step ran)."""
+        if not self.step_call_s:
+            return {}
+        calls = np.asarray(self.step_call_s) * 1e3
+        return dict(zip(("p50", "p90", "p99", "max"), np.percentile(calls, [50, 90, 99, 100]).tolist()))
+
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
