@@ -80,7 +80,8 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     ``keep_cache=True`` keeps the engine (``result.engine``) with the sessions open.
 
     Benchmarks only: ``selection_override(step, positions) -> [B, K]`` replaces the DSA selection of decode steps
-    (the indexer still runs, so the cost of a step is unchanged); ``accept_override`` accepts that many MTP drafts
+    (the indexer still runs, so the cost of a step is unchanged; a ``jax.Array`` result is used without host
+    checks, see ``Engine.generate``); ``accept_override`` accepts that many MTP drafts
     per step whatever they are.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):

@@ -484,6 +484,12 @@ def probe_routing(engine, requests: Mapping[int, int], *, rollback: bool = True,
 
     from glm53.steps import Steps
 
+    try:
+        jax.devices("cpu")
+    except RuntimeError as err:
+        # Checked first: a callback that fails inside a step poisons every later read of the device's results.
+        raise RuntimeError("the routing probe sends expert choices to the host with jax.debug.callback, which needs "
+                           "JAX's CPU backend: leave JAX_PLATFORMS unset or list cpu in it (e.g. 'cuda,cpu')") from err
     module = engine.model.module
     entry = _PROBE_STEPS.get(id(module))
     if entry is None or entry[0] is not module:

@@ -281,3 +281,28 @@ def test_throughput(tmp_path):
          "--margin_gib=0", "--bandwidth_mib=8", f"--out={small}")
     s = json.loads(small.read_text())
     assert not s["points"] and s["skipped"] and "device" in s["skipped"][0]["why"]
+
+
+@pytest.mark.parametrize("sessions,history", [(1, 4096), (5, 50_000), (3, 2100)])
+def test_working_sets_stay_distinct_and_churn(sessions, history):
+    """The benchmarks' device-side local99 sets: every step each row is sorted, distinct, inside the history, and
+    differs from the last in at most churn * K positions (fewer where a draw hit a held position)."""
+    import numpy as np
+
+    from experiments import workloads
+
+    K = 2048
+    sets = workloads.WorkingSets(K, history, seed=7, sessions=sessions)
+    prev = np.asarray(sets.chosen)
+    replaced = []
+    for _ in range(12):
+        rows = np.asarray(sets.step())
+        assert rows.shape == (sessions, K) and rows.dtype == np.int32
+        assert (np.diff(rows, axis=1) > 0).all() and rows.min() >= 0 and rows.max() < history
+        replaced += [len(np.setdiff1d(r, p)) for r, p in zip(rows, prev)]
+        prev = rows
+    assert max(replaced) <= 20
+    expected = 20 * (1 - K / history)  # a draw the set already holds is not swapped in
+    assert abs(np.mean(replaced) - expected) < 3 + 0.2 * expected
+    with pytest.raises(ValueError, match="history of at least"):
+        workloads.WorkingSets(K, K - 1, seed=0, sessions=1)

@@ -6,6 +6,7 @@ rows), prompts ending just before / at / after copyback boundaries, several sess
 batch, and every kv_format.
 """
 
+import jax
 import numpy as np
 import pytest
 
@@ -153,6 +154,40 @@ def test_selection_override_controls_locality_and_stays_bit_identical(model):
     np.testing.assert_array_equal(plain.logits[:, 0], runs["resident"].logits[:, 0])  # prefill untouched
     with pytest.raises(ValueError, match="selection_override must return int"):
         glm53.generate(model, ps, max_new_tokens=3, cache=cc, selection_override=lambda s, p: np.zeros((2, 3)))
+
+
+def test_device_array_selection_equals_the_same_host_selection(model):
+    """A ``jax.Array`` override (the benchmarks' device-side working sets) goes into the step without host checks:
+    the same positions given as a device array or as numpy decode identically, in both modes; a wrong shape is
+    still refused."""
+    from experiments import workloads
+
+    cc = CacheConfig(kv_format="q8g64", copyback_every=16, prefill_chunk=16, hot_rows=64)
+    ps = prompts([40, 33])
+    K = CFG.index_topk
+    recorded = []
+    device = workloads.local99_sessions(K, 32, seed=3, sessions=2, churn=0.1)
+
+    def on_device(step, positions):
+        sel = device(step, positions)
+        assert isinstance(sel, jax.Array) and sel.shape == (2, K)
+        recorded.append(np.asarray(sel))
+        return sel
+
+    a = glm53.generate(model, ps, max_new_tokens=6, cache=cc.replace(mode="offload"), return_logits=True,
+                       selection_override=on_device)
+    replay = iter(list(recorded))
+    for mode in ("resident", "offload"):
+        replay = iter(list(recorded))
+        b = glm53.generate(model, ps, max_new_tokens=6, cache=cc.replace(mode=mode), return_logits=True,
+                           selection_override=lambda step, positions: next(replay))
+        assert b.tokens == a.tokens and np.array_equal(b.logits, a.logits)
+    rows = np.stack(recorded)
+    assert (np.diff(rows, axis=-1) > 0).all() and rows.min() >= 0 and rows.max() < 32  # sorted, distinct, in range
+    assert (rows[1:] != rows[:-1]).any()  # the sets churn
+    with pytest.raises(ValueError, match="selection_override must return int"):
+        glm53.generate(model, ps, max_new_tokens=3, cache=cc,
+                       selection_override=lambda s, p: jax.numpy.zeros((2, K - 1), jax.numpy.int32))
 
 
 def test_offload_sizes_are_checked_when_the_model_is_configured():
