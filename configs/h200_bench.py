@@ -61,6 +61,10 @@ def get_config() -> ml_collections.ConfigDict:
         copyback_every=64,  # offload: rows per batched ring -> host copy
         ring_rows=0,  # offload: ring rows, at least (raised to a power of two holding a page + a chunk)
     ))
+    c.mesh = ml_collections.ConfigDict(dict(
+        stages=1,  # pipeline stages (not built yet: > 1 is refused)
+        tp=1,  # tensor-parallel devices (glm53.sharding: heads, MLP widths, vocab split; cache replicated)
+    ))
     c.run = ml_collections.ConfigDict(dict(
         prompt_len=8192,  # random prompt tokens per session (--config.run.prompt_len=50000 for the long run)
         batch=1,  # sessions decoded together

@@ -42,13 +42,14 @@ _BANDWIDTH_MIB = flags.DEFINE_integer("bandwidth_mib", 0, "array size of the ban
 def build_model(config) -> glm53.Model:
     cache_config = glm53.CacheConfig.from_config_dict(config.cache)
     path = config.checkpoint
+    mesh = config.get("mesh")  # --config.mesh.tp=4: parameters split over 4 devices (glm53.sharding)
     if not path:
-        return glm53.from_config(config.model, config.seed, dtype=config.dtype, cache_config=cache_config)
+        return glm53.from_config(config.model, config.seed, dtype=config.dtype, cache_config=cache_config, mesh=mesh)
     if os.path.exists(os.path.join(path, "glm53.json")):
-        model = glm53.load(path, dtype=config.dtype)
+        model = glm53.load(path, dtype=config.dtype, mesh=mesh)
         model.cache_config = cache_config
         return model
-    return glm53.from_pretrained(path, dtype=config.dtype, cache_config=cache_config)
+    return glm53.from_pretrained(path, dtype=config.dtype, cache_config=cache_config, mesh=mesh)
 
 
 def figures(result: glm53.GenerateResult) -> dict:

@@ -15,7 +15,7 @@ def setup(c):
     """From an experiment config: ``(model, prompts, cache_config, K)``. The cache capacity is fixed to prompt + new
     tokens, so warm-up and timed runs share every shape; K is the number of positions a selection holds."""
     cc = glm53.CacheConfig.from_config_dict(c.cache)
-    model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
+    model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc, mesh=c.get("mesh"))
     rng = np.random.default_rng(c.run.seed)
     prompts = [rng.integers(0, model.config.vocab_size, c.run.prompt_len).tolist() for _ in range(c.run.batch)]
     total = c.run.prompt_len + c.run.max_new_tokens

@@ -324,23 +324,28 @@ def history_shapes(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int)
     return addressable_planes(fmt, cfg.num_cache_layers * slots, capacity, uniform=True)
 
 
-def init_resident(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, dtype, device=None) -> ResidentCache:
+def init_resident(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, dtype, device=None,
+                  mesh=None) -> ResidentCache:
     fmt = kv_formats.get_format(cc.kv_format)
     history = {n: jnp.zeros(shape, dt) for n, (shape, dt) in history_shapes(cfg, cc, slots, capacity).items()}
     cache = ResidentCache(sessions=init_sessions(cfg, slots), **init_index_keys(cfg, cc, slots, capacity, dtype),
                           history=history, kv_format=fmt.name, indexer_precision=cc.indexer_precision,
                           key_slot_of_layer=key_slots(cfg), _has_mtp_layer=bool(cfg.num_nextn_predict_layers))
-    return place(cache, device)
+    return place(cache, device, mesh)
 
 
-def place(tree, device=None):
-    """Commit every array to the device (device memory): a fresh cache and one returned by a step then share one
-    jit signature, so nothing recompiles after the first step. Arrays already in pinned_host memory stay there."""
+def place(tree, device=None, mesh=None):
+    """Commit every array to the device (device memory), or replicate it over ``mesh`` (``glm53.sharding``: the
+    cache is the same bytes on every device of a tensor-parallel group): a fresh cache and one returned by a step
+    then share one jit signature, so nothing recompiles after the first step. Arrays already in pinned_host memory
+    stay there."""
     device = device or jax.devices()[0]
 
     def put(x):
-        kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
-        return jax.device_put(x, jax.sharding.SingleDeviceSharding(device, memory_kind=kind or "device"))
+        kind = getattr(getattr(x, "sharding", None), "memory_kind", None) or "device"
+        if mesh is not None:
+            return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=kind))
+        return jax.device_put(x, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
 
     return jax.tree_util.tree_map(put, tree)
 

@@ -63,6 +63,12 @@ def _on_duration(name: str, seconds: float, **_) -> None:
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 
+def _bytes_per_device(tree) -> int:
+    """Bytes of a pytree's arrays on one device: a sharded array counts its shard, a replicated one all of it."""
+    return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+               for x in jax.tree_util.tree_leaves(tree))
+
+
 def compile_seconds() -> float:
     """Seconds this process has spent tracing, lowering and compiling (all of JAX, not only glm53)."""
     return _compile_seconds[0]
@@ -192,6 +198,10 @@ class Engine:
         self.kernels = kernels
         self.max_sessions = int(max_sessions)
         self.offload = cc.mode == "offload"
+        self.mesh = getattr(model, "mesh", None)
+        if self.mesh is not None and self.offload:
+            raise ConfigError("offload on a mesh is not built yet (the host pool would be replicated once per "
+                              "device); use cache.mode=resident with a mesh, or one device")
         if self.offload:
             offload.validate(self.cfg, cc)
         rows = cc.max_len or self.cfg.max_position_embeddings
@@ -251,13 +261,14 @@ class Engine:
         if self.offload:
             return offload.init_offload(self.cfg, self.cache_config, self.alloc_slots, self.capacity,
                                         self.alloc_pages, self.model.dtype)
-        return init_resident(self.cfg, self.cache_config, self.alloc_slots, self.capacity, self.model.dtype)
+        return init_resident(self.cfg, self.cache_config, self.alloc_slots, self.capacity, self.model.dtype,
+                             mesh=self.mesh)
 
     def _device_need(self) -> dict:
         parts = memory.cache_bytes(self.cfg, self.cache_config, self.alloc_slots, self.capacity, self.alloc_pages,
                                    self.model.dtype)
         cache = sum(parts["device"].values())
-        params = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.model.params))
+        params = _bytes_per_device(self.model.params)  # a mesh splits them; the cache is replicated
         return {"cache": cache, "params": params, "transient": self.transient_bytes(),
                 "total": cache + params + self.transient_bytes()}
 
@@ -749,8 +760,10 @@ class Engine:
         used_pages = int((self._refs > 0).sum()) if self.offload else 0
         return {
             "mode": self.cache_config.mode, "kv_format": self.cache_config.kv_format,
-            "device": {"cache_bytes": device, "per_slot_bytes": per_slot_device,
-                       "params_bytes": sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.model.params)),
+            # On a mesh every figure is per device (the cache is replicated; parameters are this device's shards).
+            "device": {"devices": 1 if self.mesh is None else int(self.mesh.size),
+                       "cache_bytes": device, "per_slot_bytes": per_slot_device,
+                       "params_bytes": _bytes_per_device(self.model.params),
                        "transient_bytes": self.transient_bytes(), "budget_bytes": self.device_budget_bytes,
                        "slots": self.max_sessions, "allocated_slots": self.alloc_slots,
                        "free_slots": len(self._free_slots)},

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm53 import checkpoint, offload
+from glm53 import checkpoint, offload, sharding
 from glm53.config import CacheConfig, ConfigError, ModelConfig
 from glm53.engine import Engine
 from glm53.model import GLM5
@@ -37,6 +37,7 @@ class Model:
         self.tokenizer = tokenizer
         self.module = GLM5(config, self.dtype)
         self.steps = Steps(self.module)
+        self.mesh = None  # a jax.sharding.Mesh once glm53.sharding.shard_model placed the parameters on one
         self._digest: str | None = None
 
     def __repr__(self):
@@ -135,20 +136,23 @@ class Model:
 # Constructors
 # ----------------------------------------------------------------------------------------------------------------
 def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype="bfloat16",
-                cache_config: CacheConfig | None = None, expert_weights: str = "model") -> Model:
+                cache_config: CacheConfig | None = None, expert_weights: str = "model", mesh=None) -> Model:
     """A randomly initialised model (normal(0, initializer_range) matrices, unit norms) for research/benchmarks.
     ``config``: a ``ModelConfig``, or a mapping/ConfigDict of its fields. ``expert_weights="fp8"`` keeps the MoE
-    experts in FP8 with 128 x 128 block scales on the device (the same random values, quantised)."""
+    experts in FP8 with 128 x 128 block scales on the device (the same random values, quantised). ``mesh`` (a
+    ``glm53.sharding.MeshConfig``, its dict, or a ``jax.sharding.Mesh``) places the parameters on a mesh by
+    ``glm53.sharding``'s rules; engines built on the model put their cache there."""
     if not isinstance(config, ModelConfig):
         if hasattr(config, "to_dict"):
             config = config.to_dict()
         config = ModelConfig.from_config_dict(config)
     dtype = resolve_dtype(dtype)
-    return Model(config, init_params(config, dtype, seed, expert_weights), dtype, cache_config=cache_config)
+    model = Model(config, init_params(config, dtype, seed, expert_weights), dtype, cache_config=cache_config)
+    return sharding.shard_model(model, mesh)
 
 
 def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None,
-                    cache_config: CacheConfig | None = None, expert_weights: str = "model") -> Model:
+                    cache_config: CacheConfig | None = None, expert_weights: str = "model", mesh=None) -> Model:
     """Load an HF-format GLM-5 (``glm_moe_dsa``) directory: ``config.json`` plus ``model.safetensors`` or shards
     with ``model.safetensors.index.json``; per-expert tensor names (``mlp.experts.E.gate_proj.weight``) as published
     and as transformers' ``save_pretrained`` writes them, or fused ``mlp.experts.gate_up_proj``. Tensors stream one
@@ -156,18 +160,20 @@ def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None
     the weights is attached. ``expert_weights="fp8"`` keeps the MoE experts in FP8 on the device (an FP8
     checkpoint's own bytes and block scales; other checkpoints' experts quantised), dequantised inside the grouped
     matmul on the same bf16 operands as dequantising on load: decode reads half the expert bytes (outputs
-    bit-identical on the CPU; compiled on a GPU the kernel's summation order may differ)."""
+    bit-identical on the CPU; compiled on a GPU the kernel's summation order may differ). ``mesh``: as in
+    ``from_config`` (the tensors are read onto one device first, then placed)."""
     dtype = resolve_dtype(dtype)
     cfg, params, tokenizer = checkpoint.read_hf(path, dtype, expert_weights)
     if kv_format is not None:
         cache_config = (cache_config or CacheConfig()).replace(kv_format=kv_format)
-    return Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer)
+    return sharding.shard_model(Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer), mesh)
 
 
-def load(directory: str, *, dtype=None) -> Model:
-    """Read a directory written by ``Model.save``."""
+def load(directory: str, *, dtype=None, mesh=None) -> Model:
+    """Read a directory written by ``Model.save`` (``mesh``: as in ``from_config``)."""
     cfg, params, dtype, cache_config, tokenizer = checkpoint.read_native(directory, dtype)
     try:
-        return Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer)
+        model = Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer)
     except ConfigError as e:
         raise checkpoint.CheckpointError(f"{directory}: its cache config cannot work with its model: {e}") from e
+    return sharding.shard_model(model, mesh)

@@ -346,8 +346,11 @@ class Steps:
                 donate = (1,)  # (params, cache, ...)
             else:
                 donate = (0,)
-            device = jax.tree_util.tree_leaves(cache)[0].sharding
-            device = jax.sharding.SingleDeviceSharding(next(iter(device.device_set)))
+            first = jax.tree_util.tree_leaves(cache)[0].sharding
+            if isinstance(first, jax.sharding.NamedSharding):  # a cache on a mesh: outputs replicated over it
+                device = jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+            else:
+                device = jax.sharding.SingleDeviceSharding(next(iter(first.device_set)))
             fn = jax.jit(_named(f, name), static_argnames=static, donate_argnums=donate,
                          out_shardings=(shardings, device))
             self._jits[key] = fn
@@ -394,5 +397,7 @@ def _named(f, name: str):
 
 def _abstract(tree):
     """Shapes, dtypes and placements (memory kinds included) of a call's arrays; other leaves as they are."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    # An uncommitted array (jnp.asarray of host data) goes wherever the call's committed ones are: no placement.
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                       sharding=x.sharding if getattr(x, "_committed", True) else None)
                         if isinstance(x, jax.Array) else x, tree)

@@ -36,6 +36,7 @@ def test_config_maps_onto_typed_configs(name):
             "compare_resident"} <= set(c.run.keys())
     assert c.run.prompt_len + c.run.max_new_tokens <= model.max_position_embeddings
     assert model == glm53.ModelConfig.from_hf(model.to_hf())
+    assert glm53.MeshConfig.from_config_dict(c.mesh) == glm53.MeshConfig()  # one device by default
 
 
 def test_glm5_full_size():
@@ -91,3 +92,16 @@ def test_generate_entry_point_with_overrides(tmp_path):
 def test_generate_entry_point_rejects_unknown_override():
     p = _run_generate("--config.run.no_such_field=1")
     assert p.returncode != 0
+
+
+def test_generate_entry_point_on_a_tensor_parallel_mesh(tmp_path):
+    """--config.mesh.tp=2 on the CPU's host devices: the same tokens as one device."""
+    outs = {}
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}.json"
+        p = _run_generate(f"--config.mesh.tp={tp}", "--config.dtype=float32", f"--config.run.output_json={out}")
+        assert p.returncode == 0, p.stderr[-3000:]
+        outs[tp] = json.loads(out.read_text())["tokens"]
+    assert outs[1] == outs[2]
+    p = _run_generate("--config.mesh.stages=2")
+    assert p.returncode != 0 and "pipeline stages are not built yet" in p.stderr

@@ -1,0 +1,187 @@
+"""Meshes and the layout of parameters and caches on them: one table of logical axes per parameter, one table of
+rules mapping logical axes to mesh axes (MaxText's rules style), so a layout is decided in one place.
+
+    mesh = glm53.sharding.make_mesh(glm53.sharding.MeshConfig(tp=4))   # None for one device: nothing changes
+    model = glm53.sharding.shard_model(model, mesh)                    # parameters placed by the rules
+    engine = glm53.Engine(model, ...)                                  # the cache follows model.mesh
+
+**Tensor parallelism (``tp``)** is GSPMD's: parameters carry ``NamedSharding``s over the ``tp`` mesh axis (attention
+heads, indexer heads, dense and expert MLP widths, the vocabulary) and the jitted steps are partitioned by XLA, which
+inserts the collectives. Split reductions (``o_proj``, ``down_proj``, the LM head's vocabulary) sum in another order
+than one device does: tokens stay identical, float32 logits agree to ~1e-6 relative, not bit for bit.
+
+**The cache is replicated over ``tp``.** MLA's latent row is shared by every head, so each device of a
+tensor-parallel group holds the same rows: the row is packed once (in the step, from replicated inputs) and the
+replicas are the same bytes (the article: quantising on each side cost speed and lost overlap). Sessions' tables,
+indexer keys and the history are all replicated.
+
+Not built yet, refused with a ``ConfigError`` naming it: pipeline stages (``stages > 1``: GLM-5's layers are
+separate Flax modules of three kinds, not a stack a ``layers`` axis could split), offload on a mesh (the host pool
+would be replicated once per device), and multiple processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from glm53.config import ConfigError
+
+MESH_AXES = ("stage", "tp")
+
+# Logical axis -> mesh axis. A logical axis not listed (or mapped to None) is replicated.
+RULES: dict[str, str | None] = {
+    "vocab": "tp",
+    "heads": "tp",  # MLA query / value heads (q_b_proj's and kv_b_proj's outputs, o_proj's input)
+    "index_heads": "tp",  # DSA indexer heads (wq_b's output, weights_proj's output)
+    "mlp": "tp",  # dense SwiGLU width and the shared experts'
+    "expert_mlp": "tp",  # each routed expert's SwiGLU width
+    "embed": None,  # the residual stream stays whole on every device
+    "q_lora": None,
+    "kv_lora": None,  # the latent row every head reads: replicated (see the module docstring)
+    "experts": None,
+    "norm": None,
+}
+
+# Parameter path (joined with "/", layer indices as written) -> logical axes of its dimensions, first match wins.
+# Anything unmatched is replicated: a new parameter is never split by accident.
+PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"(^|/)embed_tokens$", ("vocab", "embed")),
+    (r"(^|/)lm_head$", ("embed", "vocab")),
+    (r"self_attn/q_b_proj/kernel$", ("q_lora", "heads")),
+    (r"self_attn/kv_b_proj$", ("kv_lora", "heads")),
+    (r"self_attn/o_proj/kernel$", ("heads", "embed")),
+    (r"indexer/wq_b/kernel$", ("q_lora", "index_heads")),
+    (r"indexer/weights_proj$", ("embed", "index_heads")),
+    (r"mlp/(shared_experts/)?(gate_proj|up_proj)/kernel$", ("embed", "mlp")),
+    (r"mlp/(shared_experts/)?down_proj/kernel$", ("mlp", "embed")),
+    (r"mlp/experts_(gate_proj|up_proj)$", ("experts", "embed", "expert_mlp")),
+    (r"mlp/experts_down_proj$", ("experts", "expert_mlp", "embed")),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """``stages x tp`` devices. ``MeshConfig()`` is one device: no mesh at all."""
+
+    stages: int = 1
+    tp: int = 1
+
+    def __post_init__(self):
+        for name in ("stages", "tp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ConfigError(f"mesh.{name} must be an int >= 1, got {v!r}")
+
+    @property
+    def devices(self) -> int:
+        return self.stages * self.tp
+
+    @classmethod
+    def from_config_dict(cls, d: Mapping[str, Any] | None) -> "MeshConfig":
+        d = dict(d or {})
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown mesh settings {sorted(unknown)}; known: stages, tp")
+        return cls(**d)
+
+
+def make_mesh(mc: MeshConfig | Mapping[str, Any] | None, devices=None) -> Mesh | None:
+    """The ``(stage, tp)`` mesh of ``mc`` over the first ``stages * tp`` devices (``devices`` or ``jax.devices()``);
+    None for one device, so the single-device path is exactly the one without a mesh."""
+    mc = mc if isinstance(mc, MeshConfig) else MeshConfig.from_config_dict(mc)
+    if mc.devices == 1:
+        return None
+    if mc.stages > 1:
+        raise ConfigError(f"mesh.stages={mc.stages}: pipeline stages are not built yet (GLM-5's layers are separate "
+                          "modules of three kinds, not one stack); use mesh.tp")
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < mc.devices:
+        raise ConfigError(f"mesh {mc.stages} x {mc.tp} needs {mc.devices} devices, {len(devices)} are visible (on a "
+                          "CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    grid = np.array(devices[: mc.devices], dtype=object).reshape(mc.stages, mc.tp)
+    return Mesh(grid, MESH_AXES)
+
+
+def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
+    """The logical axes of the parameter at ``path`` ("layers_3/self_attn/o_proj/kernel")."""
+    for pattern, axes in PARAM_AXES:
+        if re.search(pattern, path):
+            if len(axes) != ndim:
+                raise ValueError(f"parameter {path}: the layout table names {len(axes)} axes, it has {ndim}")
+            return axes
+    return (None,) * ndim
+
+
+def spec_of(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, path: str = "") -> P:
+    """The PartitionSpec of logical ``axes`` under ``RULES``; a dimension the mesh axis does not divide is an
+    error (GSPMD would pad it: uneven shards that no layout here intends)."""
+    out = []
+    for axis, size in zip(axes, shape):
+        mesh_axis = RULES.get(axis) if axis else None
+        if mesh_axis is not None and mesh.shape[mesh_axis] > 1:
+            if size % mesh.shape[mesh_axis]:
+                raise ConfigError(f"parameter {path}: its {axis} dimension ({size}) is not divisible by mesh axis "
+                                  f"{mesh_axis}={mesh.shape[mesh_axis]}")
+            out.append(mesh_axis)
+        else:
+            out.append(None)
+    return P(*out)
+
+
+def _path(keys) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in keys)
+
+
+def param_shardings(params, mesh: Mesh):
+    """``NamedSharding`` of every parameter under ``PARAM_AXES`` and ``RULES``."""
+    def one(keys, leaf):
+        path = _path(keys)
+        return NamedSharding(mesh, spec_of(logical_axes(path, leaf.ndim), leaf.shape, mesh, path))
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def check_model(cfg, mesh: Mesh) -> None:
+    """Head counts a ``tp`` split must divide (a width divisible by tp but not on a head boundary would split a
+    head across devices)."""
+    tp = mesh.shape["tp"]
+    for name in ("num_attention_heads", "index_n_heads"):
+        n = getattr(cfg, name)
+        if n % tp:
+            raise ConfigError(f"mesh.tp={tp} does not divide {name}={n}")
+
+
+def shard_model(model, mesh: Mesh | MeshConfig | Mapping[str, Any] | None):
+    """``model`` with its parameters placed on ``mesh`` by the rules (``model.mesh`` set; engines built on it put
+    their cache there). A ``MeshConfig`` / dict is made into a mesh first; None or one device returns the model
+    unchanged."""
+    if mesh is not None and not isinstance(mesh, Mesh):
+        mesh = make_mesh(mesh)
+    if mesh is None:
+        return model
+    check_model(model.config, mesh)
+    model.params = jax.device_put(model.params, param_shardings(model.params, mesh))
+    model.mesh = mesh
+    return model
+
+
+def replicated(mesh: Mesh, memory_kind: str = "device") -> NamedSharding:
+    return NamedSharding(mesh, P(), memory_kind=memory_kind)
+
+
+def describe(params) -> str:
+    """Each parameter's PartitionSpec, one line per distinct (path with layer indices folded, spec)."""
+    seen, lines = set(), []
+    for keys, leaf in jax.tree_util.tree_leaves_with_path(params):
+        path = re.sub(r"layers_\d+", "layers_*", _path(keys))
+        spec = getattr(leaf.sharding, "spec", None)
+        if (path, str(spec)) not in seen:
+            seen.add((path, str(spec)))
+            lines.append(f"  {path:<60} {str(tuple(leaf.shape)):<22} {spec}")
+    return "\n".join(lines)

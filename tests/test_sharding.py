@@ -1,0 +1,123 @@
+"""Tensor parallelism on the CPU's host devices (conftest gives 16): parameters split by glm53.sharding's rules,
+the cache replicated over the mesh, the engine's steps partitioned by XLA. Split reductions sum in another order,
+so tokens must be identical to one device and float32 logits within 1e-5 relative (not bit for bit)."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import glm53
+from glm53 import sharding
+from glm53.config import CacheConfig, ConfigError, ModelConfig
+
+CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=32,
+                  kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16, index_n_heads=16,
+                  index_head_dim=128, index_topk=16, indexer_types=("full", "shared", "full"), n_routed_experts=8,
+                  num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, max_position_embeddings=256,
+                  num_nextn_predict_layers=1, eos_token_id=None)
+CC = CacheConfig(kv_format="f32", prefill_chunk=16, max_len=96)
+
+
+def model(tp: int):
+    return glm53.from_config(CFG, seed=0, dtype="float32", cache_config=CC, mesh=glm53.MeshConfig(tp=tp))
+
+
+def prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, CFG.vocab_size, n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return model(1)
+
+
+def close(a, b):
+    return np.abs(a - b).max() / np.abs(b).max()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("mtp", [0, 2])
+def test_tensor_parallel_generate_matches_one_device(one_device, tp, mtp):
+    ps = prompts([37, 22, 30])
+    base = glm53.generate(one_device, ps, max_new_tokens=7, mtp=mtp, return_logits=True)
+    m = model(tp)
+    run = glm53.generate(m, ps, max_new_tokens=7, mtp=mtp, return_logits=True)
+    assert run.tokens == base.tokens
+    assert close(run.logits, base.logits) < 1e-5
+
+
+def test_parameters_follow_the_rules_and_the_cache_is_replicated():
+    m = model(4)
+    assert m.mesh.shape == {"stage": 1, "tp": 4}
+    layer = m.params["layers_2"]  # a MoE layer with its own indexer
+    want = {("self_attn", "o_proj", "kernel"): P("tp", None), ("self_attn", "q_b_proj", "kernel"): P(None, "tp"),
+            ("self_attn", "kv_b_proj"): P(None, "tp"), ("mlp", "experts_gate_proj"): P(None, None, "tp"),
+            ("mlp", "experts_down_proj"): P(None, "tp", None), ("self_attn", "kv_a_proj_with_mqa", "kernel"): P(),
+            ("self_attn", "indexer", "wq_b", "kernel"): P(None, "tp")}
+    for path, spec in want.items():
+        leaf = layer
+        for k in path:
+            leaf = leaf[k]
+        assert leaf.sharding.spec == spec or (spec == P() and set(leaf.sharding.spec) <= {None}), (path, leaf.sharding)
+    assert m.params["lm_head"].sharding.spec == P(None, "tp")
+    e = glm53.Engine(m, max_sessions=2)
+    sid = e.open(prompts([20])[0])
+    e.generate({sid: 3})
+    for leaf in jax.tree_util.tree_leaves(e.cache):
+        assert isinstance(leaf.sharding, NamedSharding) and leaf.sharding.mesh == m.mesh
+        assert set(leaf.sharding.spec) <= {None}  # replicated
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        assert len(shards) == 4 and all(np.array_equal(shards[0], s) for s in shards[1:])  # the same bytes
+    report = e.memory_report()["device"]
+    assert report["devices"] == 4
+    full = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(m.params))
+    assert full / 4 < report["params_bytes"] < full  # this device's shards: the big matrices split, norms not
+
+
+def test_engine_lifecycle_on_a_mesh_matches_one_device(one_device):
+    """open / generate / append / rollback / fork on tp=2: every session's tokens equal one device's."""
+    def script(m):
+        e = glm53.Engine(m, max_sessions=3)
+        a, b = e.open(prompts([33])[0]), e.open(prompts([18], seed=1)[0])
+        out = [e.generate({a: 4, b: 6})]
+        e.append(a, prompts([21], seed=2)[0])
+        e.rollback(b, 3)
+        c = e.fork(a)
+        out.append(e.generate({a: 5, b: 2, c: 3}))
+        return out
+
+    assert script(model(2)) == script(one_device)
+
+
+def test_mesh_errors_name_the_problem():
+    with pytest.raises(ConfigError, match="pipeline stages are not built yet"):
+        sharding.make_mesh(glm53.MeshConfig(stages=2, tp=2))
+    with pytest.raises(ConfigError, match="needs 32 devices"):
+        sharding.make_mesh(glm53.MeshConfig(tp=32))
+    with pytest.raises(ConfigError, match="mesh.tp=8 does not divide num_attention_heads=4"):
+        model(8)
+    with pytest.raises(ConfigError, match="must be an int >= 1"):
+        glm53.MeshConfig(tp=0)
+    with pytest.raises(ConfigError, match="unknown mesh settings"):
+        glm53.MeshConfig.from_config_dict({"pp": 2})
+    with pytest.raises(ConfigError, match="offload on a mesh is not built yet"):
+        glm53.Engine(model(2), CC.replace(mode="offload", copyback_every=16, hot_rows=64))
+    assert sharding.make_mesh(glm53.MeshConfig()) is None and model(1).mesh is None  # one device: no mesh at all
+
+
+def test_save_on_a_mesh_restores_on_one_device_and_back(one_device, tmp_path):
+    """A saved session holds rows, not placements: saved from tp=2 it continues identically on one device and on
+    tp=4."""
+    m2 = model(2)
+    e = glm53.Engine(m2, max_sessions=1)
+    sid = e.open(prompts([29])[0])
+    e.generate({sid: 3})
+    e.save(sid, tmp_path / "s")
+    want = e.generate({sid: 6})[sid]
+    for m in (one_device, model(4)):
+        r = glm53.Engine(m, max_sessions=1)
+        got = r.restore(tmp_path / "s")
+        assert r.generate({got: 6})[got] == want
