@@ -87,3 +87,63 @@ def allocated_pages(cfg: ModelConfig, cc: CacheConfig, pages: int) -> int:
     while not all(_addressable(p * rows_per_page * w, b) for w, b in _narrow_planes(cc)):
         p = max(p + 1, int(p * 1.01))
     return p
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Planning: will N sessions of history H fit a machine?
+# ----------------------------------------------------------------------------------------------------------------
+def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtype, mesh_shape: dict | None = None,
+         expert_weights: str = "model", device_bytes: int | None = None, host_bytes: int | None = None) -> dict:
+    """What an engine of ``sessions`` slots of ``history`` rows each allocates, per device and per host, on a mesh
+    of ``mesh_shape`` ({"stage": s, "tp": t}; one device by default), computed from shapes alone: the parameters'
+    shards under ``glm53.sharding``'s rules, the cache (replicated over the mesh: every device holds every
+    session's rows), the largest transient buffer, and (offload) the host pool. Every figure is the one
+    ``Engine.memory_report()`` gives for the same engine (tested equal). With ``device_bytes`` / ``host_bytes``
+    it says whether the plan fits and how many sessions of this history would.
+
+    The host pool is counted once per host: with tensor parallelism only, every host of a mesh holds every
+    session's history (the per-stage split by layer needs pipeline stages, not built yet)."""
+    from glm53 import sharding  # glm53.sharding imports nothing of the cache; kept local to stay out of cycles
+    from glm53.params import param_shapes
+
+    mesh_shape = dict(mesh_shape or {"stage": 1, "tp": 1})
+    capacity = cache.capacity_for(history, cc)
+    pages_per_slot = capacity // cc.copyback_every if cc.mode == "offload" else 0
+
+    def cache_at(slots: int) -> dict:
+        pages = allocated_pages(cfg, cc, slots * pages_per_slot) if cc.mode == "offload" else 0
+        return cache_bytes(cfg, cc, slots, capacity, pages, dtype)
+
+    parts = cache_at(sessions)
+    params = sharding.shard_bytes(param_shapes(cfg, dtype, expert_weights), mesh_shape)
+    transient = capacity * kv_formats.get_format(cc.kv_format).bytes_per_row if cc.mode == "offload" else 0
+    device_cache = sum(parts["device"].values())
+    host_pool = sum(parts["host"].values())
+    out = {
+        "sessions": sessions, "history": history, "capacity": capacity, "mode": cc.mode, "kv_format": cc.kv_format,
+        "index_keys": cc.index_keys, "mesh": mesh_shape, "devices": int(np.prod(list(mesh_shape.values()))),
+        "per_device": {"params": params, "cache": device_cache, "cache_parts": parts["device"],
+                       "transient": transient, "total": params + device_cache + transient},
+        "per_host": {"pool": host_pool, "total": host_pool},
+    }
+    # Sessions that fit: searched, not divided out, since the addressing pads (glm53.cache.addressable_planes,
+    # allocated_pages) make the bytes slightly non-linear in the number of slots.
+    def largest(fits) -> int:
+        lo, hi = 0, 1
+        while fits(hi) and hi < 1 << 24:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    if device_bytes is not None:
+        out["device_bytes"] = int(device_bytes)
+        out["fits_device"] = out["per_device"]["total"] <= device_bytes
+        out["max_sessions_by_device"] = largest(
+            lambda n: params + transient + sum(cache_at(n)["device"].values()) <= device_bytes)
+    if host_bytes is not None and cc.mode == "offload":
+        out["host_bytes"] = int(host_bytes)
+        out["fits_host"] = host_pool <= host_bytes
+        out["max_sessions_by_host"] = largest(lambda n: sum(cache_at(n)["host"].values()) <= host_bytes)
+    return out

@@ -118,20 +118,37 @@ def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
     return (None,) * ndim
 
 
-def spec_of(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, path: str = "") -> P:
-    """The PartitionSpec of logical ``axes`` under ``RULES``; a dimension the mesh axis does not divide is an
-    error (GSPMD would pad it: uneven shards that no layout here intends)."""
+def spec_of(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh_shape: Mapping[str, int],
+            path: str = "") -> P:
+    """The PartitionSpec of logical ``axes`` under ``RULES`` on a mesh of ``mesh_shape`` ({axis: size}: a
+    ``Mesh.shape``, or sizes alone for planning); a dimension the mesh axis does not divide is an error (GSPMD
+    would pad it: uneven shards that no layout here intends)."""
     out = []
     for axis, size in zip(axes, shape):
         mesh_axis = RULES.get(axis) if axis else None
-        if mesh_axis is not None and mesh.shape[mesh_axis] > 1:
-            if size % mesh.shape[mesh_axis]:
+        n = mesh_shape.get(mesh_axis, 1) if mesh_axis is not None else 1
+        if n > 1:
+            if size % n:
                 raise ConfigError(f"parameter {path}: its {axis} dimension ({size}) is not divisible by mesh axis "
-                                  f"{mesh_axis}={mesh.shape[mesh_axis]}")
+                                  f"{mesh_axis}={n}")
             out.append(mesh_axis)
         else:
             out.append(None)
     return P(*out)
+
+
+def shard_bytes(params, mesh_shape: Mapping[str, int]) -> int:
+    """Bytes of one device's shards of ``params`` (arrays or ShapeDtypeStructs) under the rules, on a mesh of
+    ``mesh_shape``: what ``shard_model`` would put on each device, computed without devices (the planner)."""
+    total = 0
+    for keys, leaf in jax.tree_util.tree_leaves_with_path(params):
+        path = _path(keys)
+        spec = spec_of(logical_axes(path, len(leaf.shape)), tuple(leaf.shape), mesh_shape, path)
+        elements = 1
+        for size, axis in zip(leaf.shape, tuple(spec) + (None,) * (len(leaf.shape) - len(spec))):
+            elements *= size // (mesh_shape[axis] if axis else 1)
+        total += elements * np.dtype(leaf.dtype).itemsize
+    return total
 
 
 def _path(keys) -> str:
@@ -142,7 +159,7 @@ def param_shardings(params, mesh: Mesh):
     """``NamedSharding`` of every parameter under ``PARAM_AXES`` and ``RULES``."""
     def one(keys, leaf):
         path = _path(keys)
-        return NamedSharding(mesh, spec_of(logical_axes(path, leaf.ndim), leaf.shape, mesh, path))
+        return NamedSharding(mesh, spec_of(logical_axes(path, leaf.ndim), leaf.shape, mesh.shape, path))
 
     return jax.tree_util.tree_map_with_path(one, params)
 

@@ -1,0 +1,93 @@
+"""Memory plan: will N sessions of a history fit a machine? Per-device and per-host bytes from shapes alone.
+
+    python -m experiments.plan --config=configs/glm5.py --machine=article --sessions=15 --history=1048576
+    python -m experiments.plan --config=configs/glm5.py --machine=h200x8 --expert_weights=fp8 --out=plan.json
+    python -m experiments.plan --config=configs/h200_bench.py --machine=custom --devices=1 --device_gib=139 \
+        --host_gib=125 --sessions=16 --history=1048576
+
+``glm53.memory.plan`` counts what an engine would allocate: each device's shards of the parameters under
+``glm53.sharding``'s rules (``--config.mesh.tp``; ``--machine`` sets it to the machine's device count), the cache
+(replicated over the mesh), the largest transient buffer and the host pool, and how many sessions of each history
+fit by device memory and by host memory. The same figures as ``Engine.memory_report()`` for the same engine
+(``tests/test_plan.py``). Not in it yet: activations and the compiled steps' workspaces (``compiled.memory_analysis``
+of the decode step), pipeline stages (each stage holding only its layers' weights, keys and history).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+import glm53
+from glm53 import memory
+from glm53.params import resolve_dtype
+from glm53.provenance import git_revision
+
+GiB = 1 << 30
+# devices, GiB per device, GiB of host memory each host holds (tensor parallel only: every host holds every
+# session's history).
+MACHINES = {
+    "article": (16, 48, 1024),  # the article's 2 hosts x 8 accelerators of 48 GiB, 1 TiB of RAM per host
+    "h200x8": (8, 139, 560),  # nvidia-h200-x8: 8 H200 (about 139 GiB each usable), 560 GiB of host memory
+    "h200": (1, 139, 125),  # one H200 with the lent machine's 125 GiB
+}
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", "configs/glm5.py", "experiment config (model, cache, mesh)")
+flags.DEFINE_enum("machine", "article", list(MACHINES) + ["custom"], "machine sizes (custom: the flags below)")
+flags.DEFINE_integer("devices", 0, "--machine=custom: devices (the tp mesh)")
+flags.DEFINE_float("device_gib", 0.0, "--machine=custom: GiB per device")
+flags.DEFINE_float("host_gib", 0.0, "--machine=custom: GiB of host memory per host")
+flags.DEFINE_integer("sessions", 15, "concurrent sessions")
+flags.DEFINE_list("history", ["50000", "200000", "1048576"], "history lengths (tokens per session)")
+flags.DEFINE_enum("expert_weights", "model", ["model", "fp8"], "experts in the model dtype or FP8 (block-scaled)")
+flags.DEFINE_string("out", "", "write the plan JSON here")
+
+
+def main(_):
+    c = FLAGS.config
+    cfg = glm53.ModelConfig.from_config_dict(c.model)
+    cc = glm53.CacheConfig.from_config_dict(c.cache)
+    if FLAGS.machine == "custom":
+        if FLAGS.devices < 1 or FLAGS.device_gib <= 0 or FLAGS.host_gib <= 0:
+            raise app.UsageError("--machine=custom needs --devices, --device_gib and --host_gib")
+        devices, device_gib, host_gib = FLAGS.devices, FLAGS.device_gib, FLAGS.host_gib
+    else:
+        devices, device_gib, host_gib = MACHINES[FLAGS.machine]
+    mesh_shape = {"stage": 1, "tp": devices}
+    rows = []
+    print(f"{cfg.num_hidden_layers} layers + {cfg.num_nextn_predict_layers} MTP, {cfg.param_count() / 1e9:.1f}B "
+          f"parameters ({FLAGS.expert_weights} experts, {c.dtype}), cache {cc.mode}/{cc.kv_format}, index keys "
+          f"{cc.index_keys}; machine {FLAGS.machine}: {devices} devices x {device_gib:g} GiB, {host_gib:g} GiB of host "
+          f"memory per host; tensor parallel over {devices}")
+    head = (f"{'history':>10} {'sessions':>8} {'params/dev':>11} {'cache/dev':>10} {'transient':>10} {'total/dev':>10} "
+            f"{'fits':>5} {'max by dev':>10} {'host pool':>10} {'fits':>5} {'max by host':>11}")
+    print(head)
+    for h in (int(x) for x in FLAGS.history):
+        p = memory.plan(cfg, cc, sessions=FLAGS.sessions, history=h, dtype=resolve_dtype(c.dtype),
+                        mesh_shape=mesh_shape, expert_weights=FLAGS.expert_weights,
+                        device_bytes=int(device_gib * GiB), host_bytes=int(host_gib * GiB))
+        rows.append(p)
+        d = p["per_device"]
+        print(f"{h:>10,} {FLAGS.sessions:>8} {d['params'] / GiB:>10.2f}G {d['cache'] / GiB:>9.2f}G "
+              f"{d['transient'] / GiB:>9.2f}G {d['total'] / GiB:>9.2f}G {str(p['fits_device']):>5} "
+              f"{p['max_sessions_by_device']:>10} {p['per_host']['pool'] / GiB:>9.2f}G "
+              f"{str(p.get('fits_host', '-')):>5} {str(p.get('max_sessions_by_host', '-')):>11}")
+        big = sorted(d["cache_parts"].items(), key=lambda kv: -kv[1])[:3]
+        print(f"{'':>10} largest cache parts per device: " + ", ".join(f"{k} {v / GiB:.2f}G" for k, v in big))
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
+            json.dump({"config": c.to_dict(), "git": git_revision(), "machine": FLAGS.machine,
+                       "devices": devices, "device_gib": device_gib, "host_gib": host_gib,
+                       "expert_weights": FLAGS.expert_weights, "sessions": FLAGS.sessions, "plans": rows,
+                       "note": "shapes only: no activations or compiled workspaces; tensor parallel only (no "
+                               "pipeline stages), every device holds the whole cache and every host every "
+                               "session's history"}, f, indent=2, default=lambda o: o.item()
+                      if isinstance(o, np.generic) else str(o))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,78 @@
+"""The memory planner (glm53.memory.plan, experiments.plan): its figures are the ones a built engine reports, its
+parameter shards follow the sharding rules (checked by hand on known shapes), and its session counts are exact."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import glm53
+from glm53 import memory, sharding
+from glm53.config import CacheConfig, ModelConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=32,
+                  kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16, index_n_heads=16,
+                  index_head_dim=128, index_topk=16, indexer_types=("full", "shared", "full"), n_routed_experts=8,
+                  num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, max_position_embeddings=512,
+                  num_nextn_predict_layers=1, eos_token_id=None)
+
+
+def test_shard_bytes_by_hand():
+    f32 = jnp.float32
+    params = {"lm_head": jax.ShapeDtypeStruct((64, 256), f32),
+              "layers_0": {"self_attn": {"o_proj": {"kernel": jax.ShapeDtypeStruct((64, 64), f32)}},
+                           "mlp": {"experts_down_proj": jax.ShapeDtypeStruct((8, 32, 64), jnp.bfloat16)}},
+              "norm": {"weight": jax.ShapeDtypeStruct((64,), f32)}}
+    # lm_head splits its vocabulary, o_proj its heads, the experts their width; the norm is whole everywhere
+    assert sharding.shard_bytes(params, {"stage": 1, "tp": 4}) == 64 * 256 * 4 // 4 + 64 * 64 * 4 // 4 \
+        + 8 * 32 * 64 * 2 // 4 + 64 * 4
+    assert sharding.shard_bytes(params, {"stage": 1, "tp": 1}) == (64 * 256 + 64 * 64 + 64) * 4 + 8 * 32 * 64 * 2
+
+
+@pytest.mark.parametrize("mode,tp", [("resident", 1), ("resident", 2), ("offload", 1)])
+def test_plan_equals_what_the_engine_allocates(mode, tp):
+    cc = CacheConfig(mode=mode, kv_format="q8g64", prefill_chunk=16, copyback_every=16, hot_rows=64, max_len=200)
+    model = glm53.from_config(CFG, seed=0, dtype="float32", cache_config=cc, mesh=glm53.MeshConfig(tp=tp))
+    e = glm53.Engine(model, max_sessions=3)
+    report = e.memory_report()
+    p = memory.plan(CFG, cc, sessions=3, history=200, dtype=jnp.float32, mesh_shape={"stage": 1, "tp": tp})
+    assert p["capacity"] == e.capacity
+    assert p["per_device"]["params"] == report["device"]["params_bytes"]
+    assert p["per_device"]["cache"] == report["device"]["cache_bytes"]
+    assert p["per_device"]["transient"] == report["device"]["transient_bytes"]
+    assert p["per_host"]["pool"] == report["host"]["pool_bytes"]
+    # and the engine's own figure is what the device holds: one device's shard of every parameter
+    held = sum(int(np.prod(s.data.shape)) * s.data.dtype.itemsize
+               for x in jax.tree_util.tree_leaves(model.params) for s in x.addressable_shards[:1])
+    assert held == p["per_device"]["params"]
+
+
+def test_session_counts_are_exact():
+    cc = CacheConfig(mode="offload", kv_format="q8g64", prefill_chunk=16, copyback_every=16, hot_rows=64)
+    base = memory.plan(CFG, cc, sessions=5, history=300, dtype=jnp.float32)
+    total, pool = base["per_device"]["total"], base["per_host"]["pool"]
+    p = memory.plan(CFG, cc, sessions=5, history=300, dtype=jnp.float32, device_bytes=total, host_bytes=pool)
+    assert p["fits_device"] and p["fits_host"]
+    assert p["max_sessions_by_device"] == 5 and p["max_sessions_by_host"] == 5
+    q = memory.plan(CFG, cc, sessions=5, history=300, dtype=jnp.float32, device_bytes=total - 1, host_bytes=pool - 1)
+    assert not q["fits_device"] and not q["fits_host"]
+    assert q["max_sessions_by_device"] == 4 and q["max_sessions_by_host"] == 4
+
+
+def test_plan_entry_point(tmp_path):
+    out = tmp_path / "plan.json"
+    p = subprocess.run([sys.executable, "-m", "experiments.plan", "--config=configs/tiny.py", "--machine=custom",
+                        "--devices=2", "--device_gib=0.01", "--host_gib=1", "--sessions=3", "--history=100,400",
+                        f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert [q["history"] for q in r["plans"]] == [100, 400] and r["devices"] == 2
+    assert all(q["per_device"]["params"] > 0 and q["max_sessions_by_device"] >= 0 for q in r["plans"])
+    assert "max by dev" in p.stdout
