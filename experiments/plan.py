@@ -7,8 +7,8 @@
 
 ``glm53.memory.plan`` counts what an engine would allocate: each device's shards of the parameters under
 ``glm53.sharding``'s rules (``--config.mesh.tp``; ``--machine`` sets it to the machine's device count), the cache
-(replicated over the mesh), the largest transient buffer and the host pool, and how many sessions of each history
-fit by device memory and by host memory. The same figures as ``Engine.memory_report()`` for the same engine
+(replicated over the mesh), the largest transient buffer and the host pool (one copy per device, in its host's
+memory), and how many sessions of each history fit by device memory and by host memory. The same figures as ``Engine.memory_report()`` for the same engine
 (``tests/test_plan.py``). Not in it yet: activations and the compiled steps' workspaces (``compiled.memory_analysis``
 of the decode step), pipeline stages (each stage holding only its layers' weights, keys and history).
 """
@@ -27,12 +27,11 @@ from glm53.params import resolve_dtype
 from glm53.provenance import git_revision
 
 GiB = 1 << 30
-# devices, GiB per device, GiB of host memory each host holds (tensor parallel only: every host holds every
-# session's history).
+# devices, GiB per device, GiB of host memory per host, devices per host.
 MACHINES = {
-    "article": (16, 48, 1024),  # the article's 2 hosts x 8 accelerators of 48 GiB, 1 TiB of RAM per host
-    "h200x8": (8, 139, 560),  # nvidia-h200-x8: 8 H200 (about 139 GiB each usable), 560 GiB of host memory
-    "h200": (1, 139, 125),  # one H200 with the lent machine's 125 GiB
+    "article": (16, 48, 1024, 8),  # the article's 2 hosts x 8 accelerators of 48 GiB, 1 TiB of RAM per host
+    "h200x8": (8, 139, 560, 8),  # nvidia-h200-x8: 8 H200 (about 139 GiB each usable), 560 GiB of host memory
+    "h200": (1, 139, 125, 1),  # one H200 with the lent machine's 125 GiB
 }
 
 FLAGS = flags.FLAGS
@@ -41,6 +40,7 @@ flags.DEFINE_enum("machine", "article", list(MACHINES) + ["custom"], "machine si
 flags.DEFINE_integer("devices", 0, "--machine=custom: devices (the tp mesh)")
 flags.DEFINE_float("device_gib", 0.0, "--machine=custom: GiB per device")
 flags.DEFINE_float("host_gib", 0.0, "--machine=custom: GiB of host memory per host")
+flags.DEFINE_integer("devices_per_host", 0, "--machine=custom: devices per host (0: all of them on one)")
 flags.DEFINE_integer("sessions", 15, "concurrent sessions")
 flags.DEFINE_list("history", ["50000", "200000", "1048576"], "history lengths (tokens per session)")
 flags.DEFINE_enum("expert_weights", "model", ["model", "fp8"], "experts in the model dtype or FP8 (block-scaled)")
@@ -55,26 +55,28 @@ def main(_):
         if FLAGS.devices < 1 or FLAGS.device_gib <= 0 or FLAGS.host_gib <= 0:
             raise app.UsageError("--machine=custom needs --devices, --device_gib and --host_gib")
         devices, device_gib, host_gib = FLAGS.devices, FLAGS.device_gib, FLAGS.host_gib
+        per_host = FLAGS.devices_per_host or devices
     else:
-        devices, device_gib, host_gib = MACHINES[FLAGS.machine]
+        devices, device_gib, host_gib, per_host = MACHINES[FLAGS.machine]
     mesh_shape = {"stage": 1, "tp": devices}
     rows = []
     print(f"{cfg.num_hidden_layers} layers + {cfg.num_nextn_predict_layers} MTP, {cfg.param_count() / 1e9:.1f}B "
           f"parameters ({FLAGS.expert_weights} experts, {c.dtype}), cache {cc.mode}/{cc.kv_format}, index keys "
           f"{cc.index_keys}; machine {FLAGS.machine}: {devices} devices x {device_gib:g} GiB, {host_gib:g} GiB of host "
-          f"memory per host; tensor parallel over {devices}")
+          f"memory per host, {per_host} devices per host; tensor parallel over {devices}")
     head = (f"{'history':>10} {'sessions':>8} {'params/dev':>11} {'cache/dev':>10} {'transient':>10} {'total/dev':>10} "
-            f"{'fits':>5} {'max by dev':>10} {'host pool':>10} {'fits':>5} {'max by host':>11}")
+            f"{'fits':>5} {'max by dev':>10} {'host/host':>10} {'fits':>5} {'max by host':>11}")
     print(head)
     for h in (int(x) for x in FLAGS.history):
         p = memory.plan(cfg, cc, sessions=FLAGS.sessions, history=h, dtype=resolve_dtype(c.dtype),
                         mesh_shape=mesh_shape, expert_weights=FLAGS.expert_weights,
-                        device_bytes=int(device_gib * GiB), host_bytes=int(host_gib * GiB))
+                        device_bytes=int(device_gib * GiB), host_bytes=int(host_gib * GiB),
+                        devices_per_host=per_host)
         rows.append(p)
         d = p["per_device"]
         print(f"{h:>10,} {FLAGS.sessions:>8} {d['params'] / GiB:>10.2f}G {d['cache'] / GiB:>9.2f}G "
               f"{d['transient'] / GiB:>9.2f}G {d['total'] / GiB:>9.2f}G {str(p['fits_device']):>5} "
-              f"{p['max_sessions_by_device']:>10} {p['per_host']['pool'] / GiB:>9.2f}G "
+              f"{p['max_sessions_by_device']:>10} {p['per_host']['total'] / GiB:>9.2f}G "
               f"{str(p.get('fits_host', '-')):>5} {str(p.get('max_sessions_by_host', '-')):>11}")
         big = sorted(d["cache_parts"].items(), key=lambda kv: -kv[1])[:3]
         print(f"{'':>10} largest cache parts per device: " + ", ".join(f"{k} {v / GiB:.2f}G" for k, v in big))
@@ -83,9 +85,10 @@ def main(_):
             json.dump({"config": c.to_dict(), "git": git_revision(), "machine": FLAGS.machine,
                        "devices": devices, "device_gib": device_gib, "host_gib": host_gib,
                        "expert_weights": FLAGS.expert_weights, "sessions": FLAGS.sessions, "plans": rows,
+                       "devices_per_host": per_host,
                        "note": "shapes only: no activations or compiled workspaces; tensor parallel only (no "
-                               "pipeline stages), every device holds the whole cache and every host every "
-                               "session's history"}, f, indent=2, default=lambda o: o.item()
+                               "pipeline stages): every device holds the whole cache, its host pool included, so "
+                               "a host holds one copy of every session's history per device"}, f, indent=2, default=lambda o: o.item()
                       if isinstance(o, np.generic) else str(o))
 
 

@@ -198,10 +198,9 @@ class Engine:
         self.kernels = kernels
         self.max_sessions = int(max_sessions)
         self.offload = cc.mode == "offload"
+        # On a mesh every array of the cache is replicated over it, the host pool included: each device holds a
+        # copy in its host memory (the owner / peer split of glm53.sharding's docstring is not built yet).
         self.mesh = getattr(model, "mesh", None)
-        if self.mesh is not None and self.offload:
-            raise ConfigError("offload on a mesh is not built yet (the host pool would be replicated once per "
-                              "device); use cache.mode=resident with a mesh, or one device")
         if self.offload:
             offload.validate(self.cfg, cc)
         rows = cc.max_len or self.cfg.max_position_embeddings
@@ -260,7 +259,7 @@ class Engine:
     def _build(self):
         if self.offload:
             return offload.init_offload(self.cfg, self.cache_config, self.alloc_slots, self.capacity,
-                                        self.alloc_pages, self.model.dtype)
+                                        self.alloc_pages, self.model.dtype, mesh=self.mesh)
         return init_resident(self.cfg, self.cache_config, self.alloc_slots, self.capacity, self.model.dtype,
                              mesh=self.mesh)
 
@@ -767,7 +766,8 @@ class Engine:
                        "transient_bytes": self.transient_bytes(), "budget_bytes": self.device_budget_bytes,
                        "slots": self.max_sessions, "allocated_slots": self.alloc_slots,
                        "free_slots": len(self._free_slots)},
-            "host": {"pool_bytes": host, "page_bytes": self.page_bytes, "pages": self.pool_pages,
+            "host": {"pool_bytes": host, "pool_replicas": 1 if self.mesh is None else int(self.mesh.size),
+                     "page_bytes": self.page_bytes, "pages": self.pool_pages,
                      "allocated_pages": self.alloc_pages,
                      "used_pages": used_pages, "free_pages": len(self._free_pages),
                      "used_bytes": used_pages * self.page_bytes, "budget_bytes": self.host_budget_bytes},

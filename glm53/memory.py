@@ -93,7 +93,8 @@ def allocated_pages(cfg: ModelConfig, cc: CacheConfig, pages: int) -> int:
 # Planning: will N sessions of history H fit a machine?
 # ----------------------------------------------------------------------------------------------------------------
 def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtype, mesh_shape: dict | None = None,
-         expert_weights: str = "model", device_bytes: int | None = None, host_bytes: int | None = None) -> dict:
+         expert_weights: str = "model", device_bytes: int | None = None, host_bytes: int | None = None,
+         devices_per_host: int | None = None) -> dict:
     """What an engine of ``sessions`` slots of ``history`` rows each allocates, per device and per host, on a mesh
     of ``mesh_shape`` ({"stage": s, "tp": t}; one device by default), computed from shapes alone: the parameters'
     shards under ``glm53.sharding``'s rules, the cache (replicated over the mesh: every device holds every
@@ -101,8 +102,9 @@ def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtyp
     ``Engine.memory_report()`` gives for the same engine (tested equal). With ``device_bytes`` / ``host_bytes``
     it says whether the plan fits and how many sessions of this history would.
 
-    The host pool is counted once per host: with tensor parallelism only, every host of a mesh holds every
-    session's history (the per-stage split by layer needs pipeline stages, not built yet)."""
+    The host pool is replicated over the mesh like the rest of the cache: each device keeps a copy in its host's
+    memory, so a host holds ``devices_per_host`` copies (default: every device of the mesh on one host). The
+    owner / peer split and the per-stage split by layer are not built yet."""
     from glm53 import sharding  # glm53.sharding imports nothing of the cache; kept local to stay out of cycles
     from glm53.params import param_shapes
 
@@ -119,12 +121,13 @@ def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtyp
     transient = capacity * kv_formats.get_format(cc.kv_format).bytes_per_row if cc.mode == "offload" else 0
     device_cache = sum(parts["device"].values())
     host_pool = sum(parts["host"].values())
+    replicas = int(devices_per_host or np.prod(list(mesh_shape.values()))) if cc.mode == "offload" else 0
     out = {
         "sessions": sessions, "history": history, "capacity": capacity, "mode": cc.mode, "kv_format": cc.kv_format,
         "index_keys": cc.index_keys, "mesh": mesh_shape, "devices": int(np.prod(list(mesh_shape.values()))),
         "per_device": {"params": params, "cache": device_cache, "cache_parts": parts["device"],
                        "transient": transient, "total": params + device_cache + transient},
-        "per_host": {"pool": host_pool, "total": host_pool},
+        "per_host": {"pool": host_pool, "pool_replicas": replicas, "total": host_pool * replicas},
     }
     # Sessions that fit: searched, not divided out, since the addressing pads (glm53.cache.addressable_planes,
     # allocated_pages) make the bytes slightly non-linear in the number of slots.
@@ -144,6 +147,6 @@ def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtyp
             lambda n: params + transient + sum(cache_at(n)["device"].values()) <= device_bytes)
     if host_bytes is not None and cc.mode == "offload":
         out["host_bytes"] = int(host_bytes)
-        out["fits_host"] = host_pool <= host_bytes
-        out["max_sessions_by_host"] = largest(lambda n: sum(cache_at(n)["host"].values()) <= host_bytes)
+        out["fits_host"] = host_pool * replicas <= host_bytes
+        out["max_sessions_by_host"] = largest(lambda n: sum(cache_at(n)["host"].values()) * replicas <= host_bytes)
     return out

@@ -615,14 +615,19 @@ def _host_zeros(shape: tuple, dtype, host: jax.sharding.Sharding) -> Array:
     return jax.device_put(np.zeros(shape, dtype), host)
 
 
-def allocate_pool(fmt: kv_formats.KVFormat, rows: int, device, progress_min_bytes: int = POOL_PROGRESS_BYTES) -> dict:
+def allocate_pool(fmt: kv_formats.KVFormat, rows: int, device, progress_min_bytes: int = POOL_PROGRESS_BYTES,
+                  mesh=None) -> dict:
     """The host pool's planes ``{plane: [rows, W]}``, zero, in ``pinned_host`` memory: allocated once, one plane at a
     time, with a progress bar over the bytes when the pool is larger than ``progress_min_bytes``. One at a time
     bounds what is in flight (PJRT stages planes under 1 GiB through pinned buffers taken from the same capped
     allocator as the pool) and lets the bar move; it costs little (0.14 s of 0.9 s for 2 GiB on the CPU backend). On
     GPUs a pool larger than XLA's pinned host allocator is refused up front, with the variable that raises it,
-    instead of failing halfway through."""
-    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    instead of failing halfway through. On a ``mesh`` the pool is replicated: every device of it holds the whole
+    pool in its host memory (``glm53.sharding``: the owner / peer split is not built yet)."""
+    if mesh is not None:
+        host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
+    else:
+        host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     shapes = fmt.plane_shapes(rows)
     sizes = {n: int(np.prod(shape)) * np.dtype(dt).itemsize for n, (shape, dt) in shapes.items()}
     total = sum(sizes.values())
@@ -649,7 +654,7 @@ def page_bytes(cfg: ModelConfig, cc: CacheConfig) -> int:
 
 
 def init_offload(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, pool_pages: int, dtype,
-                 device=None) -> OffloadCache:
+                 device=None, mesh=None) -> OffloadCache:
     """An empty offload cache: ``slots`` session slots of ``capacity`` rows, a host pool of ``pool_pages`` pages
     (allocated once, in pinned_host memory)."""
     validate(cfg, cc, slots, capacity, pool_pages)
@@ -659,7 +664,7 @@ def init_offload(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, p
     if N % P:
         raise ConfigError(f"capacity {N} must be a multiple of copyback_every={P}")
     device = device or jax.devices()[0]
-    pool = allocate_pool(fmt, max(pool_pages, 1) * L * P, device)
+    pool = allocate_pool(fmt, max(pool_pages, 1) * L * P, device, mesh=mesh)
     cache = OffloadCache(
         sessions=init_sessions(cfg, S), **init_index_keys(cfg, cc, S, N, dtype), pool=pool,
         page_table=jnp.full((S, N // P), -1, jnp.int32), host_len=jnp.zeros((S,), jnp.int32),
@@ -673,7 +678,7 @@ def init_offload(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, p
         unassigned=jnp.zeros((S,), jnp.int32), kv_format=fmt.name, indexer_precision=cc.indexer_precision,
         key_slot_of_layer=key_slots(cfg),
         _has_mtp_layer=bool(cfg.num_nextn_predict_layers), page_rows=P, _ring_rows=R)
-    return place(cache, device)
+    return place(cache, device, mesh)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -13,11 +13,13 @@ than one device does: tokens stay identical, float32 logits agree to ~1e-6 relat
 **The cache is replicated over ``tp``.** MLA's latent row is shared by every head, so each device of a
 tensor-parallel group holds the same rows: the row is packed once (in the step, from replicated inputs) and the
 replicas are the same bytes (the article: quantising on each side cost speed and lost overlap). Sessions' tables,
-indexer keys and the history are all replicated.
+indexer keys, the hot caches and the history are all replicated; in offload mode so is the host pool, one copy per
+device in its host's memory (``Engine.memory_report()["host"]["pool_replicas"]``; ``glm53.memory.plan`` counts
+them). One copy per host shared by its devices (the article's owner and peer) is not built yet.
 
 Not built yet, refused with a ``ConfigError`` naming it: pipeline stages (``stages > 1``: GLM-5's layers are
-separate Flax modules of three kinds, not a stack a ``layers`` axis could split), offload on a mesh (the host pool
-would be replicated once per device), and multiple processes.
+separate Flax modules of three kinds, not a stack a ``layers`` axis could split). Not built either: several
+processes (``jax.distributed``).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def test_shard_bytes_by_hand():
     assert sharding.shard_bytes(params, {"stage": 1, "tp": 1}) == (64 * 256 + 64 * 64 + 64) * 4 + 8 * 32 * 64 * 2
 
 
-@pytest.mark.parametrize("mode,tp", [("resident", 1), ("resident", 2), ("offload", 1)])
+@pytest.mark.parametrize("mode,tp", [("resident", 1), ("resident", 2), ("offload", 1), ("offload", 2)])
 def test_plan_equals_what_the_engine_allocates(mode, tp):
     cc = CacheConfig(mode=mode, kv_format="q8g64", prefill_chunk=16, copyback_every=16, hot_rows=64, max_len=200)
     model = glm53.from_config(CFG, seed=0, dtype="float32", cache_config=cc, mesh=glm53.MeshConfig(tp=tp))
@@ -48,6 +48,11 @@ def test_plan_equals_what_the_engine_allocates(mode, tp):
     assert p["per_device"]["cache"] == report["device"]["cache_bytes"]
     assert p["per_device"]["transient"] == report["device"]["transient_bytes"]
     assert p["per_host"]["pool"] == report["host"]["pool_bytes"]
+    if mode == "offload":  # one copy of the pool per device, each in the host's memory
+        assert p["per_host"]["pool_replicas"] == report["host"]["pool_replicas"] == tp
+        pool = jax.tree_util.tree_leaves(e.cache.pool)
+        held = sum(int(s.data.nbytes) for x in pool for s in x.addressable_shards)
+        assert held == p["per_host"]["total"] == tp * p["per_host"]["pool"]
     # and the engine's own figure is what the device holds: one device's shard of every parameter
     held = sum(int(np.prod(s.data.shape)) * s.data.dtype.itemsize
                for x in jax.tree_util.tree_leaves(model.params) for s in x.addressable_shards[:1])

@@ -103,8 +103,6 @@ def test_mesh_errors_name_the_problem():
         glm53.MeshConfig(tp=0)
     with pytest.raises(ConfigError, match="unknown mesh settings"):
         glm53.MeshConfig.from_config_dict({"pp": 2})
-    with pytest.raises(ConfigError, match="offload on a mesh is not built yet"):
-        glm53.Engine(model(2), CC.replace(mode="offload", copyback_every=16, hot_rows=64))
     assert sharding.make_mesh(glm53.MeshConfig()) is None and model(1).mesh is None  # one device: no mesh at all
 
 
@@ -121,3 +119,39 @@ def test_save_on_a_mesh_restores_on_one_device_and_back(one_device, tmp_path):
         r = glm53.Engine(m, max_sessions=1)
         got = r.restore(tmp_path / "s")
         assert r.generate({got: 6})[got] == want
+
+
+OFFLOAD = CC.replace(kv_format="q8g64", copyback_every=16, hot_rows=64, max_len=192)
+
+
+@pytest.mark.parametrize("mtp", [0, 2])
+def test_offload_on_a_mesh_is_bit_identical_to_resident_there(one_device, mtp):
+    """Offload on tp=2 (pool replicated into every device's host memory): bit-identical to resident on the same
+    mesh through generate, a long append (past the hot cache), fork and rollback; tokens equal to one device."""
+    def script(m, mode):
+        e = glm53.Engine(m, OFFLOAD.replace(mode=mode), max_sessions=3)
+        a, b = e.open(prompts([37])[0]), e.open(prompts([22], seed=1)[0])
+        outs, logits = [], []
+        for reqs in ({a: 5, b: 7}, "append", {a: 6, b: 2}):
+            if reqs == "append":
+                e.append(a, prompts([80], seed=3)[0])  # more than hot_rows
+                c = e.fork(a)
+                e.rollback(b, 2)
+                continue
+            outs.append(e.generate(reqs, mtp=mtp, return_logits=True))
+            logits.append(e.last_run.logits)
+        outs.append(e.generate({c: 4}, mtp=mtp))
+        stats = e.stats(a) if mode == "offload" else None
+        return outs, logits, stats, e
+
+    m2 = model(2)
+    off, off_logits, stats, e = script(m2, "offload")
+    res, res_logits, _, _ = script(m2, "resident")
+    assert off == res
+    for lo, lr in zip(off_logits, res_logits):
+        assert lo.keys() == lr.keys() and all(np.array_equal(lo[k], lr[k]) for k in lo)
+    assert script(one_device, "resident")[0] == res
+    assert stats["misses"] > 0 and stats["copybacks"] > 0  # the host pool was really used
+    pool = jax.tree_util.tree_leaves(e.cache.pool)[0]
+    assert pool.sharding.memory_kind == "pinned_host" and len(pool.addressable_shards) == 2
+    assert e.memory_report()["host"]["pool_replicas"] == 2
