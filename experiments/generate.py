@@ -26,7 +26,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import glm53
-from glm53 import roofline
+from glm53 import distributed, roofline
 from glm53.provenance import provenance
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config (configs/*.py)", lock_config=True)
@@ -89,6 +89,8 @@ def routing_of(model, engine, run, mtp: int, kw: dict) -> tuple:
     want = _ROUTING.value
     if want == "uniform" or (want == "auto" and one_token):
         return None, None, None, None
+    if jax.process_count() > 1:  # the probe's host callbacks would run in every process: not built for that
+        return None, None, None, {"error": "several processes: uniform-routing expectation"}
     t = time.perf_counter()
     try:
         # The timed run's last n tokens again (rolled back, then regenerated: the same tokens, the same routing;
@@ -126,6 +128,9 @@ def roofline_entry(model, engine, run, result, bandwidth: dict, prompt_len: int,
 
 def main(argv):
     del argv
+    # Several processes (experiments.launch sets GLM53_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID): join them before
+    # anything touches a device. One process: nothing happens.
+    distributed.initialize()
     config = _CONFIG.value
     run = config.run
     model = build_model(config)
@@ -200,7 +205,7 @@ def main(argv):
         out_roofline = {"bandwidth": bandwidth, "run": rooflines.get(mode)}
         if run.compare_resident and mode != "resident":
             out_roofline["resident_baseline"] = rooflines.get("resident")
-    if run.output_json:
+    if run.output_json and distributed.is_writer():
         report = {"config": config.to_dict(), "figures": out, "tokens": result.tokens,
                   **({"roofline": out_roofline} if bandwidth is not None else {}),
                   "cache_stats": jax.tree_util.tree_map(lambda x: np.asarray(x).tolist(), result.cache_stats),

@@ -27,12 +27,7 @@ from glm53.params import resolve_dtype
 from glm53.provenance import git_revision
 
 GiB = 1 << 30
-# devices, GiB per device, GiB of host memory per host, devices per host.
-MACHINES = {
-    "article": (16, 48, 1024, 8),  # the article's 2 hosts x 8 accelerators of 48 GiB, 1 TiB of RAM per host
-    "h200x8": (8, 139, 560, 8),  # nvidia-h200-x8: 8 H200 (about 139 GiB each usable), 560 GiB of host memory
-    "h200": (1, 139, 125, 1),  # one H200 with the lent machine's 125 GiB
-}
+MACHINES = memory.MACHINES
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", "configs/glm5.py", "experiment config (model, cache, mesh)")

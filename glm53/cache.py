@@ -339,7 +339,7 @@ def place(tree, device=None, mesh=None):
     cache is the same bytes on every device of a tensor-parallel group): a fresh cache and one returned by a step
     then share one jit signature, so nothing recompiles after the first step. Arrays already in pinned_host memory
     stay there."""
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]  # this process's first (several processes: not the global first)
 
     def put(x):
         kind = getattr(getattr(x, "sharding", None), "memory_kind", None) or "device"

@@ -367,7 +367,7 @@ def read_native(directory: str, dtype=None) -> tuple[ModelConfig, Any, Any, Cach
         cache_config = CacheConfig.from_config_dict(cc) if "cache_config" in meta else None
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{meta_path} is incomplete or inconsistent: {type(e).__name__}: {e}") from e
-    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev),
                                     param_shapes(cfg, saved_dtype, expert_weights))
     try:

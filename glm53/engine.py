@@ -647,6 +647,7 @@ class Engine:
         rows in host memory are checked against the logical length. The save holds the history rows, indexer keys,
         lengths, the MTP hidden state, the tokens and the sampler settings; not the hot cache: a restored session
         starts cold. Returns the version directory written."""
+        self._one_process("save")
         s = self._session(sid)
         if self.offload:
             self._admit(0, self._pages_needed(s, s.processed), f"save of session {sid} (its partial page)")
@@ -670,9 +671,16 @@ class Engine:
                 "generated": s.generated}
         return session_io.write(directory, arrays, meta)
 
+    @staticmethod
+    def _one_process(what: str) -> None:
+        if jax.process_count() > 1:
+            raise ConfigError(f"{what} with several processes is not built yet (every process would write / read "
+                              "the save through orbax on its own); save from a one-process run")
+
     def restore(self, directory: str) -> int:
         """A new session from a save (made by this or any engine of the same model and kv_format, in either cache
         mode, with any hot_rows). Returns its id; it continues exactly as the saved session would have."""
+        self._one_process("restore")
         meta, arrays = session_io.read(directory)
         self._check_fingerprint(meta.get("fingerprint", {}), directory)
         try:

@@ -92,6 +92,14 @@ def allocated_pages(cfg: ModelConfig, cc: CacheConfig, pages: int) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 # Planning: will N sessions of history H fit a machine?
 # ----------------------------------------------------------------------------------------------------------------
+# Machines to plan for: devices, GiB per device, GiB of host memory per host, devices per host.
+MACHINES = {
+    "article": (16, 48, 1024, 8),  # the article's 2 hosts x 8 accelerators of 48 GiB, 1 TiB of RAM per host
+    "h200x8": (8, 139, 560, 8),  # nvidia-h200-x8: 8 H200 (about 139 GiB each usable), 560 GiB of host memory
+    "h200": (1, 139, 125, 1),  # one H200 with the lent machine's 125 GiB
+}
+
+
 def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtype, mesh_shape: dict | None = None,
          expert_weights: str = "model", device_bytes: int | None = None, host_bytes: int | None = None,
          devices_per_host: int | None = None) -> dict:
@@ -150,3 +158,47 @@ def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtyp
         out["fits_host"] = host_pool * replicas <= host_bytes
         out["max_sessions_by_host"] = largest(lambda n: sum(cache_at(n)["host"].values()) * replicas <= host_bytes)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The article's accounting, and what it left out
+# ----------------------------------------------------------------------------------------------------------------
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def article_figures(cfg: ModelConfig, cc: CacheConfig, *, replicas: int = 2, sessions: int = 15) -> list[dict]:
+    """The MLA payload figures of the article (``kv-offload-article.md``), computed from a config: one row format
+    (``cc.kv_format``), the main model's ``cfg.num_hidden_layers`` layers, ``replicas`` copies (the article's owner
+    and peer), ``cfg.index_topk`` selected rows, ``cc.hot_rows`` hot rows. MLA only: no DSA keys, MTP layer,
+    metadata or padding (``session_bytes`` has those). Each row: ``{"what", "bytes", "value", "unit"}``."""
+    row = kv_formats.get_format(cc.kv_format).bytes_per_row
+    L = cfg.num_hidden_layers
+    one_m = 1 << 20
+    rows = [("row", row, "B", 1),
+            ("50,000 tokens, one layer, one replica", 50_000 * row, "MiB", MiB),
+            (f"50,000 tokens, {L} main-model layers, both replicas", 50_000 * row * L * replicas, "GiB", GiB),
+            (f"{cfg.index_topk:,} selected rows, one layer, one replica", cfg.index_topk * row, "MiB", MiB),
+            (f"{cc.hot_rows:,} hot-cache rows, one layer, one replica", cc.hot_rows * row, "MiB", MiB),
+            ("one 1M history (1,048,576 tokens), all layers, both replicas", one_m * row * L * replicas, "GiB", GiB),
+            (f"{sessions} such sessions", sessions * one_m * row * L * replicas, "GiB", GiB),
+            (f"{sessions} hot caches of {cc.hot_rows:,} rows, all layers, both replicas",
+             sessions * cc.hot_rows * row * L * replicas, "GiB", GiB)]
+    return [{"what": w, "bytes": int(b), "value": b / d, "unit": u} for w, b, u, d in rows]
+
+
+def session_bytes(cfg: ModelConfig, cc: CacheConfig, history: int, dtype) -> dict:
+    """Everything one session of ``history`` tokens allocates in glm53 (one replica), by part: ``{"device": {part:
+    bytes}, "host": {part: bytes}, "transient": bytes, "capacity": rows}``. The cache parts are one slot's share of
+    ``cache_bytes`` (so ``Engine.memory_report()``'s per-slot figure, tested equal), with every cache layer (the MTP
+    layer too), the indexer keys, slot maps, ring and page rounding; ``transient`` is the largest buffer a
+    prefill / append chunk adds (offload's bulk read of one layer)."""
+    capacity = cache.capacity_for(history, cc)
+    pages = capacity // cc.copyback_every if cc.mode == "offload" else 0
+    # A slot's share of an engine of 2**24 slots: every part is slots x its per-slot size, and at this many slots no
+    # plane is in the range that gets addressing pads (glm53.cache.padded_rows: a whole-array effect of some engine
+    # sizes, which Engine.memory_report() includes and this leaves out).
+    many = 1 << 24
+    big = cache_bytes(cfg, cc, many, capacity, many * pages, dtype)
+    per = {side: {k: v // many for k, v in big[side].items()} for side in ("device", "host")}
+    transient = capacity * kv_formats.get_format(cc.kv_format).bytes_per_row if cc.mode == "offload" else 0
+    return {**per, "transient": transient, "capacity": capacity}

@@ -663,7 +663,7 @@ def init_offload(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, p
     P, R, H = cc.copyback_every, ring_rows_for(cc), cc.hot_rows
     if N % P:
         raise ConfigError(f"capacity {N} must be a multiple of copyback_every={P}")
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]  # this process's first (several processes: not the global first)
     pool = allocate_pool(fmt, max(pool_pages, 1) * L * P, device, mesh=mesh)
     cache = OffloadCache(
         sessions=init_sessions(cfg, S), **init_index_keys(cfg, cc, S, N, dtype), pool=pool,

@@ -397,7 +397,7 @@ def measure_hbm_bandwidth(nbytes: int | None = None, *, iters: int | None = None
     import jax
     import jax.numpy as jnp
 
-    dev = device or jax.devices()[0]
+    dev = device or jax.local_devices()[0]
     accel = dev.platform != "cpu"
     nbytes = int(nbytes or ((1 << 30) if accel else (64 << 20)))
     iters = int(iters or (8 if accel else 2))

@@ -18,8 +18,10 @@ device in its host's memory (``Engine.memory_report()["host"]["pool_replicas"]``
 them). One copy per host shared by its devices (the article's owner and peer) is not built yet.
 
 Not built yet, refused with a ``ConfigError`` naming it: pipeline stages (``stages > 1``: GLM-5's layers are
-separate Flax modules of three kinds, not a stack a ``layers`` axis could split). Not built either: several
-processes (``jax.distributed``).
+separate Flax modules of three kinds, not a stack a ``layers`` axis could split).
+
+**Several processes** (``glm53.distributed``, ``experiments.launch``): the mesh spans the devices of every process;
+each process runs the same steps on the same inputs (SPMD), so the code above is unchanged.
 """
 
 from __future__ import annotations
@@ -106,6 +108,10 @@ def make_mesh(mc: MeshConfig | Mapping[str, Any] | None, devices=None) -> Mesh |
     if len(devices) < mc.devices:
         raise ConfigError(f"mesh {mc.stages} x {mc.tp} needs {mc.devices} devices, {len(devices)} are visible (on a "
                           "CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    if jax.process_count() > 1 and mc.devices != len(devices):
+        # Every process runs every step: a mesh leaving some process's devices out would leave it nothing to run.
+        raise ConfigError(f"mesh {mc.stages} x {mc.tp} over {jax.process_count()} processes must span every device "
+                          f"({len(devices)} visible)")
     grid = np.array(devices[: mc.devices], dtype=object).reshape(mc.stages, mc.tp)
     return Mesh(grid, MESH_AXES)
 

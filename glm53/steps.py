@@ -331,9 +331,7 @@ class Steps:
     def __init__(self, module: GLM5):
         self.module = module
         self._jits: dict = {}
-        self._sample_first = jax.jit(functools.partial(sample_first, module), static_argnames=("greedy",))
-        self._read_slot = jax.jit(read_slot, static_argnames=("kernels",))
-        self._read_pages = jax.jit(read_pages, static_argnames=("kernels",))
+        self._others: dict = {}  # (name, mesh or None) -> jitted sample_first / read_slot / read_pages
 
     def _jit(self, name: str, cache):
         shardings = jax.tree_util.tree_map(lambda x: x.sharding, cache)
@@ -368,14 +366,27 @@ class Steps:
         engine) look it up once instead of walking the cache's leaves at every call (~15 us a step)."""
         return self._jit(name, cache)
 
+    def _other(self, name: str, cache):
+        """The jitted ``name`` for a cache placed like ``cache``. On a mesh its outputs are replicated over it: the
+        host reads them, and with several processes only an array every process holds whole can be read."""
+        first = jax.tree_util.tree_leaves(cache)[0].sharding
+        mesh = first.mesh if isinstance(first, jax.sharding.NamedSharding) else None
+        fn = self._others.get((name, mesh))
+        if fn is None:
+            f, static = {"sample_first": (functools.partial(sample_first, self.module), ("greedy",)),
+                         "read_slot": (read_slot, ("kernels",)), "read_pages": (read_pages, ("kernels",))}[name]
+            out = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            fn = self._others[(name, mesh)] = jax.jit(f, static_argnames=static, out_shardings=out)
+        return fn
+
     def sample_first(self, params, cache, lanes, seed, temperature, top_p, *, greedy: bool):
-        return self._sample_first(params, cache, lanes, seed, temperature, top_p, greedy=greedy)
+        return self._other("sample_first", cache)(params, cache, lanes, seed, temperature, top_p, greedy=greedy)
 
     def read_slot(self, cache, slot, *, kernels: str):
-        return self._read_slot(cache, slot, kernels=kernels)
+        return self._other("read_slot", cache)(cache, slot, kernels=kernels)
 
     def read_pages(self, cache, pages, *, kernels: str):
-        return self._read_pages(cache, pages, kernels=kernels)
+        return self._other("read_pages", cache)(cache, pages, kernels=kernels)
 
     def lower(self, name: str, *args, **kw):
         """The lowered (not run, nothing donated) call of step ``name`` with these arguments: for profiling and

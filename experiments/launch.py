@@ -1,0 +1,83 @@
+"""Run one entry point as several processes on this machine: the multi-process layout of a multi-host run
+(``glm53.distributed``), here on localhost, each process with its own CPU (or GPU) devices.
+
+    python -m experiments.launch --processes=2 --devices_per_process=8 -- \\
+        python -m experiments.generate --config=configs/tiny.py --config.mesh.tp=16 --noroofline
+
+Every process gets ``GLM53_COORDINATOR`` (localhost and a free port), ``GLM53_NUM_PROCESSES`` and
+``GLM53_PROCESS_ID``, and on CPUs ``XLA_FLAGS=--xla_force_host_platform_device_count=<devices_per_process>``;
+the entry point calls ``glm53.distributed.initialize()`` first. Output lines are prefixed with ``[p<i>]``; the
+launcher fails (exit status 1) if any process does, and stops the others after ``--timeout`` seconds.
+On several real hosts, start the entry point once per host with the same three variables instead.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("processes", 2, "processes to start")
+flags.DEFINE_integer("devices_per_process", 8, "CPU devices per process (XLA's host platform device count); "
+                     "0 leaves XLA_FLAGS alone (GPU runs: each process sees its own GPUs)")
+flags.DEFINE_integer("timeout", 1800, "seconds before every process is stopped")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _pump(stream, prefix: str, sink) -> None:
+    for line in iter(stream.readline, ""):
+        sink.write(f"{prefix} {line}")
+        sink.flush()
+
+
+def launch(command: list[str], processes: int, devices_per_process: int, timeout: float) -> int:
+    if not command:
+        raise app.UsageError("give the command after --, e.g. -- python -m experiments.generate ...")
+    coordinator = f"localhost:{free_port()}"
+    procs, pumps = [], []
+    for i in range(processes):
+        env = dict(os.environ, GLM53_COORDINATOR=coordinator, GLM53_NUM_PROCESSES=str(processes),
+                   GLM53_PROCESS_ID=str(i), PYTHONUNBUFFERED="1")
+        if devices_per_process:
+            flags_ = [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+            env["XLA_FLAGS"] = " ".join(flags_ + [f"--xla_force_host_platform_device_count={devices_per_process}"])
+        p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(p)
+        t = threading.Thread(target=_pump, args=(p.stdout, f"[p{i}]", sys.stdout), daemon=True)
+        t.start()
+        pumps.append(t)
+    deadline = time.monotonic() + timeout
+    codes = [None] * processes
+    while any(c is None for c in codes):
+        for i, p in enumerate(procs):
+            codes[i] = p.poll()
+        if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
+            break  # one failed (the others would wait for it forever) or time is up
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for t in pumps:
+        t.join(timeout=5)
+    codes = [p.wait() for p in procs]
+    print(f"[launch] exit codes {codes}", flush=True)
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+def main(argv):
+    sys.exit(launch(argv[1:], FLAGS.processes, FLAGS.devices_per_process, FLAGS.timeout))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,74 @@
+"""Capacity accounting: the article's MLA figures come out of configs/glm5.py exactly, and the per-session
+breakdown is the engine's own memory report (one source of truth)."""
+
+import importlib
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+import glm53
+from glm53 import memory
+from glm53.config import CacheConfig, ModelConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_the_articles_figures_from_the_glm5_config():
+    c = importlib.import_module("configs.glm5").get_config()
+    cfg, cc = ModelConfig.from_config_dict(c.model), CacheConfig.from_config_dict(c.cache)
+    got = [(f["unit"], f["value"]) for f in memory.article_figures(cfg, cc)]
+    # kv-offload-article.md, as printed
+    want = [("B", 656), ("MiB", 31.281), ("GiB", 4.765), ("MiB", 1.28125), ("MiB", 20.5), ("GiB", 99.94),
+            ("GiB", 1499.06), ("GiB", 46.85)]
+    for (u, v), (wu, wv) in zip(got, want):
+        places = len(str(wv).split(".")[1]) if "." in str(wv) else 0
+        assert u == wu and round(v, places) == wv, (u, v, wu, wv)
+    assert memory.article_figures(cfg, cc)[1]["bytes"] == 50_000 * 656
+
+
+CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=32,
+                  kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16, index_n_heads=16,
+                  index_head_dim=128, index_topk=16, indexer_types=("full", "shared", "full"), n_routed_experts=8,
+                  num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, max_position_embeddings=512,
+                  num_nextn_predict_layers=1, eos_token_id=None)
+
+
+@pytest.mark.parametrize("mode,index_keys", [("resident", "model"), ("offload", "model"), ("offload", "fp8")])
+def test_session_bytes_are_the_engines_per_slot_bytes(mode, index_keys):
+    cc = CacheConfig(mode=mode, kv_format="q8g64", prefill_chunk=16, copyback_every=16, hot_rows=64, max_len=300,
+                     index_keys=index_keys)
+    model = glm53.from_config(CFG, seed=0, dtype="float32", cache_config=cc)
+    e = glm53.Engine(model, max_sessions=3)
+    report = e.memory_report()
+    s = memory.session_bytes(CFG, cc, 300, jnp.float32)
+    assert s["capacity"] == e.capacity
+    assert sum(s["device"].values()) == report["device"]["per_slot_bytes"]
+    assert sum(s["host"].values()) * 3 == report["host"]["pool_bytes"]
+    assert s["transient"] == report["device"]["transient_bytes"]
+    if mode == "offload":  # the parts the article left out are there
+        assert {"index_keys", "slot_of_position", "ring", "hot", "page_table"} <= set(s["device"])
+
+
+def test_capacity_entry_point(tmp_path):
+    out = tmp_path / "cap.json"
+    p = subprocess.run([sys.executable, "-m", "experiments.capacity", "--history=50000,1048576", f"--out={out}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert all(f["matches_article"] for f in r["article"]) and "DIFFERS" not in p.stdout
+    assert set(r["session"]) == {"50000", "1048576"} and len(r["fit"]) == 2
+    one_m = r["session"]["1048576"]
+    assert one_m["host"]["pool"] == (1 << 20) * 656 * 79  # every cache layer (MTP too), one replica
+
+
+def test_capacity_for_given_sizes():
+    p = subprocess.run([sys.executable, "-m", "experiments.capacity", "--config=configs/h200_bench.py",
+                        "--history=1048576", "--machine=custom", "--devices=1", "--device_gib=139", "--host_gib=125",
+                        "--sessions=16"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "16 sessions on custom: 1 devices x 139.0 GiB, 125.0 GiB per host" in p.stdout
