@@ -3,11 +3,22 @@
     python -m experiments.offload_ab --config=configs/h200_bench.py --config.run.prompt_len=50000 \
         --out=experiments/results/offload_ab_50k.json
 
-Workloads: ``indexer`` (the model's own DSA selection) and ``local99`` (a selection override: a fixed set of
-index_topk history positions of which 1% is replaced by fresh random positions every step, so about 99% of lookups
-hit once the set is hot — the article's high-reuse regime). Each workload runs ``--pairs`` interleaved pairs
-(resident then offload, then offload then resident, ...). Compilation is excluded: every shape is warmed up first
-with a short prompt and the same cache capacity.
+Workloads (``experiments.workloads.selection``): ``indexer`` (the model's own DSA selection), ``local99`` (a
+fixed set of index_topk history positions of which 1% is replaced every step, so about 99% of lookups hit once the
+set is hot — the article's high-reuse regime), ``drift<c>`` (the same with a fraction ``c`` replaced), ``window<s>``
+(a window sliding by ``s`` positions a step) and ``uniform`` (fresh positions every step). Each workload runs
+``--pairs`` interleaved pairs (resident then offload, then offload then resident, ...); ``config.run.mtp`` and
+``config.run.accept_override`` apply to both modes. Compilation is excluded: every shape is warmed up first with a
+short prompt and the same cache capacity.
+
+**Loss against hit rate.** One run can sweep the hit rate with the synthetic workloads:
+
+    python -m experiments.offload_ab --config=configs/h200_bench.py --config.run.prompt_len=50000 --pairs=2 \
+        --workloads=drift0.001,local99,drift0.05,drift0.2,window512,uniform --out=$OUT/loss_vs_hits.json
+
+Beside each workload's loss it reports the **physical floor**: the bytes its misses read from host memory per step
+over the zero-copy bandwidth measured in the same run (``glm53.roofline.measure_host_read_bandwidth``; GPUs only), as
+a share of the resident step. A PNG (loss and floor against the decode hit rate) goes next to the JSON.
 """
 
 import json
@@ -16,6 +27,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import glm53
+import glm53.roofline
+import kernels_pallas.kv_formats
 from experiments import workloads
 from glm53.provenance import provenance
 
@@ -26,9 +39,56 @@ flags.DEFINE_integer("pairs", 1, "interleaved resident/offload pairs per workloa
 flags.DEFINE_list("workloads", ["indexer", "local99"], "indexer | local99")
 
 
-def run_once(model, prompts, cc, new_tokens, workload, K, history, seed):
-    return glm53.generate(model, prompts, max_new_tokens=new_tokens, cache=cc, return_logits=True,
-                          selection_override=workloads.selection(workload, K, history, seed))
+def run_once(model, prompts, cc, new_tokens, workload, K, history, seed, run_cfg):
+    return glm53.generate(model, prompts, max_new_tokens=new_tokens, cache=cc, return_logits=True, mtp=run_cfg.mtp,
+                          accept_override=None if run_cfg.accept_override < 0 else run_cfg.accept_override,
+                          selection_override=workloads.selection(workload, K, history, seed, len(prompts)))
+
+
+def floor_pct(pairs: list, row_bytes: int, host_bw: dict | None) -> float | None:
+    """The physical floor of a workload's offload loss, in % of the resident step: misses per step x row bytes over
+    the measured zero-copy bandwidth (None without a measurement)."""
+    if not host_bw:
+        return None
+    pct = []
+    for p in pairs:
+        d = p["cache_stats"]["decode"]
+        steps = max(p["decode_steps"], 1)
+        floor_s = d["misses"] * row_bytes / steps / host_bw["bandwidth_Bps"]
+        pct.append(100 * floor_s / p["resident_step_s"])
+    return float(np.mean(pct))
+
+
+def plot(results: dict, path: str) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        return f"no plot: {err}"
+    rows = [(wl, s) for wl, s in results.get("summary", {}).items() if s.get("decode_hit_rate") is not None]
+    if not rows:
+        return "no plot: no workload with a hit rate"
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    x = [100 * s["decode_hit_rate"] for _, s in rows]
+    ax.plot(x, [s["pooled_loss_pct"] for _, s in rows], "o", label="offload loss (pooled pairs)")
+    for (wl, s), xi in zip(rows, x):
+        ax.annotate(wl, (xi, s["pooled_loss_pct"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.vlines(xi, s["loss_pct_min"], s["loss_pct_max"], alpha=0.4)
+    floors = [(xi, s["floor_pct"]) for (_, s), xi in zip(rows, x) if s.get("floor_pct") is not None]
+    if floors:
+        fx, fy = zip(*sorted(floors))
+        ax.plot(fx, fy, "k--", label="physical floor: misses x row bytes / zero-copy bandwidth")
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.set_xlabel("decode hit rate (%)")
+    ax.set_ylabel("decode time lost to offload (% of resident)")
+    ax.set_title(f"offload loss vs hit rate ({results.get('device_kind', '')}, history "
+                 f"{results['config']['run']['prompt_len']:,}, MTP {results['config']['run']['mtp']})", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def summarise(pairs: list) -> dict:
@@ -51,17 +111,24 @@ def main(_):
     modes = {"resident": cc.replace(mode="resident"), "offload": cc.replace(mode="offload")}
     warm = [p[: min(len(p), cc.prefill_chunk)] for p in prompts]
     for wl in FLAGS.workloads:
+        workloads.selection(wl, K, c.run.prompt_len, c.run.seed)  # a bad name fails here, before any run
         for m in modes.values():
             # copyback_every + 2 tokens: decode crosses a page boundary, so the one-page copyback compiles too
-            run_once(model, warm, m, cc.copyback_every + 2, wl, K, len(warm[0]), c.run.seed)
+            # The timed runs' history: the override's jitted step compiles here, for the shapes it will run with
+            # (positions past the short warm-up prompt are inside the capacity: their rows are just empty).
+            run_once(model, warm, m, cc.copyback_every + 2, wl, K, c.run.prompt_len, c.run.seed, c.run)
     print(f"{model}; prompt {c.run.prompt_len} x {c.run.batch}, {new} new tokens; warm-up done", flush=True)
 
-    results = {"config": c.to_dict(), **provenance(), "workloads": {}}
+    row_bytes = kernels_pallas.kv_formats.get_format(cc.kv_format).bytes_per_row
+    host_bw = glm53.roofline.measure_host_read_bandwidth(cc.kv_format)
+    if host_bw:
+        print(f"zero-copy host reads: {host_bw['GBps']:.2f} GB/s", flush=True)
+    results = {"config": c.to_dict(), **provenance(), "host_read_bandwidth": host_bw, "workloads": {}}
     for wl in FLAGS.workloads:
         pairs = []
         for p in range(FLAGS.pairs):
             order = ("resident", "offload") if p % 2 == 0 else ("offload", "resident")
-            runs = {m: run_once(model, prompts, modes[m], new, wl, K, c.run.prompt_len, c.run.seed + p)
+            runs = {m: run_once(model, prompts, modes[m], new, wl, K, c.run.prompt_len, c.run.seed + p, c.run)
                     for m in order}
             r, o = runs["resident"], runs["offload"]
             pair = {
@@ -73,6 +140,10 @@ def main(_):
                 "resident_ttft_s": r.time_to_first_token_s, "offload_ttft_s": o.time_to_first_token_s,
                 "resident_prefill_tok_s": r.prefill_tokens_per_s, "offload_prefill_tok_s": o.prefill_tokens_per_s,
                 "decode_hit_rate": o.cache_stats["decode"]["hit_rate"],
+                "decode_steps": len(o.decode_step_call_s),
+                # decode seconds (tokens after each prompt's first / rate) per step
+                "resident_step_s": sum(len(t) - 1 for t in r.tokens) / r.decode_tokens_per_s
+                / max(len(r.decode_step_call_s), 1),
                 "decode_host_loop_s": {"resident": r.decode_host_loop_s, "offload": o.decode_host_loop_s},
                 "decode_step_calls_s": {"resident": r.decode_step_calls_s, "offload": o.decode_step_calls_s},
                 "decode_step_call_ms_percentiles": {
@@ -101,8 +172,11 @@ def main(_):
                   "otherwise", flush=True)
         results["workloads"][wl] = pairs
         results.setdefault("summary", {})[wl] = summary = summarise(pairs)
+        summary["decode_hit_rate"] = float(np.mean([p["decode_hit_rate"] for p in pairs]))
+        summary["floor_pct"] = floor_pct(pairs, row_bytes, host_bw)
         print(f"[{wl}] {summary}", flush=True)
         if FLAGS.out:  # after every workload, so a run cut short still leaves what it measured
+            results["plot"] = plot(results, FLAGS.out.rsplit(".", 1)[0] + ".png")
             with open(FLAGS.out, "w") as f:
                 json.dump(results, f, indent=2, default=str)
 

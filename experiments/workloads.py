@@ -24,13 +24,95 @@ def setup(c):
     return model, prompts, cc, K
 
 
-def selection(workload: str, K: int, history: int, seed: int):
-    """The ``selection_override`` of a workload: ``"local99"`` or ``"indexer"`` (None: the model's own choice)."""
-    if workload == "local99":
-        return local99(K, history, seed)
+WORKLOADS = "indexer | local99 | drift<churn> (e.g. drift0.05) | uniform | window<stride> (e.g. window64)"
+
+
+def selection(workload: str, K: int, history: int, seed: int, sessions: int = 1):
+    """The ``selection_override`` of a workload (None: the model's own choice). Every synthetic workload keeps its
+    state on the device (no host work between steps); each session (row) has its own positions unless
+    ``sessions=1``, where every row is the same.
+
+    - ``indexer``: the model's DSA selection (no override);
+    - ``local99``: ``drift0.01``;
+    - ``drift<c>``: a working set of K positions of which a fraction ``c`` is replaced each step (hits ~ 1 - c once
+      the set is hot);
+    - ``uniform``: K fresh distinct positions each step, uniform over the history (hits ~ hot rows / history);
+    - ``window<s>``: K consecutive positions that slide by ``s`` each step, wrapping around the history (hits ~
+      1 - s / K while the window fits the hot cache)."""
     if workload == "indexer":
         return None
-    raise ValueError(f"unknown workload {workload!r}: indexer | local99")
+    if workload == "local99":
+        workload = "drift0.01"
+    try:
+        if workload.startswith("drift"):
+            churn = float(workload[len("drift"):])
+            if not 0 < churn <= 1:
+                raise ValueError
+            return local99_sessions(K, history, seed, sessions, churn=churn)
+        if workload == "uniform":
+            return _rows_override(UniformSets(K, history, seed, sessions), sessions, K)
+        if workload.startswith("window"):
+            stride = int(workload[len("window"):])
+            if stride < 1:
+                raise ValueError
+            return _rows_override(SlidingWindows(K, history, seed, sessions, stride), sessions, K)
+    except ValueError:
+        pass
+    raise ValueError(f"unknown workload {workload!r}: {WORKLOADS}")
+
+
+def _rows_override(sets, sessions: int, K: int):
+    def override(step: int, positions: np.ndarray) -> jax.Array:
+        rows = sets.step()
+        if sessions == 1:
+            return jnp.broadcast_to(rows[0], (len(positions), K))
+        return rows if len(positions) == sessions else rows[np.arange(len(positions)) % sessions]
+    return override
+
+
+class UniformSets:
+    """S rows of K distinct positions drawn afresh, uniformly over ``[0, history)``, at every step (on the device)."""
+
+    def __init__(self, K: int, history: int, seed: int, sessions: int):
+        if history < K:
+            raise ValueError(f"{K} distinct positions need a history of at least {K} (got {history})")
+        self.K, self.history, self.sessions = K, history, sessions
+        self.key = jax.random.key(seed)
+
+    def step(self) -> jax.Array:
+        self.key, rows = _uniform(self.key, K=self.K, history=self.history, sessions=self.sessions)
+        return rows
+
+
+@functools.partial(jax.jit, static_argnames=("K", "history", "sessions"))
+def _uniform(key, *, K: int, history: int, sessions: int):
+    key, sub = jax.random.split(key)
+    keys = jax.random.split(sub, sessions)
+    rows = jax.vmap(lambda k: jnp.sort(jax.random.choice(k, history, (K,), replace=False)))(keys)
+    return key, rows.astype(jnp.int32)
+
+
+class SlidingWindows:
+    """S windows of K consecutive positions (mod ``history``), each starting at its own random offset and moving by
+    ``stride`` positions per step (on the device)."""
+
+    def __init__(self, K: int, history: int, seed: int, sessions: int, stride: int):
+        if history < K:
+            raise ValueError(f"a window of {K} distinct positions needs a history of at least {K} (got {history})")
+        rng = np.random.default_rng(seed)
+        self.start = jnp.asarray(rng.integers(0, history, sessions).astype(np.int32))
+        self.K, self.history, self.stride = K, history, stride
+
+    def step(self) -> jax.Array:
+        self.start, rows = _window(self.start, K=self.K, history=self.history, stride=self.stride)
+        return rows
+
+
+@functools.partial(jax.jit, static_argnames=("K", "history", "stride"))
+def _window(start, *, K: int, history: int, stride: int):
+    start = (start + stride) % history
+    rows = (start[:, None] + jnp.arange(K, dtype=jnp.int32)[None, :]) % history
+    return start, jnp.sort(rows, axis=1)
 
 
 def local99(K: int, history: int, seed: int, churn: float = 0.01):

@@ -437,6 +437,53 @@ def measure_hbm_bandwidth(nbytes: int | None = None, *, iters: int | None = None
                       "(a dependent sum per pass); bandwidth_Bps = the higher"}
 
 
+def measure_host_read_bandwidth(kv_format: str = "q8g64", rows: int = 65536, history_rows: int = 1 << 20, *,
+                                iters: int = 10, repeats: int = 3, device=None) -> dict | None:
+    """Zero-copy reads from pinned host memory, measured the way offload reads a miss: the hot-gather kernel
+    (``kernels_pallas.hot_gather``) with every one of ``rows`` sorted random rows a miss, over a pinned_host pool of
+    ``history_rows`` rows of ``kv_format``, ``iters`` gathers per jitted loop, best of ``repeats``. Returns
+    ``{"bandwidth_Bps", "GBps", "rows", "row_bytes", ...}``, or None on a CPU (the interpreter cannot read
+    pinned_host operands: there is no zero-copy path to measure). A decode step's physical floor in offload mode is
+    its misses x row bytes over this bandwidth."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_pallas import hot_gather as hg
+    from kernels_pallas import kv_formats as kvf
+
+    dev = device or jax.local_devices()[0]
+    if dev.platform == "cpu":
+        return None
+    fmt = kvf.get_format(kv_format)
+    host_sh = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    with jax.default_device(dev):
+        pool = {k: jax.device_put(jnp.zeros(shape, dt), host_sh)
+                for k, (shape, dt) in fmt.plane_shapes(history_rows).items()}
+        small = {k: jnp.zeros(shape, dt) for k, (shape, dt) in fmt.plane_shapes(8).items()}
+        rng = np.random.default_rng(0)
+        src = jnp.full((rows,), hg.HOST, jnp.int32)
+        row = jnp.asarray(np.sort(rng.choice(history_rows, rows, replace=False)).astype(np.int32))
+
+        @jax.jit
+        def loop(pool):
+            def body(i, acc):
+                out = hg.hot_gather(src, (row + i) % history_rows, small, small, pool, kv_format=fmt.name,
+                                    out_dtype=jnp.bfloat16)
+                return acc + sum(jnp.ravel(v)[0].astype(jnp.float32) for v in jax.tree_util.tree_leaves(out))
+            return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
+
+        jax.block_until_ready(loop(pool))
+        best = math.inf
+        for _ in range(max(repeats, 1)):
+            t = time.perf_counter()
+            jax.block_until_ready(loop(pool))
+            best = min(best, time.perf_counter() - t)
+    bw = rows * fmt.bytes_per_row * iters / best
+    return {"bandwidth_Bps": bw, "GBps": bw / 1e9, "rows": rows, "row_bytes": fmt.bytes_per_row,
+            "history_rows": history_rows, "iters": iters, "seconds": best, "platform": dev.platform,
+            "method": "hot_gather with every row a miss (zero-copy reads of pinned_host memory), best of repeats"}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Routed experts, from the model
 # ----------------------------------------------------------------------------------------------------------------
