@@ -31,7 +31,11 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
+try:  # notebook progress bars need ipywidgets; without it tqdm.auto warns at import: plain text bars then
+    import ipywidgets  # noqa: F401
+    from tqdm.auto import tqdm
+except ImportError:
+    from tqdm import tqdm
 
 from glm53 import memory, offload, session_io
 from glm53.cache import Lanes, capacity_for, init_resident
