@@ -114,7 +114,11 @@ def _schedule(group_sizes: jax.Array, num_tiles: int, block_m: int):
     visit_end = jnp.cumsum(visits)
     V = num_tiles + G - 1
     v = jnp.arange(V, dtype=jnp.int32)
-    group = jnp.searchsorted(visit_end, v, side="right").astype(jnp.int32)  # groups whose visits end <= v
+    # Groups whose visits end <= v. compare_all, not the default "scan": the scan is a while loop, and XLA's GPU
+    # runtime decides each iteration of a while loop on the host (a launch and a device-to-host read per iteration,
+    # outside command buffers) -- five of them per grouped matmul, three matmuls per MoE layer, every decode step.
+    # [V, G] comparisons of a few dozen visits against at most a few hundred groups cost nothing.
+    group = jnp.searchsorted(visit_end, v, side="right", method="compare_all").astype(jnp.int32)
     gc = jnp.minimum(group, G - 1)
     tile = first[gc] + v - (visit_end[gc] - visits[gc])
     tile = jnp.where(group < G, tile, 0)
