@@ -1,4 +1,4 @@
-"""The engine's steps, lowered for CUDA with the Pallas kernels, contain no while loop.
+"""The engine's steps (decode, verify, draft, chunk), lowered for CUDA with the Pallas kernels, contain no while loop.
 
 XLA's GPU runtime runs a while loop by deciding each iteration on the host: a launch and a device-to-host read of
 the predicate per iteration, outside command buffers. In a decode step that is a stall per iteration, every step (a
@@ -54,6 +54,8 @@ def test_gpu_steps_have_no_while_loops(mode, monkeypatch):
                                      copy_pages=pages),
                    (params, cache, lanes, i32, jax.ShapeDtypeStruct((B, D), jnp.int32), None, i32, jnp.int32(0), f32,
                     jnp.float32(1), stop, None)),
+        "draft": (functools.partial(St.draft, model.module, depth=D, greedy=True, kernels="pallas"),
+                  (params, cache, lanes, i32, jnp.int32(0), f32, jnp.float32(1))),
         "chunk": (functools.partial(St.chunk, model.module, outputs="hidden", kernels="pallas", bulk=mode == "offload",
                                     copy_pages=pages),
                   (params, cache, lanes, jax.ShapeDtypeStruct((B, 16), jnp.int32), i32)),
