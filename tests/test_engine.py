@@ -6,6 +6,8 @@ Every comparison of the two cache modes runs the same script on a resident and a
 model and requires the same tokens and bit-identical logits.
 """
 
+import gc
+
 import jax
 import numpy as np
 import pytest
@@ -458,12 +460,18 @@ def test_a_failing_callback_leaves_the_session_consistent(model):
     e, ref = engine(model, "offload"), engine(model, "offload")
     s, r = e.open(ids(60, seed=70)), ref.open(ids(60, seed=70))
 
+    collecting = []
+
     def boom(sid, i, tok):
+        collecting.append(gc.isenabled())
         if i == 5:
             raise RuntimeError("client went away")
 
+    assert gc.isenabled()
     with pytest.raises(RuntimeError, match="client went away"):
         e.generate({s: 12}, on_token=boom)
+    # no garbage collection while the loop dispatches steps, and collection back on after it, even after a failure
+    assert collecting and not any(collecting) and gc.isenabled()
     n = len(e.tokens(s)) - 60
     assert 6 <= n <= 12
     want = ref.generate({r: n + 8})[r]
