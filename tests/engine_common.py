@@ -17,6 +17,15 @@ CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_inte
 CC = CacheConfig(kv_format="q8g64", copyback_every=16, prefill_chunk=16, hot_rows=128, max_len=512)
 
 
+# Head counts that tp = 2 and 4 divide, GLM-5's 512-d latent: the sharding, planner, capacity and lowering tests.
+MESH_CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                       num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=32,
+                       kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16, index_n_heads=16,
+                       index_head_dim=128, index_topk=16, indexer_types=("full", "shared", "full"),
+                       n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                       max_position_embeddings=512, num_nextn_predict_layers=1, eos_token_id=None)
+
+
 def make_model(seed: int = 3):
     return glm53.from_config(CFG, seed=seed, dtype="float32")
 

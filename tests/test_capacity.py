@@ -13,6 +13,7 @@ import pytest
 import glm53
 from glm53 import memory
 from glm53.config import CacheConfig, ModelConfig
+from engine_common import MESH_CFG as CFG
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -28,14 +29,6 @@ def test_the_articles_figures_from_the_glm5_config():
         places = len(str(wv).split(".")[1]) if "." in str(wv) else 0
         assert u == wu and round(v, places) == wv, (u, v, wu, wv)
     assert memory.article_figures(cfg, cc)[1]["bytes"] == 50_000 * 656
-
-
-CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                  num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=32,
-                  kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16, index_n_heads=16,
-                  index_head_dim=128, index_topk=16, indexer_types=("full", "shared", "full"), n_routed_experts=8,
-                  num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, max_position_embeddings=512,
-                  num_nextn_predict_layers=1, eos_token_id=None)
 
 
 @pytest.mark.parametrize("mode,index_keys", [("resident", "model"), ("offload", "model"), ("offload", "fp8")])

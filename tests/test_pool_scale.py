@@ -308,7 +308,7 @@ def test_allocate_pool_is_zero_pinned_host_with_progress(capsys):
 # ----------------------------------------------------------------------------------------------------------------
 # The hot cache at the target: padding rows, not phantom slots
 # ----------------------------------------------------------------------------------------------------------------
-def _pool_stub(fmt, rows, device, **kw):
+def _traced_pool(fmt, rows, device, **kw):
     """``allocate_pool`` traced: zeros of the pool's shapes (eval_shape allocates nothing)."""
     return {n: jnp.zeros(s, d) for n, (s, d) in fmt.plane_shapes(rows).items()}
 
@@ -334,7 +334,7 @@ def test_hot_cache_at_the_target_gets_padding_rows_not_phantom_slots(monkeypatch
 
     # The cache init, traced (nothing allocated): every per-slot array has 16 slots, the hot and ring planes the
     # shapes above, and cache_bytes counts exactly what it holds, padding included.
-    monkeypatch.setattr(offload, "allocate_pool", _pool_stub)
+    monkeypatch.setattr(offload, "allocate_pool", _traced_pool)
     small = 4096  # capacity does not enter the hot plane; a small one keeps the traced arrays small
     c = jax.eval_shape(lambda: offload.init_offload(cfg, cc, SESSIONS, small, 1, jnp.bfloat16))
     assert c.num_slots == SESSIONS and c.hot_rows == H and c.ring_rows == R
