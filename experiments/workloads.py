@@ -118,24 +118,13 @@ def _window(start, *, K: int, history: int, stride: int):
 def local99(K: int, history: int, seed: int, churn: float = 0.01):
     """A selection override factory: the same positions every step but for ``churn`` of them (one set for every
     session: each row of the selection is the same)."""
-    sets = WorkingSets(K, history, seed, 1, churn)
-
-    def override(step: int, positions: np.ndarray) -> jax.Array:
-        return jnp.broadcast_to(sets.step()[0], (len(positions), K))
-
-    return override
+    return _rows_override(WorkingSets(K, history, seed, 1, churn), 1, K)
 
 
 def local99_sessions(K: int, history: int, seed: int, sessions: int, churn: float = 0.01):
     """``local99`` for several sessions at once: each session (row) keeps its own set of K history positions,
     replacing ``churn`` of them every step."""
-    sets = WorkingSets(K, history, seed, sessions, churn)
-
-    def override(step: int, positions: np.ndarray) -> jax.Array:
-        rows = sets.step()
-        return rows if len(positions) == sessions else rows[np.arange(len(positions)) % sessions]
-
-    return override
+    return _rows_override(WorkingSets(K, history, seed, sessions, churn), sessions, K)
 
 
 class WorkingSets:

@@ -33,8 +33,8 @@ def close(a, b):
     return np.abs(a - b).max() / np.abs(b).max()
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("mtp", [0, 2])
+# Both tp sizes and both decode paths (plain and MTP verify), not every pairing: each layout compiles its own steps.
+@pytest.mark.parametrize("tp,mtp", [(2, 0), (4, 2)])
 def test_tensor_parallel_generate_matches_one_device(one_device, tp, mtp):
     ps = prompts([37, 22, 30])
     base = glm53.generate(one_device, ps, max_new_tokens=7, mtp=mtp, return_logits=True)
