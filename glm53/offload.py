@@ -167,11 +167,14 @@ class OffloadCache(CacheBase):
         src = (l * S + slot[:, None, None]) * R + ((k * P) % R)[..., None]
         dst = (jnp.maximum(pool_page, 0)[..., None] * L + l) * P
         count = jnp.broadcast_to(jnp.where(do, P, 0)[..., None], src.shape)
-        pool = ops.copy_blocks(self.pool, self.ring, src.reshape(-1).astype(jnp.int32),
-                               dst.reshape(-1).astype(jnp.int32), count.reshape(-1).astype(jnp.int32),
-                               block_size=P, impl=kernels)
+        # The ring comes back from the copy (pass_src): this step's ring writes then wait for its reads, where
+        # they would otherwise have no order against them and XLA would copy the whole ring every step (two
+        # ~94 MB copies per decode step at 10 sessions on the H200, `profile_decode_50k_b10.json`).
+        pool, ring = ops.copy_blocks(self.pool, self.ring, src.reshape(-1).astype(jnp.int32),
+                                     dst.reshape(-1).astype(jnp.int32), count.reshape(-1).astype(jnp.int32),
+                                     block_size=P, impl=kernels, pass_src=True)
         ws = lanes.write_slot(S)
-        return self.replace(pool=pool, host_len=self.host_len.at[ws].add(n_written * P, mode="drop"),
+        return self.replace(pool=pool, ring=ring, host_len=self.host_len.at[ws].add(n_written * P, mode="drop"),
                             copybacks=self.copybacks.at[ws].add(n_written, mode="drop"),
                             unassigned=self.unassigned.at[ws].add(jnp.sum(want & ~ok, axis=1).astype(jnp.int32),
                                                                   mode="drop"))
@@ -291,16 +294,10 @@ class OffloadCache(CacheBase):
         rounds = [r for r in (rounds or ()) if r is not None]
         if not rounds or not step.fill:
             return self
-        by_layer: dict[int, list] = {}
-        for r in rounds:
-            by_layer.setdefault(r.layer, []).append(r)
-        layers = tuple(sorted(by_layer))
-        merged = [_concat_rounds(by_layer[l]) for l in layers]
-        M = max(r.pos.shape[1] for r in merged)
-        merged = [_pad_round(r, M) for r in merged]
-        B = merged[0].pos.shape[0]
+        layers, merged, most = merge_rounds(rounds)
+        B, M = merged[0].pos.shape
         H, S = self.hot_rows, self.num_slots
-        repeats = max(step.repeats, max(len(by_layer[l]) for l in layers))
+        repeats = max(step.repeats, most)
         maps = dict(pin_round=self.pin_round, position_of_slot=self.position_of_slot,
                     slot_of_position=self.slot_of_position, rounds=self.rounds, clock=self.clock,
                     counters=self.counters)
@@ -475,6 +472,32 @@ def _device_buffer(planes: dict, rows: int) -> dict:
     (bulk reads, save, fork): padded like the cache's own planes (``glm53.cache.padded_rows``), since a 1-byte plane
     of 2**31..2**32 elements would be misaddressed (a save of a ~500K-row session is one: 9 layers x 500K x 512)."""
     return {n: jnp.zeros((_padded(rows, a), a.shape[1]), a.dtype) for n, a in planes.items()}
+
+
+def merge_rounds(rounds: list) -> tuple[tuple, list, int]:
+    """A step's rounds as the fill takes them: ``(layers, rounds, most)``, the layers in order, one round per layer
+    (a layer's several rounds, the MTP layer's drafts, concatenated in order), all padded to one width, and the
+    most rounds one layer had."""
+    by_layer: dict[int, list] = {}
+    for r in rounds:
+        by_layer.setdefault(r.layer, []).append(r)
+    layers = tuple(sorted(by_layer))
+    merged = [_concat_rounds(by_layer[l]) for l in layers]
+    M = max(r.pos.shape[1] for r in merged)
+    return layers, [_pad_round(r, M) for r in merged], max(len(v) for v in by_layer.values())
+
+
+def trace_rounds(rounds: list, step) -> dict:
+    """What a selection trace keeps of a step (``glm53.trace``): the positions each layer's round looked up
+    (``pos``, ``valid``, ``in_ring``: served by the ring, so neither hit nor miss) exactly as the fill takes them,
+    every lane's activity and first position. ``{}`` for a step without fill rounds."""
+    rounds = [r for r in (rounds or ()) if r is not None]
+    if not rounds or not step.fill:
+        return {}
+    layers, merged, _ = merge_rounds(rounds)
+    return {"layers": jnp.asarray(layers, jnp.int32), "pos": jnp.stack([r.pos for r in merged]),
+            "valid": jnp.stack([r.valid for r in merged]), "in_ring": jnp.stack([r.source == RING for r in merged]),
+            "active": step.lanes.active, "start": step.positions[:, 0]}
 
 
 def _concat_rounds(rs: list) -> Round:

@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from glm53 import sampling
+from glm53 import offload, sampling
 from glm53.cache import Lanes
 from glm53.model import GLM5, make_step
 
@@ -53,11 +53,14 @@ def _last_valid(x: jax.Array, n: jax.Array) -> jax.Array:
 def _mtp_catch_up(module: GLM5, params, cache, lanes: Lanes, hidden: jax.Array, tokens: jax.Array,
                   start: jax.Array, n_commit: jax.Array, kernels: str):
     """The MTP layer's rows for the pairs (hidden at i - 1, token i) of this step's committed input tokens.
-    Returns (cache, end of the MTP layer's final rows [B]) or (cache, None) for models without MTP."""
+    ``hidden`` is only read for T > 1 (a one-token step's MTP row needs only the stored hidden state: decode
+    writes it before the main layers). Returns (cache, end of the MTP layer's final rows [B]) or (cache, None) for
+    models without MTP."""
     if not module.cfg.num_nextn_predict_layers:
         return cache, None
     B, T = tokens.shape
-    prev = jnp.concatenate([cache.sessions.hidden[lanes.slot][:, None].astype(hidden.dtype), hidden[:, :-1]], 1)
+    stored = cache.sessions.hidden[lanes.slot][:, None].astype(module.dtype)
+    prev = stored if T == 1 else jnp.concatenate([stored, hidden[:, :-1].astype(module.dtype)], 1)
     rows = start[:, None] - 1 + jnp.arange(T, dtype=jnp.int32)[None, :]
     fresh = rows >= cache.sessions.mtp_lengths[lanes.slot][:, None]
     step = make_step(start - 1, n_commit, T, cache.capacity, module.cfg, module.dtype, lanes, write_mask=fresh,
@@ -124,11 +127,11 @@ def chunk(module: GLM5, params, cache, lanes: Lanes, tokens, n_valid, *, outputs
 
 
 def decode(module: GLM5, params, cache, lanes: Lanes, tokens, remaining, seed, temperature, top_p, stop_ids,
-           selection=None, *, greedy: bool, kernels: str, copy_pages: int):
+           selection=None, *, greedy: bool, kernels: str, copy_pages: int, trace: bool = False):
     """One token per lane: ``tokens [B]`` (each session's pending token) is processed and the next sampled.
     ``remaining [B]`` counts the tokens each lane may still emit (0: inert); a sampled stop token ends the lane.
     ``selection``: optional int32[B, K] DSA selection override (benchmarks). Returns (cache, (next tokens [B],
-    logits [B, V], remaining [B]))."""
+    logits [B, V], remaining [B])), and with ``trace`` the step's rounds (``glm53.offload.trace_rounds``)."""
     active = lanes.active & (remaining > 0)
     lanes = lanes.replace(active=active)
     n = active.astype(jnp.int32)
@@ -137,9 +140,11 @@ def decode(module: GLM5, params, cache, lanes: Lanes, tokens, remaining, seed, t
     step = make_step(start, n, 1, cache.capacity, module.cfg, module.dtype, lanes, selection=sel, kernels=kernels,
                      fill=True, copy_pages=copy_pages)
     cache = cache.begin_step(step)
+    # The MTP row (stored hidden state, this token) first: written after the main layers it would depend on none
+    # of their reads of the ring / history, and XLA would keep the old buffer alive with a copy of it every step.
+    cache, mtp_end = _mtp_catch_up(module, params, cache, lanes, None, tokens[:, None], start, n, kernels)
     hidden, cache, rounds = _apply(module, params, tokens[:, None], step, cache)
     cache = cache.finish_step(rounds, step)
-    cache, mtp_end = _mtp_catch_up(module, params, cache, lanes, hidden, tokens[:, None], start, n, kernels)
     h = hidden[:, 0]
     logits = _apply(module, params, h, method=GLM5.logits)
     nxt = sampling.sample(logits, sampling.position_keys(seed, start + 1, sampling.SAMPLE), temperature, top_p,
@@ -147,11 +152,14 @@ def decode(module: GLM5, params, cache, lanes: Lanes, tokens, remaining, seed, t
     cache = cache.advance(step, n, h, mtp_end)
     stop = jnp.isin(nxt, stop_ids)
     remaining = jnp.where(active, jnp.where(stop, 0, remaining - 1), remaining)
+    if trace:
+        return cache, (nxt, logits, remaining, offload.trace_rounds(rounds, step))
     return cache, (nxt, logits, remaining)
 
 
 def verify(module: GLM5, params, cache, lanes: Lanes, pending, drafts, draft_p, remaining, seed, temperature, top_p,
-           stop_ids, selection=None, *, greedy: bool, accept_override: int | None, kernels: str, copy_pages: int):
+           stop_ids, selection=None, *, greedy: bool, accept_override: int | None, kernels: str, copy_pages: int,
+           trace: bool = False):
     """MTP speculative decoding, one round: the pending tokens ``[B]`` and ``drafts [B, D]`` go through the main
     model as one step of T = D + 1 rows; the longest accepted prefix of the drafts (greedy: equal to the main
     model's argmax; sampling: the speculative rule, ``draft_p [B, D, V]`` the drafts' proposal distributions) plus
@@ -162,7 +170,7 @@ def verify(module: GLM5, params, cache, lanes: Lanes, pending, drafts, draft_p, 
 
     Emission is clamped to ``remaining`` and ends at a stop token. Returns (cache, (emitted [B, T], n_emitted [B],
     logits [B, T, V], next pending [B], next drafts [B, D], their distributions or None, remaining [B],
-    accepted [B] before clamping))."""
+    accepted [B] before clamping)), and with ``trace`` the step's rounds (``glm53.offload.trace_rounds``)."""
     B, D = drafts.shape
     T = D + 1
     active = lanes.active & (remaining > 0)
@@ -208,18 +216,25 @@ def verify(module: GLM5, params, cache, lanes: Lanes, pending, drafts, draft_p, 
     next_drafts, next_p, cache, draft_rounds = _drafts(module, params, cache, draft_lanes, h_last, nxt, start + a, D,
                                                        seed, temperature, top_p, greedy=greedy, kernels=kernels)
     cache = cache.finish_step(list(rounds) + list(draft_rounds), step)
-    return cache, (emitted, n_emit, logits, nxt, next_drafts, next_p, remaining, jnp.where(active, accepted, 0))
+    out = (emitted, n_emit, logits, nxt, next_drafts, next_p, remaining, jnp.where(active, accepted, 0))
+    if trace:
+        return cache, out + (offload.trace_rounds(list(rounds) + list(draft_rounds), step),)
+    return cache, out
 
 
 def draft(module: GLM5, params, cache, lanes: Lanes, pending, seed, temperature, top_p, *, depth: int, greedy: bool,
-          kernels: str):
+          kernels: str, trace: bool = False):
     """The first ``depth`` drafts of a generate call, from each session's stored hidden state and pending token.
-    Returns (cache, (drafts [B, D], distributions [B, D, V] or None))."""
+    Returns (cache, (drafts [B, D], distributions [B, D, V] or None)), and with ``trace`` the step's rounds."""
     row = cache.sessions.lengths[lanes.slot] - 1
     hidden = cache.sessions.hidden[lanes.slot]
     drafts, dists, cache, rounds = _drafts(module, params, cache, lanes, hidden, pending, row, depth, seed,
                                            temperature, top_p, greedy=greedy, kernels=kernels)
-    cache = cache.finish_step(rounds, _fill_step(module, cache, lanes, depth, kernels))
+    fill_step = _fill_step(module, cache, lanes, depth, kernels)
+    cache = cache.finish_step(rounds, fill_step)
+    if trace:
+        # the drafts' query rows start after the last committed one (the fill step's own positions are dummies)
+        return cache, (drafts, dists, offload.trace_rounds(rounds, fill_step.replace(positions=row[:, None] + 1)))
     return cache, (drafts, dists)
 
 
@@ -307,9 +322,9 @@ def write_slot(cache, slot, rows, index_keys, index_key_scale, hidden, length, m
 # name -> (function, static argument names, takes the module and params first)
 STEPS: dict[str, tuple[Any, tuple[str, ...], bool]] = {
     "chunk": (chunk, ("outputs", "kernels", "bulk", "copy_pages"), True),
-    "decode": (decode, ("greedy", "kernels", "copy_pages"), True),
-    "verify": (verify, ("greedy", "accept_override", "kernels", "copy_pages"), True),
-    "draft": (draft, ("depth", "greedy", "kernels"), True),
+    "decode": (decode, ("greedy", "kernels", "copy_pages", "trace"), True),
+    "verify": (verify, ("greedy", "accept_override", "kernels", "copy_pages", "trace"), True),
+    "draft": (draft, ("depth", "greedy", "kernels", "trace"), True),
     "mtp_forward": (mtp_forward, ("kernels",), True),
     "settle": (settle, ("pages", "kernels"), False),
     "clear_slot": (clear_slot, (), False),

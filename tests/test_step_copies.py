@@ -1,0 +1,80 @@
+"""The engine's compiled steps update the cache in place: no copy of a cache buffer.
+
+A step donates the cache and scatters into it (ring / history rows, indexer keys, the fill's maps). When a step
+reads a buffer and later writes it with nothing making the write depend on the read, XLA keeps the old contents
+alive by copying the whole buffer first. That happened twice per decode step to the offload ring (the copyback's
+read of it against layer 0's write; the last layer's read against the MTP layer's write): two ~94 MB copies, 86 us
+of a ~5 ms step at 10 sessions on the H200 (``experiments/results/profile_decode_50k_b10.json``), and once to the
+fill's ``position_of_slot``. An optimization barrier does not prevent it (it is removed before copy insertion); a
+data dependency does. The steps are compiled with this backend's kernels (references on a CPU, the Pallas kernels
+compiled on a GPU) and their HLO searched for a copy whose result has the type of a cache buffer.
+
+Per-slot session scalars (``sessions.lengths`` and the like, a few bytes per slot) are left out: the CPU
+compiler copies them, which costs nothing worth a reordering of every step."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import glm53
+from glm53.config import CacheConfig
+from engine_common import MESH_CFG as CFG
+
+_HLO_DTYPE = {"int8": "s8", "int16": "s16", "int32": "s32", "uint32": "u32", "float32": "f32", "bfloat16": "bf16",
+              "float8_e4m3fn": "f8e4m3fn", "bool": "pred"}
+
+
+def _buffer_types(cache) -> dict:
+    """``{HLO type: cache field}`` of every cache buffer but the per-slot session scalars."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(cache):
+        name = jax.tree_util.keystr(path)
+        if name.startswith(".sessions") or np.prod(leaf.shape) < 256:
+            continue
+        out[f"{_HLO_DTYPE[str(leaf.dtype)]}[{','.join(map(str, leaf.shape))}]"] = name
+    return out
+
+
+def _copied(compiled_text: str, types: dict) -> list:
+    hits = []
+    # A copy of a broadcast materialises a fresh buffer (the bulk read's zeroed one), not a cache buffer.
+    for m in re.finditer(r"= (\w+\[[0-9,]*\])\{[^}]*\} copy\(%(\w+)", compiled_text):
+        if m.group(1) in types and not re.match(r"(wrapped_)?(broadcast|constant)", m.group(2)):
+            hits.append(f"{types[m.group(1)]} ({m.group(1)})")
+    return hits
+
+
+@pytest.mark.parametrize("mode", ["resident", "offload"])
+def test_steps_copy_no_cache_buffer(mode):
+    cc = CacheConfig(mode=mode, kv_format="q8g64", prefill_chunk=16, copyback_every=16, hot_rows=64, max_len=128)
+    model = glm53.from_config(CFG, seed=0, dtype="bfloat16", cache_config=cc)
+    e = glm53.Engine(model, max_sessions=2)
+    lanes = e._lanes([0, 1])[0]
+    B, D = 2, 2
+    i32 = jnp.zeros((B,), jnp.int32)
+    stop = jnp.full((4,), -1, jnp.int32)
+    pages = glm53.offload.copy_pages_for(cc, 1) if mode == "offload" else 0
+    f0, f1 = jnp.float32(0), jnp.float32(1)
+    calls = {
+        "decode": ((model.params, e.cache, lanes, i32, i32, jnp.int32(0), f0, f1, stop, None),
+                   dict(greedy=True, kernels=e.kernels, copy_pages=pages)),
+        "verify": ((model.params, e.cache, lanes, i32, jnp.zeros((B, D), jnp.int32), None, i32, jnp.int32(0), f0, f1,
+                    stop, None),
+                   dict(greedy=True, accept_override=None, kernels=e.kernels, copy_pages=pages)),
+        "draft": ((model.params, e.cache, lanes, i32, jnp.int32(0), f0, f1),
+                  dict(depth=D, greedy=True, kernels=e.kernels)),
+        "chunk": ((model.params, e.cache, lanes, jnp.zeros((B, 16), jnp.int32), i32),
+                  dict(outputs="hidden", kernels=e.kernels, bulk=False, copy_pages=pages)),
+    }
+    if mode == "offload":
+        calls["chunk_bulk"] = (calls["chunk"][0], {**calls["chunk"][1], "bulk": True})
+    types = _buffer_types(e.cache)
+    assert any("ring" in n or "history" in n for n in types.values()), types
+    copies = {}
+    for name, (args, kw) in calls.items():
+        step = model.steps.for_cache(name.split("_")[0], e.cache)
+        copies[name] = _copied(step.lower(*args, **kw).compile().as_text(), types)
+    assert copies == {name: [] for name in calls}, copies
