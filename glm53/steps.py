@@ -2,7 +2,7 @@
 
 A step runs B *lanes*, each on one session slot (``glm53.cache.Lanes``); the batch is bucketed to a few sizes so
 sessions joining and leaving do not recompile. Every step that processes tokens first lets the cache do what is
-due before any read (``begin_step``: the offload copyback), then runs the model, then lets the cache finish what
+due before any read (``begin_step``: the offload copyback, which runs at layer 0's write), then runs the model, then lets the cache finish what
 needs every layer's reads (``finish_step``: the offload fill), and last commits the rows it keeps (``advance``).
 
     chunk         prefill / append: T tokens per lane, nothing sampled

@@ -9,13 +9,7 @@ values, and blocks target disjoint destination rows, so programs never race.
 Every operand is ``memory_space=pl.ANY``: the kernel gets raw pointers, so either side may be a ``pinned_host``
 array that a GPU reads or writes zero-copy over PCIe (h200-probe.md: Pallas reads and writes host memory in place;
 XLA's own scatters into ``pinned_host`` are known to crash on GPU, openxla/xla #34565). ``dst`` is aliased input ->
-output and donated, so only the copied rows move.
-
-``pass_src=True`` also returns ``src``, aliased through unchanged (the kernel never writes it). A step that copies
-ring rows out and then writes new rows into the ring needs it: the writes do not depend on the copy's reads, so
-without a data dependency XLA orders them only by keeping the old ring alive, a copy of the whole ring per step
-(an optimization barrier is removed before copy insertion and orders nothing). The returned ``src`` is the
-kernel's output, so every later write waits for the copy's reads and nothing is copied. A program whose rows all lie past its block's count returns at
+output and donated, so only the copied rows move. A program whose rows all lie past its block's count returns at
 once: the work follows the rows copied, not the static ``NB x block_size``.
 
 Layout follows jax/experimental/pallas/ops/gpu: kernel body, wrapper, public op, pure-jnp reference with the same
@@ -45,10 +39,9 @@ def _copy_kernel(src_start_ref, dst_start_ref, count_ref, *refs, n_planes: int, 
       src_start_ref, dst_start_ref, count_ref: [NB] int32
       src planes: per plane [R_src, W_p]
       dst planes (aliased inputs, unused: the outputs are the same buffers), then dst outputs: per plane [R_dst, W_p]
-      (with ``pass_src``, then src outputs: the src buffers again, never written)
     """
     src_refs = refs[:n_planes]
-    dst_refs = refs[2 * n_planes:3 * n_planes]
+    dst_refs = refs[2 * n_planes:]
     i, j = pl.program_id(0), pl.program_id(1)
     n = jnp.minimum(count_ref[i], block_size)
 
@@ -96,11 +89,10 @@ def _validate(dst, src, src_start, dst_start, count, block_size: int, block_rows
     check_addressable(src, "src", compiled=compiled)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "block_rows", "num_warps", "interpret", "pass_src"),
+@functools.partial(jax.jit, static_argnames=("block_size", "block_rows", "num_warps", "interpret"),
                    donate_argnames=("dst",))
 def copy_blocks(dst: dict, src: dict, src_start: jax.Array, dst_start: jax.Array, count: jax.Array, *,
-                block_size: int, block_rows: int = 16, num_warps: int = 4, interpret: bool = False,
-                pass_src: bool = False):
+                block_size: int, block_rows: int = 16, num_warps: int = 4, interpret: bool = False) -> dict:
     """``dst[p][dst_start[i] + r] = src[p][src_start[i] + r]`` for every plane p, block i and ``r < min(count[i],
     block_size)``; other rows of ``dst`` keep their values.
 
@@ -114,60 +106,45 @@ def copy_blocks(dst: dict, src: dict, src_start: jax.Array, dst_start: jax.Array
       block_rows: rows per program (power of two, <= block_size).
       num_warps: Triton warps per program.
       interpret: run the Pallas interpreter (CPU tests).
-      pass_src: also return ``src``, unchanged, as an output that depends on the copy (see the module doc).
 
     Returns:
-      The new ``dst`` planes; with ``pass_src``, ``(dst, src)``.
+      The new ``dst`` planes.
     """
     _validate(dst, src, src_start, dst_start, count, block_size, block_rows, compiled=not interpret)
     names = tuple(sorted(dst))
     if src_start.shape[0] == 0:
-        return (dict(dst), dict(src)) if pass_src else dict(dst)
+        return dict(dst)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     operands = [src_start.astype(jnp.int32), dst_start.astype(jnp.int32), count.astype(jnp.int32)]
     operands += [src[n] for n in names]
     first_dst = len(operands)
     operands += [dst[n] for n in names]
     kwargs = {} if interpret else {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=1)}
-    out_shape = [jax.ShapeDtypeStruct(dst[n].shape, dst[n].dtype) for n in names]
-    aliases = {first_dst + p: p for p in range(len(names))}
-    if pass_src:  # the src planes (operands 3..) come back as outputs after dst's, untouched
-        out_shape += [jax.ShapeDtypeStruct(src[n].shape, src[n].dtype) for n in names]
-        aliases.update({3 + p: len(names) + p for p in range(len(names))})
     out = pl.pallas_call(
         functools.partial(_copy_kernel, n_planes=len(names), block_size=block_size, block_rows=block_rows),
-        out_shape=out_shape,
+        out_shape=[jax.ShapeDtypeStruct(dst[n].shape, dst[n].dtype) for n in names],
         grid=(src_start.shape[0], block_size // block_rows),
-        in_specs=[any_spec] * len(operands), out_specs=[any_spec] * len(out_shape),
-        input_output_aliases=aliases,
+        in_specs=[any_spec] * len(operands), out_specs=[any_spec] * len(names),
+        input_output_aliases={first_dst + p: p for p in range(len(names))},
         interpret=interpret, name="glm53_copy_blocks", **kwargs,
     )(*operands)
-    new_dst = dict(zip(names, out[:len(names)]))
-    return (new_dst, dict(zip(names, out[len(names):]))) if pass_src else new_dst
+    return dict(zip(names, out))
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "block_rows", "num_warps", "interpret", "pass_src"),
+@functools.partial(jax.jit, static_argnames=("block_size", "block_rows", "num_warps", "interpret"),
                    donate_argnames=("dst",))
 def copy_blocks_reference(dst: dict, src: dict, src_start: jax.Array, dst_start: jax.Array, count: jax.Array, *,
-                          block_size: int, block_rows: int = 16, num_warps: int = 4, interpret: bool = False,
-                          pass_src: bool = False):
+                          block_size: int, block_rows: int = 16, num_warps: int = 4,
+                          interpret: bool = False) -> dict:
     """Pure-jnp ``copy_blocks``: one gather of every block's ``block_size`` rows and one scatter per plane, the rows
     past a block's count sent out of range and dropped. ``dst`` and ``src`` must be readable by XLA's gather and
-    scatter here (device arrays; ``kernels_pallas.ops`` moves ``pinned_host`` ones). ``pass_src``: ``src`` comes
-    back with its first gathered row written over itself, which changes nothing but makes it depend on the gather
-    (the order the kernel's aliased output gives)."""
+    scatter here (device arrays; ``kernels_pallas.ops`` moves ``pinned_host`` ones)."""
     del num_warps, interpret
     _validate(dst, src, src_start, dst_start, count, block_size, block_rows, compiled=False)
-    if src_start.shape[0] == 0:
-        return (dict(dst), dict(src)) if pass_src else dict(dst)
     r = jnp.arange(block_size, dtype=jnp.int32)[None, :]
     do = r < jnp.clip(count.astype(jnp.int32), 0, block_size)[:, None]  # [NB, block_size]
     src_row = jnp.where(do, src_start.astype(jnp.int32)[:, None] + r, 0).reshape(-1)
     dst_row = dst_start.astype(jnp.int32)[:, None] + r
-    rows = {n: jnp.take(v, src_row, axis=0, mode="clip") for n, v in src.items()}
-    new_dst = {n: v.at[jnp.where(do, dst_row, v.shape[0]).reshape(-1)].set(rows[n], mode="drop")
-               for n, v in dst.items()}
-    if not pass_src:
-        return new_dst
-    first = jnp.clip(src_row[:1], 0, None)  # mode="clip" above read row min(max(src_row, 0), R - 1)
-    return new_dst, {n: v.at[jnp.minimum(first, v.shape[0] - 1)].set(rows[n][:1]) for n, v in src.items()}
+    return {n: v.at[jnp.where(do, dst_row, v.shape[0]).reshape(-1)].set(
+                jnp.take(src[n], src_row, axis=0, mode="clip"), mode="drop")
+            for n, v in dst.items()}

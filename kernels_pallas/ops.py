@@ -157,27 +157,20 @@ def fill_round(maps: dict, rounds: tuple, lane_slot, lane_active, *, layers: tup
 COPY_BLOCK_ROWS = 16
 
 
-def copy_blocks(dst: dict, src: dict, src_start, dst_start, count, *, block_size: int, impl: str,
-                pass_src: bool = False):
+def copy_blocks(dst: dict, src: dict, src_start, dst_start, count, *, block_size: int, impl: str) -> dict:
     """``dst[p][dst_start[i] + r] = src[p][src_start[i] + r]`` for ``r < min(count[i], block_size)``, in place
-    (``dst`` donated); either side may live in ``pinned_host`` memory. Returns the new ``dst``; with ``pass_src``
-    (a device ``src`` that the caller writes next), ``(dst, src)``, the ``src`` ordered after the copy's reads
-    (``kernels_pallas.copy_blocks``)."""
+    (``dst`` donated); either side may live in ``pinned_host`` memory. Returns the new ``dst``."""
     use_pallas, interpret = resolve(impl)
-    kw = dict(block_size=block_size, block_rows=min(COPY_BLOCK_ROWS, block_size), pass_src=pass_src)
+    kw = dict(block_size=block_size, block_rows=min(COPY_BLOCK_ROWS, block_size))
     on_host = {n: _on_host(v) for n, v in dst.items()}
-    if pass_src and any(_on_host(v) for v in src.values()):
-        raise ValueError("copy_blocks: pass_src is for device sources (the ring), not pinned_host ones")
     if use_pallas and not interpret:
         out = _copy.copy_blocks(dst, src, src_start, dst_start, count, **kw)
     else:
         fn = _copy.copy_blocks if use_pallas else _copy.copy_blocks_reference
         out = fn(_to_device(dst), _to_device(src), src_start, dst_start, count, interpret=interpret, **kw)
-    new_dst, new_src = out if pass_src else (out, None)
     # pallas_call types every output as device memory, an aliased pinned_host buffer too: the transfer back says
     # where the result lives. On the kernel path it is the input's own buffer, so XLA has nothing to move.
-    new_dst = {n: jax.device_put(v, jax.memory.Space.Host) if on_host[n] else v for n, v in new_dst.items()}
-    return (new_dst, new_src) if pass_src else new_dst
+    return {n: jax.device_put(v, jax.memory.Space.Host) if on_host[n] else v for n, v in out.items()}
 
 
 def grouped_matmul(x, w, group_sizes, w_scale=None, *, impl: str):

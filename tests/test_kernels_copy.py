@@ -86,31 +86,6 @@ def test_copy_blocks_matches_reference_and_oracle(fmt, block_size, block_rows):
     assert (idx[2] <= 0).any() and ((idx[2] > 0) & (idx[2] < block_size)).any() and (idx[2] > block_size).any()
 
 
-@pytest.mark.parametrize("impl", ["pallas", "reference"])
-def test_copy_blocks_pass_src_returns_src_unchanged(impl):
-    """``pass_src`` (the copyback's ring, which the step writes next): the copy is the oracle's and ``src`` comes
-    back bit for bit, from a jit that donates ``dst`` and then writes into the returned ``src`` as a step does."""
-    fmt, block_size, R_src, R_dst, NB = "q8g64", 16, 96, 160, 9
-    src, dst = _planes(fmt, R_src, 5), _planes(fmt, R_dst, 6)
-    idx = _blocks(7, NB, block_size, R_src, R_dst)
-    want = _oracle(dst, src, *idx, block_size)
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def step(d, s, *i):
-        d, s_after = ops.copy_blocks(d, s, *i, block_size=block_size, impl=impl, pass_src=True)
-        written = {n: v.at[0].set(v[1]) for n, v in s_after.items()}  # the next write, into the passed-through src
-        return d, s_after, written
-
-    got_dst, got_src, written = step({n: jnp.asarray(v) for n, v in dst.items()},
-                                     {n: jnp.asarray(v) for n, v in src.items()}, *map(jnp.asarray, idx))
-    _assert_equal(got_dst, want)
-    _assert_equal(got_src, src)
-    _assert_equal(written, {n: np.concatenate([v[1:2], v[1:]]) for n, v in src.items()})
-    with pytest.raises(ValueError, match="pass_src"):
-        ops.copy_blocks(_host(dst), _host(src), *map(jnp.asarray, idx), block_size=block_size, impl=impl,
-                        pass_src=True)
-
-
 def _host(planes):
     return {n: jax.device_put(v, HOST) for n, v in planes.items()}
 
