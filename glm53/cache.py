@@ -4,7 +4,7 @@ Two implementations of one interface: ``ResidentCache`` (below: every row on the
 ``glm53.offload.OffloadCache`` (history in host memory, a hot cache on the accelerator). The engine chooses one
 where it builds the cache; the model and the steps only call the interface, so they never see a mode:
 
-    begin_step(step)                          work due before a step reads (offload: the page copyback, at layer 0)
+    begin_step(step)                          work due before a step reads anything (offload: page copyback)
     write_rows(layer, latent, rope, step)     store a step's new MLA rows (packed into kv_format here, once)
     write_index_keys(layer, keys, step)       store a step's new DSA indexer keys
     index_keys_for(layer, step)               (key planes, plane of each lane) for the indexer kernel

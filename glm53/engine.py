@@ -562,7 +562,7 @@ class Engine:
                  seed: int = 0, on_token: Callable[[int, int, int], None] | None = None,
                  stop_tokens=None, return_logits: bool = False, progress: bool = False,
                  selection_override: Callable[[int, np.ndarray], np.ndarray] | None = None,
-                 accept_override: int | None = None) -> dict[int, list[int]]:
+                 accept_override: int | None = None, trace=None) -> dict[int, list[int]]:
         """Generate ``requests[sid]`` new tokens for each session, all of them decoding together in one jitted
         step per token (sessions of any lengths). Returns ``{sid: [new ids]}``; ``self.last_run`` holds what was
         measured.
@@ -577,8 +577,12 @@ class Engine:
         (positions may lag one step behind under MTP): host arrays are checked (range, distinct rows), a
         ``jax.Array`` goes into the step as it is (shape and dtype checked; no host work, no sync: what
         ``experiments.workloads`` returns); ``accept_override`` accepts that many drafts per step
-        whatever they are."""
+        whatever they are. ``trace``: a ``glm53.trace.TraceRecorder`` that records every position the steps look
+        up in the hot cache, for offline policy replays (``glm53.policies``; offload engines only)."""
         reqs = self._check_generate(requests, mtp, temperature, top_p, seed, accept_override)
+        if trace is not None and not self.offload:
+            raise ConfigError("trace: record with an offload engine (mode='offload'): the selections are the same "
+                              "bit for bit, and only the offload steps classify what they read")
         sessions = [self._session(sid) for sid in reqs]
         stop = self._stop_ids(stop_tokens)
         for s in sessions:  # positions it can write: its tokens, the new ones, the last step's drafts
@@ -597,7 +601,7 @@ class Engine:
         run = _Run(self, sessions, reqs, mtp=mtp, greedy=float(temperature) == 0.0, seed=int(seed),
                    temperature=float(temperature), top_p=float(top_p), stop=stop, on_token=on_token,
                    return_logits=return_logits, progress=progress, selection_override=selection_override,
-                   accept_override=accept_override)
+                   accept_override=accept_override, trace=trace)
         try:
             run.execute()
         finally:
@@ -825,8 +829,9 @@ class _Run:
     LAG = 1
 
     def __init__(self, engine: Engine, sessions: list, reqs: dict, *, mtp, greedy, seed, temperature, top_p, stop,
-                 on_token, return_logits, progress, selection_override, accept_override):
+                 on_token, return_logits, progress, selection_override, accept_override, trace=None):
         self.e = engine
+        self.trace = trace  # a glm53.trace.TraceRecorder, or None (the steps then return no rounds)
         self.sessions = sessions
         self.reqs = reqs
         self.mtp, self.greedy = mtp, greedy
@@ -929,6 +934,8 @@ class _Run:
         # measured in both modes on the H200 (sessions_ab_10x50k.json); whether this removes them is not measured yet.
         gc_enabled = gc.isenabled()
         gc.disable()
+        if self.trace is not None:
+            self.trace.begin(e, self.sessions)
         try:
             self._first_tokens()
             self.t_first = time.perf_counter()
@@ -943,6 +950,8 @@ class _Run:
             self.on_token = None
             while self.inflight:
                 self.absorb(*self.inflight.popleft())
+            if self.trace is not None:
+                self.trace.end(e, self.sessions)
             if self.bar is not None:
                 self.bar.close()
             if gc_enabled:
@@ -982,6 +991,11 @@ class _Run:
             while inflight:
                 absorb(*inflight.popleft())
 
+    def _record(self, rounds) -> None:
+        """A step's fill rounds into the trace (``rounds`` is None when not tracing)."""
+        if self.trace is not None:
+            self.trace.add_step(jax.device_get(rounds), [s.sid for s in self.sessions])
+
     def _copybacks(self, before: list, after: list) -> None:
         """Pages that became final in a step are written at the start of the next one."""
         P = self.e.page_rows
@@ -1000,20 +1014,24 @@ class _Run:
             sel = self._selection(len(inflight))
             t = time.perf_counter()
             rem_in = remaining
-            e.cache, (tokens, logits, remaining) = e._step("decode")(
+            e.cache, outs = e._step("decode")(
                 e.model.params, e.cache, self.lanes, tokens, remaining, self.seed, self.temperature,
-                self.top_p, self.stop, sel, greedy=self.greedy, kernels=e.kernels, copy_pages=pages)
+                self.top_p, self.stop, sel, greedy=self.greedy, kernels=e.kernels, copy_pages=pages,
+                trace=self.trace is not None)
+            tokens, logits, remaining = outs[:3]
             self.call_s.append(time.perf_counter() - t)
             self.steps += 1
-            inflight.append((tokens, remaining, logits if self.return_logits else None, rem_in))
+            inflight.append((tokens, remaining, logits if self.return_logits else None, rem_in,
+                             outs[3] if len(outs) > 3 else None))
             if len(inflight) > self.LAG:
                 self._absorb_decode(*inflight.popleft())
         self.t_loop = time.perf_counter() - t_loop0
         while inflight:
             self._absorb_decode(*inflight.popleft())
 
-    def _absorb_decode(self, tokens, remaining, logits, remaining_in) -> None:
+    def _absorb_decode(self, tokens, remaining, logits, remaining_in, rounds=None) -> None:
         """``remaining_in``: what the step was given (the device's own count): a lane was active iff it was > 0."""
+        self._record(rounds)
         tokens, remaining, remaining_in = np.asarray(tokens), np.asarray(remaining), np.asarray(remaining_in)
         logits = None if logits is None else np.asarray(logits)
         before = [self.e._committed(s) for s in self.sessions]
@@ -1039,21 +1057,24 @@ class _Run:
             rem = np.zeros(self.bucket, np.int32)
             rem[stale] = self.remaining[stale]
             before = self.remaining.copy()
-            e.cache, (tok, logits, rem_after) = e._step("decode")(
+            e.cache, outs = e._step("decode")(
                 e.model.params, e.cache, self.lanes, jnp.asarray(self._pending()), jnp.asarray(rem),
                 self.seed, self.temperature, self.top_p, self.stop, self._selection(0), greedy=self.greedy,
-                kernels=e.kernels, copy_pages=pages)
+                kernels=e.kernels, copy_pages=pages, trace=self.trace is not None)
+            tok, logits, rem_after = outs[:3]
             self.steps += 1
             mask = np.zeros(self.bucket, bool)
             mask[stale] = True
             before_rem = np.where(mask, before, 0)
             rem_after = np.asarray(rem_after)
             self._absorb_decode(tok, np.where(mask, rem_after, self.remaining), logits if self.return_logits
-                                else None, before_rem)
+                                else None, before_rem, outs[3] if len(outs) > 3 else None)
         pending = jnp.asarray(self._pending())
-        e.cache, (drafts, draft_p) = e._step("draft")(
+        e.cache, outs = e._step("draft")(
             e.model.params, e.cache, self.lanes, pending, self.seed, self.temperature, self.top_p,
-            depth=self.mtp, greedy=self.greedy, kernels=e.kernels)
+            depth=self.mtp, greedy=self.greedy, kernels=e.kernels, trace=self.trace is not None)
+        drafts, draft_p = outs[:2]
+        self._record(outs[2] if len(outs) > 2 else None)
         remaining = jnp.asarray(self.remaining.astype(np.int32))
         inflight = self.inflight = collections.deque()
         self.absorb = self._absorb_verify
@@ -1064,18 +1085,21 @@ class _Run:
             e.cache, outs = e._step("verify")(
                 e.model.params, e.cache, self.lanes, pending, drafts, draft_p, remaining, self.seed,
                 self.temperature, self.top_p, self.stop, sel, greedy=self.greedy,
-                accept_override=self.accept_override, kernels=e.kernels, copy_pages=pages)
-            emitted, n_emit, logits, pending, drafts, draft_p, remaining, accepted = outs
+                accept_override=self.accept_override, kernels=e.kernels, copy_pages=pages,
+                trace=self.trace is not None)
+            emitted, n_emit, logits, pending, drafts, draft_p, remaining, accepted = outs[:8]
             self.call_s.append(time.perf_counter() - t)
             self.steps += 1
-            inflight.append((emitted, n_emit, remaining, accepted, logits if self.return_logits else None))
+            inflight.append((emitted, n_emit, remaining, accepted, logits if self.return_logits else None,
+                             outs[8] if len(outs) > 8 else None))
             if len(inflight) > self.LAG:
                 self._absorb_verify(*inflight.popleft())
         self.t_loop = time.perf_counter() - t_loop0
         while inflight:
             self._absorb_verify(*inflight.popleft())
 
-    def _absorb_verify(self, emitted, n_emit, remaining, accepted, logits) -> None:
+    def _absorb_verify(self, emitted, n_emit, remaining, accepted, logits, rounds=None) -> None:
+        self._record(rounds)
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
         remaining, accepted = np.asarray(remaining), np.asarray(accepted)
         logits = None if logits is None else np.asarray(logits)

