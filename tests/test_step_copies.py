@@ -14,9 +14,10 @@ alive by copying the whole buffer first. Today the steps do that:
 An optimization barrier does not prevent them (it is removed before copy insertion); a data dependency does: the
 MTP row written before the main layers in decode (it needs only the stored hidden state), the copyback moved after
 layer 0's ring write (then the ring must hold two steps' rows past the last copied page: ``ring_rows_for``), the
-fill's update made to depend on its read. That removed every copy on the CPU with bit-identical outputs, but it
-changes the step program and could not be run on the H200 in the session that found it, so it is not in the code
-yet. ``xfail(strict=True)``: this test starts failing, as it should, the day the copies are gone.
+fill's update made to depend on its read. That removed every copy from decode, verify and draft on the CPU with
+bit-identical outputs (git branch ``step-copies``: chunk steps keep copying back first, their rows would not fit
+the ring beside the ones being copied), but it changes the step programs and could not be run on the H200 in the
+session that found it, so it is not on main yet. ``xfail(strict=True)``: this test starts failing, as it should, the day the copies are gone.
 
 The steps are compiled with this backend's kernels (references on a CPU, the Pallas kernels compiled on a GPU) and
 their HLO searched for a copy whose result has the type of a cache buffer. Per-slot session scalars

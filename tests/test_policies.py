@@ -1,0 +1,148 @@
+"""Selection traces and the policy simulator: a trace recorded from the engine replays through the engine's own
+policy to the engine's counters exactly (decode, MTP verify and drafts, several sessions, rollback and fork
+between calls); the file round-trips; every policy keeps its invariants; the policies behave as their definitions
+say on synthetic traces; recording changes no output."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import glm53
+from glm53 import policies
+from glm53.config import ConfigError
+from glm53.trace import SelectionTrace, TraceRecorder
+from engine_common import CC, engine, ids, make_model
+
+# A small hot cache (64 slots; the least is the ring's 32 + 8 selected) against histories of a few hundred rows:
+# evictions.
+HOT = 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+def _record(model, tmp_path=None):
+    e = glm53.Engine(model, CC.replace(mode="offload", hot_rows=HOT), max_sessions=3)
+    rec = TraceRecorder()
+    a, b = e.open(ids(300, seed=1)), e.open(ids(220, seed=2))
+    out = [e.generate({a: 24, b: 24}, trace=rec, return_logits=True)]
+    e.rollback(a, 6)
+    c = e.fork(b)
+    out.append(e.generate({a: 12, c: 12}, mtp=2, trace=rec, return_logits=True))
+    return e, rec, out
+
+
+def test_engine_trace_replays_to_the_engines_counters(model, tmp_path):
+    e, rec, _ = _record(model)
+    trace = rec.trace()
+    assert len(trace.segments) == 2 and trace.num_records > 0
+    want = policies.segment_counts(trace)
+    assert want[:, 4].sum() > 0 and want[:, 1].sum() > 0 and want[:, 2].sum() > 0  # evictions, misses, ring reads
+    got = policies.replay(trace, "circular", from_snapshots=True)
+    assert np.array_equal(np.stack([got.per_layer[n] for n in policies.COUNTS[:5]], 1), want)
+    # the file keeps everything the replay needs
+    path = trace.save(str(tmp_path / "t.npz"))
+    again = policies.replay(SelectionTrace.load(path), "circular", from_snapshots=True)
+    assert again.per_layer == got.per_layer and again.scan == got.scan
+    # the first segment starts from empty hot caches (fresh sessions): a cold replay of it alone agrees too
+    first = SelectionTrace.load(path)
+    end = first.segments[0]["end_step"]
+    keep = first.step < end
+    cut = SelectionTrace(meta=first.meta, sessions=first.sessions, segments=first.segments[:1],
+                         **{f: getattr(first, f)[keep] for f in ("step", "layer", "session", "start", "offset",
+                                                                  "count")},
+                         positions=first.positions, valid=first.valid, in_ring=first.in_ring)
+    cold = policies.replay(cut, "circular")
+    assert np.array_equal(np.stack([cold.per_layer[n] for n in policies.COUNTS[:5]], 1),
+                          policies.segment_counts(cut))
+
+
+def test_recording_changes_no_output(model):
+    _, _, traced = _record(model)
+    e = glm53.Engine(model, CC.replace(mode="offload", hot_rows=HOT), max_sessions=3)
+    a, b = e.open(ids(300, seed=1)), e.open(ids(220, seed=2))
+    plain = [e.generate({a: 24, b: 24}, return_logits=True)]
+    assert plain[0] == traced[0]
+
+
+def test_trace_needs_an_offload_engine(model):
+    e = engine(model, "resident")
+    s = e.open(ids(20))
+    with pytest.raises(ConfigError, match="offload"):
+        e.generate({s: 2}, trace=TraceRecorder())
+
+
+def test_bad_trace_files_are_refused(tmp_path):
+    p = tmp_path / "x.npz"
+    np.savez(p, a=np.zeros(3))
+    with pytest.raises(ValueError, match="not a selection trace"):
+        SelectionTrace.load(str(p))
+    (tmp_path / "y.npz").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="not a selection trace"):
+        SelectionTrace.load(str(tmp_path / "y.npz"))
+    with pytest.raises(ValueError, match="unknown policy"):
+        policies.make("fifo", 8, 100)
+
+
+def _synthetic(rows_per_step, capacity=4096, layers=1):
+    return SelectionTrace.from_rounds(
+        ((t, l, 0, capacity, r) for t, r in enumerate(rows_per_step) for l in range(layers)),
+        meta={"capacity": capacity, "source": "test"})
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["circular", "clock", "lru", "lfu", "window64+sticky", "lru+prefetch8"]),
+       st.integers(8, 64), st.integers(0, 2**31 - 1))
+def test_policies_keep_their_invariants(spec, hot, seed):
+    """Random rounds with repeats: every count adds up, the maps stay a bijection, nothing exceeds the cache, and a
+    position is hot right after the round that missed it (when it fit)."""
+    rng = np.random.default_rng(seed)
+    N, K = 300, 16
+    pol = policies.make(spec, hot, N)
+    stt = pol.new_state()
+    counts = np.zeros(len(policies.COUNTS), np.int64)
+    looked = 0
+    for t in range(30):
+        pos = rng.integers(0, N, K)
+        valid = rng.random(K) < 0.9
+        ring = np.zeros(K, bool)
+        pol.round(stt, pos, valid, ring, N, t, counts, [])
+        looked += valid.sum()
+        held = np.flatnonzero(stt.position_of_slot >= 0)
+        assert (stt.slot_of_position[stt.position_of_slot[held]] == held).all()
+        assert (stt.slot_of_position >= 0).sum() == held.size <= hot
+        if np.unique(pos).size <= hot:  # room for every miss beside every pinned hit
+            assert (stt.slot_of_position[pos[valid]] >= 0).all()
+    assert counts[0] + counts[1] == looked
+    assert counts[3] + counts[5] - counts[4] == (stt.position_of_slot >= 0).sum()
+
+
+def test_policies_on_synthetic_traces():
+    """What the definitions imply: a working set that fits always hits once warm, whatever the policy; a scan of
+    distinct rows never hits; on a cyclic scan one row larger than the cache LRU and circular miss everything
+    while LFU keeps most; clock's victim search walks the cache when everything is referenced."""
+    warm = _synthetic([np.arange(32)] * 10)
+    for spec in ("circular", "clock", "lru", "lfu", "window8+sticky"):
+        r = policies.replay(warm, spec, 64)
+        assert r.total("misses") == 32 and r.total("hits") == 32 * 9, spec
+    scan = _synthetic([np.arange(t * 16, t * 16 + 16) for t in range(20)])
+    for spec in ("circular", "clock", "lru", "lfu"):
+        assert policies.replay(scan, spec, 64).total("hits") == 0
+    cyc = _synthetic([np.arange(t % 9 * 8, t % 9 * 8 + 8) for t in range(90)])  # 72 rows cycling through 64 slots
+    assert policies.replay(cyc, "lru", 64).hit_rate == 0 and policies.replay(cyc, "circular", 64).hit_rate == 0
+    # 8 rows read twice every 10 rounds, fresh rows in between (72 of them, more than the 56 slots left): recency
+    # forgets the returning rows, frequency keeps them
+    back = _synthetic([np.arange(8) if t % 10 < 2 else 1000 + np.arange(t * 8, t * 8 + 8) for t in range(100)])
+    lru, circ, lfu = (policies.replay(back, s, 64) for s in ("lru", "circular", "lfu"))
+    assert lru.total("hits") == circ.total("hits") == 8 * 10 and lfu.total("hits") == 8 * 19
+    # clock: every slot referenced, then a round of misses has to pass all of them
+    ref = _synthetic([np.arange(64), np.arange(64), np.arange(64, 72)])
+    r = policies.replay(ref, "clock", 64)
+    assert r.scan["max"] > 64
+    # prefetch of the misses' neighbours turns a sliding window's misses into hits
+    slide = _synthetic([np.arange(t * 4, t * 4 + 16) for t in range(40)])
+    base, pre = policies.replay(slide, "lru", 64), policies.replay(slide, "lru+prefetch8", 64)
+    assert pre.hit_rate > base.hit_rate and pre.total("prefetched") > 0
