@@ -1,7 +1,8 @@
 """Selection traces and the policy simulator: a trace recorded from the engine replays through the engine's own
 policy to the engine's counters exactly (decode, MTP verify and drafts, several sessions, rollback and fork
-between calls); the file round-trips; every policy keeps its invariants; the policies behave as their definitions
-say on synthetic traces; recording changes no output."""
+between calls); round by round it equals the engine's fill (``fill_round_reference``) from random states; the file
+round-trips; every policy keeps its invariants; the policies behave as their definitions say on synthetic traces;
+recording changes no output."""
 
 import numpy as np
 import pytest
@@ -146,3 +147,47 @@ def test_policies_on_synthetic_traces():
     slide = _synthetic([np.arange(t * 4, t * 4 + 16) for t in range(40)])
     base, pre = policies.replay(slide, "lru", 64), policies.replay(slide, "lru+prefetch8", 64)
     assert pre.hit_rate > base.hit_rate and pre.total("prefetched") > 0
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**31 - 1), st.integers(1, 3))
+def test_circular_round_equals_the_engines_fill(seed, rounds):
+    """One (layer, session) at a time, the simulator's circular policy against the engine's own fill
+    (``fill_round_reference``) from the same random state: repeated positions, invalid entries (whose hits still
+    pin), ring entries, a clock anywhere; the maps, clock and counters agree after every round."""
+    import jax.numpy as jnp
+    from kernels_pallas.fill_round import fill_round_reference
+    from kernels_pallas.hot_gather import HOST, HOT, RING
+
+    rng = np.random.default_rng(seed)
+    H, N, M = 16, 64, 24
+    pos_of_slot = np.full(H, -1, np.int64)
+    held = rng.permutation(N)[: rng.integers(0, H + 1)]
+    pos_of_slot[rng.permutation(H)[: held.size]] = held
+    pol = policies.make("circular", H, N)
+    stt = pol.new_state()
+    stt.load(pos_of_slot, int(rng.integers(0, H)))
+    sop = np.full(N, -1, np.int32)
+    sop[pos_of_slot[pos_of_slot >= 0]] = np.flatnonzero(pos_of_slot >= 0)
+    maps = {"pin_round": jnp.asarray(rng.integers(0, 3, (1, 1, H)), jnp.int32),
+            "position_of_slot": jnp.asarray(pos_of_slot[None, None], jnp.int32),
+            "slot_of_position": jnp.asarray(sop[None, None], jnp.int32),
+            "rounds": jnp.full((1, 1), 3, jnp.int32), "clock": jnp.full((1, 1), stt.clock, jnp.int32),
+            "counters": jnp.zeros((1, 1, 5), jnp.int32)}
+    counts = np.zeros(len(policies.COUNTS), np.int64)
+    for t in range(rounds):
+        pos = rng.integers(0, N, M)
+        valid = rng.random(M) < 0.8
+        in_ring = rng.random(M) < 0.1
+        sop_now = np.asarray(maps["slot_of_position"])[0, 0]
+        slot = sop_now[pos]
+        source = np.where(in_ring, RING, np.where(slot >= 0, HOT, HOST))
+        r = {"pos": jnp.asarray(pos[None], jnp.int32), "source": jnp.asarray(source[None], jnp.int32),
+             "slot": jnp.asarray(slot[None], jnp.int32), "valid": jnp.asarray(valid[None])}
+        maps, *_ = fill_round_reference(maps, (r,), jnp.zeros((1,), jnp.int32), jnp.ones((1,), bool), layers=(0,),
+                                        hot_rows=H, distinct=False, max_repeats=M)
+        pol.round(stt, pos, valid, in_ring, N, t, counts, [])
+        assert np.array_equal(np.asarray(maps["position_of_slot"])[0, 0], stt.position_of_slot)
+        assert np.array_equal(np.asarray(maps["slot_of_position"])[0, 0], stt.slot_of_position)
+        assert int(maps["clock"][0, 0]) == stt.clock
+        assert np.asarray(maps["counters"])[0, 0].tolist() == counts[:5].tolist()
