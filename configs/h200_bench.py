@@ -60,6 +60,7 @@ def get_config() -> ml_collections.ConfigDict:
         hot_rows=32768,  # offload: hot-cache slots per layer and session
         copyback_every=64,  # offload: rows per batched ring -> host copy
         ring_rows=0,  # offload: ring rows, at least (raised to a power of two holding a page + a chunk)
+        policy="circular",  # offload: hot-slot replacement, circular (the Pallas fill) | lfu (jnp fill; glm53.policies)
     ))
     c.mesh = ml_collections.ConfigDict(dict(
         stages=1,  # pipeline stages (not built yet: > 1 is refused)

@@ -15,6 +15,7 @@ from kernels_pallas import indexer_topk, kv_formats
 
 # The cache modes an engine can run in: everything on the accelerator, or history in host memory + hot cache.
 CACHE_MODES = ("resident", "offload")
+CACHE_POLICIES = ("circular", "lfu")
 INDEX_KEY_FORMATS = indexer_topk.KEY_FORMATS
 INDEXER_PRECISIONS = indexer_topk.PRECISIONS
 
@@ -289,6 +290,10 @@ class CacheConfig:
     # f32 accumulation) or "fp8" (fp8 queries and keys; needs index_keys="fp8"). Resident and offload compute the
     # same selection at every setting.
     indexer_precision: str = "highest"
+    # offload: which hot slot a miss evicts. "circular" (the first slots from a clock that no row read this round
+    # holds; the Pallas fill kernel) or "lfu" (the slots hit least often since they were filled, then the least
+    # recently used; its fill runs in jnp: glm53.offload, glm53.policies for the offline replay).
+    policy: str = "circular"
 
     def __post_init__(self):
         self.validate()
@@ -310,6 +315,8 @@ class CacheConfig:
                  f"{INDEX_KEY_FORMATS}")
         _require(self.indexer_precision in INDEXER_PRECISIONS, f"indexer_precision {self.indexer_precision!r} "
                  f"unknown; choose one of {INDEXER_PRECISIONS}")
+        _require(self.policy in CACHE_POLICIES, f"cache policy {self.policy!r} unknown; choose one of "
+                 f"{CACHE_POLICIES}")
         _require(self.indexer_precision != "fp8" or self.index_keys == "fp8",
                  "indexer_precision='fp8' scores fp8 keys: set index_keys='fp8' too")
 

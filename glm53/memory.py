@@ -47,6 +47,7 @@ def cache_bytes(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, po
         "pin_round": L * S * H * i32,
         "rounds": L * S * i32, "clock": L * S * i32, "counters": L * S * len(offload.COUNTERS) * i32,
         "bulk_pages": L * S * i32, "copybacks": S * i32, "unassigned": S * i32,
+        **{f"policy_state.{n}": L * S * H * i32 for n in offload.POLICY_STATE[cc.policy]},
     })
     host["pool"] = max(pool_pages, 1) * L * P * row
     return {"device": device, "host": host}

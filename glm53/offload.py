@@ -78,6 +78,8 @@ from kernels_pallas import kv_formats, ops
 from kernels_pallas.hot_gather import HOST, HOT, MAX_PLANE_ROWS, RING
 
 COUNTERS = ("hits", "misses", "ring_reads", "fills", "evictions")  # the fill kernel's order
+POLICY_STATE = {"circular": (), "lfu": ("hits", "last_use")}  # OffloadCache.policy_state's arrays per policy
+LFU_MAX_HITS, LFU_MAX_AGE = 1023, (1 << 21) - 1  # the LFU key: 10 bits of hits, 21 of age
 Array = jax.Array
 
 # Verify rounds read T = depth + 1 <= 4 rows per session; decode 1. Chunks of more tokens never fill.
@@ -106,10 +108,15 @@ class OffloadCache(CacheBase):
     bulk_pages: Array
     copybacks: Array  # int32[S]: pages written to host memory
     unassigned: Array  # int32[S]: pages that were due with no pool page assigned (an engine bug if ever > 0)
+    # What the replacement policy remembers per hot slot beyond the maps: {} for "circular"; for "lfu",
+    # "hits" (valid hits since the slot was filled, once per round) and "last_use" (the round of its last valid
+    # hit or fill), int32[L, S, H] each.
+    policy_state: dict
     kv_format: str = flax.struct.field(pytree_node=False, default="bf16")
     indexer_precision: str = flax.struct.field(pytree_node=False, default="highest")
     key_slot_of_layer: tuple = flax.struct.field(pytree_node=False, default=())
     _has_mtp_layer: bool = flax.struct.field(pytree_node=False, default=False)
+    policy: str = flax.struct.field(pytree_node=False, default="circular")  # CacheConfig.policy
     page_rows: int = flax.struct.field(pytree_node=False, default=64)
     _ring_rows: int = flax.struct.field(pytree_node=False, default=0)  # R (the planes may hold padding rows)
 
@@ -298,15 +305,55 @@ class OffloadCache(CacheBase):
         maps = dict(pin_round=self.pin_round, position_of_slot=self.position_of_slot,
                     slot_of_position=self.slot_of_position, rounds=self.rounds, clock=self.clock,
                     counters=self.counters)
+        keys = self._lfu_keys(layers, step.lanes) if self.policy == "lfu" else None
         maps, entry, victim, n_fill = ops.fill_round(
             maps, tuple(dict(pos=r.pos, source=r.source, slot=r.slot, valid=r.valid) for r in merged),
             step.lanes.slot, step.lanes.active, layers=layers, hot_rows=H, distinct=repeats == 1,
-            max_repeats=repeats, impl=step.kernels)
+            max_repeats=repeats, impl=step.kernels, victim_keys=keys)
+        policy_state = self.policy_state
+        if self.policy == "lfu":
+            policy_state = self._lfu_update(layers, merged, step.lanes, victim, n_fill)
         hot = ops.fill_rows(self.hot, tuple({n: v.reshape(B * M, -1) for n, v in r.packed.items()}
                                                         for r in merged),
                             entry, victim, n_fill, step.lanes.slot, layers=layers, sessions=S, hot_rows=H,
                             impl=step.kernels)
-        return self.replace(hot=hot, **maps)
+        return self.replace(hot=hot, policy_state=policy_state, **maps)
+
+    # LFU (CacheConfig.policy="lfu"): victims are the unpinned slots hit least often since their fill (counts
+    # capped at 1,023), then the least recently used (ages capped at 2**21 - 1 rounds), then the lower slot; empty
+    # slots first. glm53.policies replays the same rule offline ("lfu"), to the engine's counters.
+    def _lfu_keys(self, layers: tuple, lanes) -> Array:
+        l_b, s_b = self._lane_index(layers, lanes)
+        this_round = self.rounds[l_b, s_b][..., None] + 1
+        hits = jnp.minimum(self.policy_state["hits"][l_b, s_b], LFU_MAX_HITS)
+        age = jnp.clip(this_round - self.policy_state["last_use"][l_b, s_b], 0, LFU_MAX_AGE)
+        key = (hits << 21) | (LFU_MAX_AGE - age)
+        return jnp.where(self.position_of_slot[l_b, s_b] < 0, -1, key).astype(jnp.int32)
+
+    def _lfu_update(self, layers: tuple, merged: list, lanes, victim: Array, n_fill: Array) -> dict:
+        """This round's valid hits count once per slot and stamp its use; filled slots start over."""
+        l_b, s_b = self._lane_index(layers, lanes)
+        H, S = self.hot_rows, self.num_slots
+        w_b = jnp.broadcast_to(jnp.where(lanes.active, lanes.slot, S)[None, :], l_b.shape)
+        this_round = self.rounds[l_b, s_b] + 1  # [Lp, B]: the round the fill just made
+        hit_slot = jnp.stack([jnp.where((r.source == HOT) & r.valid, r.slot, H) for r in merged])  # [Lp, B, M]
+        Lp, B, M = hit_slot.shape
+        ii, bb = jnp.meshgrid(jnp.arange(Lp), jnp.arange(B), indexing="ij")
+        touched = jnp.zeros((Lp, B, H), bool).at[ii[..., None], bb[..., None], hit_slot].set(True, mode="drop")
+        hits = self.policy_state["hits"][l_b, s_b] + touched.astype(jnp.int32)
+        last = jnp.where(touched, this_round[..., None], self.policy_state["last_use"][l_b, s_b])
+        F = victim.shape[-1]
+        filled = jnp.where(jnp.arange(F)[None, None, :] < n_fill[..., None], victim, H)
+        hits = hits.at[ii[..., None], bb[..., None], filled].set(0, mode="drop")
+        last = last.at[ii[..., None], bb[..., None], filled].set(
+            jnp.broadcast_to(this_round[..., None], filled.shape), mode="drop")
+        return {"hits": self.policy_state["hits"].at[l_b, w_b].set(hits, mode="drop"),
+                "last_use": self.policy_state["last_use"].at[l_b, w_b].set(last, mode="drop")}
+
+    def _lane_index(self, layers: tuple, lanes) -> tuple[Array, Array]:
+        B = lanes.slot.shape[0]
+        l_b = jnp.broadcast_to(jnp.asarray(layers, jnp.int32)[:, None], (len(layers), B))
+        return l_b, jnp.broadcast_to(lanes.slot.astype(jnp.int32)[None, :], l_b.shape)
 
     # ------------------------------------------------------------------------------------------------------------
     # Between steps: session lifecycle. Each is jitted by glm53.steps with the cache donated.
@@ -324,7 +371,8 @@ class OffloadCache(CacheBase):
             pin_round=self.pin_round.at[:, slot].set(-1), rounds=self.rounds.at[:, slot].set(0),
             clock=self.clock.at[:, slot].set(0), counters=self.counters.at[:, slot].set(0),
             bulk_pages=self.bulk_pages.at[:, slot].set(0), copybacks=self.copybacks.at[slot].set(0),
-            unassigned=self.unassigned.at[slot].set(0), **self._clear_common(slot))
+            unassigned=self.unassigned.at[slot].set(0),
+            policy_state={n: a.at[:, slot].set(0) for n, a in self.policy_state.items()}, **self._clear_common(slot))
 
     def copy_slot(self, src: Array, dst: Array) -> "OffloadCache":
         """Fork: the new slot starts as a copy of every per-slot array (ring, hot cache and its maps included, so
@@ -347,7 +395,8 @@ class OffloadCache(CacheBase):
                    slot_of_position=cp(self.slot_of_position, 1), position_of_slot=cp(self.position_of_slot, 1),
                    pin_round=cp(self.pin_round, 1), rounds=cp(self.rounds, 1), clock=cp(self.clock, 1),
                    counters=self.counters.at[:, dst].set(0), bulk_pages=self.bulk_pages.at[:, dst].set(0),
-                   copybacks=self.copybacks.at[dst].set(0), unassigned=self.unassigned.at[dst].set(0))
+                   copybacks=self.copybacks.at[dst].set(0), unassigned=self.unassigned.at[dst].set(0),
+                   policy_state={n: cp(a, 1) for n, a in self.policy_state.items()})
         return self.replace(**out, **self._copy_common(src, dst))
 
     def read_pages(self, pages: Array, kernels: str) -> dict:
@@ -695,7 +744,9 @@ def init_offload(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, p
         pin_round=jnp.full((L, S, H), -1, jnp.int32), rounds=jnp.zeros((L, S), jnp.int32),
         clock=jnp.zeros((L, S), jnp.int32), counters=jnp.zeros((L, S, len(COUNTERS)), jnp.int32),
         bulk_pages=jnp.zeros((L, S), jnp.int32), copybacks=jnp.zeros((S,), jnp.int32),
-        unassigned=jnp.zeros((S,), jnp.int32), kv_format=fmt.name, indexer_precision=cc.indexer_precision,
+        unassigned=jnp.zeros((S,), jnp.int32),
+        policy_state={n: jnp.zeros((L, S, H), jnp.int32) for n in POLICY_STATE[cc.policy]},
+        kv_format=fmt.name, indexer_precision=cc.indexer_precision, policy=cc.policy,
         key_slot_of_layer=key_slots(cfg),
         _has_mtp_layer=bool(cfg.num_nextn_predict_layers), page_rows=P, _ring_rows=R)
     return place(cache, device, mesh)

@@ -21,7 +21,8 @@ The policies differ only in the choice of victims and what they remember:
   gather in a pathological case: when most slots were referenced since the hand last passed, one search walks most
   of the cache (``scan`` in the results counts the slots examined).
 - ``lru``: the unpinned slots used longest ago (hit or filled).
-- ``lfu``: the unpinned slots hit least often since they were filled (ties: least recently used).
+- ``lfu``: the unpinned slots hit least often since they were filled (ties: least recently used, then the lower
+  slot), the engine's ``CacheConfig.policy="lfu"`` exactly (counts and ages capped as it caps them).
 - ``window<W>+sticky``: rows among the last ``W`` positions of the session are kept while others exist; among the
   rest the least often hit go first (the "sticky" rows a session keeps returning to stay), then LRU.
 - ``<policy>+prefetch<P>``: after each round, up to ``P`` positions next to the round's misses (p - 1, p + 1) that
@@ -37,6 +38,8 @@ import dataclasses
 import re
 
 import numpy as np
+
+from glm53.offload import LFU_MAX_AGE, LFU_MAX_HITS
 
 COUNTS = ("hits", "misses", "ring_reads", "fills", "evictions", "prefetched")
 POLICIES = "circular | clock | lru | lfu | window<W>+sticky (e.g. window4096+sticky) | <any>+prefetch<P>"
@@ -83,24 +86,28 @@ class ReplayResult:
 # State of one (layer, session): which position each slot holds, and what the policy remembers
 # ----------------------------------------------------------------------------------------------------------------
 class _State:
-    __slots__ = ("slot_of_position", "position_of_slot", "clock", "ref", "last_use", "freq")
+    __slots__ = ("slot_of_position", "position_of_slot", "clock", "rounds", "ref", "last_use", "freq")
 
     def __init__(self, hot_rows: int, capacity: int):
         self.slot_of_position = np.full(capacity, -1, np.int32)
         self.position_of_slot = np.full(hot_rows, -1, np.int64)
         self.clock = 0
+        self.rounds = 0  # rounds of this (layer, session), as the engine counts them
         self.ref = np.zeros(hot_rows, bool)
-        self.last_use = np.full(hot_rows, -1, np.int64)
+        self.last_use = np.zeros(hot_rows, np.int64)
         self.freq = np.zeros(hot_rows, np.int64)
 
-    def load(self, position_of_slot: np.ndarray, clock: int) -> None:
-        """Start from an engine snapshot (``glm53.trace`` segments)."""
+    def load(self, position_of_slot: np.ndarray, clock: int, rounds: int = 0, hits=None, last_use=None) -> None:
+        """Start from an engine snapshot (``glm53.trace`` segments); LFU's counts when the engine kept them."""
         pos = np.asarray(position_of_slot, np.int64)
         self.slot_of_position[:] = -1
         held = np.flatnonzero(pos >= 0)
         self.slot_of_position[pos[held]] = held
         self.position_of_slot[:] = pos
-        self.clock = int(clock)
+        self.clock, self.rounds = int(clock), int(rounds)
+        if hits is not None:
+            self.freq[:] = hits
+            self.last_use[:] = last_use
 
 
 class Policy:
@@ -128,10 +135,12 @@ class Policy:
         """Slots just filled."""
 
     # ---- a round ----
-    def round(self, st: _State, pos: np.ndarray, valid: np.ndarray, in_ring: np.ndarray, start: int, t: int,
+    def round(self, st: _State, pos: np.ndarray, valid: np.ndarray, in_ring: np.ndarray, start: int, step: int,
               counts: np.ndarray, scans: list) -> None:
-        """One round of one (layer, session); adds to ``counts`` (``COUNTS`` order) and appends to ``scans``."""
+        """One round of one (layer, session) at trace step ``step``; adds to ``counts`` (``COUNTS`` order) and
+        appends to ``scans``. Policies stamp uses with the state's own round (``t``), as the engine does."""
         H, N = self.H, self.N
+        t = st.rounds + 1
         p = np.clip(pos, 0, N - 1)
         slot = st.slot_of_position[p]
         hit = ~in_ring & (slot >= 0)
@@ -152,6 +161,7 @@ class Policy:
             self._fill(st, new, pinned, min(pos.size, H), t, start, counts, scans, window=pos.size)
         if self.prefetch and wanted.size:
             self._prefetch(st, p[wanted], pinned, in_ring, pos, start, t, counts, scans)
+        st.rounds = t
 
     def _fill(self, st, new, pinned, F, t, start, counts, scans, window, prefetch=False):
         n = min(new.size, F)
@@ -236,7 +246,8 @@ class Clock(Policy):
 class _Ranked(Policy):
     """Victims: the unpinned slots with the smallest key (empty slots first)."""
 
-    def _key(self, st, start, window) -> np.ndarray:
+    def _key(self, st, t, start, window) -> np.ndarray:
+        """Rank of each occupied slot this round (``t``): smallest first. Keys below 2**40."""
         raise NotImplementedError
 
     def _touch(self, st, slots, t):
@@ -248,29 +259,34 @@ class _Ranked(Policy):
         st.freq[slots] = 0
 
     def _victims(self, st, n, pinned, t, start, window):
-        key = self._key(st, start, window)
-        key = np.where(st.position_of_slot < 0, -1, key)
-        key[pinned] = np.iinfo(np.int64).max
+        key = np.where(st.position_of_slot < 0, -1, self._key(st, t, start, window)).astype(np.int64)
         n = min(n, int(np.count_nonzero(~pinned)))
         if n <= 0:
             return np.zeros(0, np.int64), 0
-        part = np.argpartition(key, n - 1)[:n] if n < key.size else np.arange(key.size)
-        victims = part[np.argsort(key[part], kind="stable")]
-        return victims, self.H  # a ranked choice looks at every slot
+        # by key, ties to the lower slot (the engine's stable sort): one exact int64 order, partitioned then sorted
+        order = key * self.H + np.arange(self.H)
+        order[pinned] = np.iinfo(np.int64).max
+        part = np.argpartition(order, n - 1)[:n] if n < order.size else np.arange(order.size)
+        return part[np.argsort(order[part])], self.H  # a ranked choice looks at every slot
 
 
 class LRU(_Ranked):
     name = "lru"
 
-    def _key(self, st, start, window):
+    def _key(self, st, t, start, window):
         return st.last_use
 
 
 class LFU(_Ranked):
+    """The engine's LFU (``CacheConfig.policy="lfu"``, ``glm53.offload``): hits since the fill capped at 1,023,
+    then age in rounds capped at 2**21 - 1 (older first), then the lower slot."""
+
     name = "lfu"
 
-    def _key(self, st, start, window):
-        return (np.minimum(st.freq, (1 << 30) - 1) << 32) + st.last_use
+    def _key(self, st, t, start, window):
+        hits = np.minimum(st.freq, LFU_MAX_HITS)
+        age = np.clip(t - st.last_use, 0, LFU_MAX_AGE)
+        return (hits << 21) | (LFU_MAX_AGE - age)
 
 
 class WindowSticky(_Ranked):
@@ -279,9 +295,9 @@ class WindowSticky(_Ranked):
         self.window = int(window)
         self.name = f"window{self.window}+sticky"
 
-    def _key(self, st, start, window):
-        recent = st.position_of_slot >= start - self.window
-        return (recent.astype(np.int64) << 61) + (np.minimum(st.freq, (1 << 28) - 1) << 32) + st.last_use
+    def _key(self, st, t, start, window):
+        recent = (st.position_of_slot >= start - self.window).astype(np.int64)
+        return (recent << 39) | (np.minimum(st.freq, (1 << 16) - 1) << 23) | np.minimum(st.last_use, (1 << 23) - 1)
 
 
 _BASE = {"circular": Circular, "clock": Clock, "lru": LRU, "lfu": LFU}
@@ -317,8 +333,10 @@ def replay(trace, spec: str = "circular", hot_rows: int | None = None, *, from_s
     pol = make(spec, H, N)
     pol.page_rows = int(meta.get("page_rows") or 0)
     if from_snapshots:
-        if not isinstance(pol, Circular) or pol.prefetch:
-            raise ValueError("replay: from_snapshots needs the engine's policy ('circular')")
+        engine_policy = meta.get("policy", "circular")
+        if pol.name != engine_policy:
+            raise ValueError(f"replay: from_snapshots needs the recording engine's policy ({engine_policy!r}), "
+                             f"not {pol.name!r}")
         if meta.get("hot_rows") != H:
             raise ValueError(f"replay: the snapshots hold {meta.get('hot_rows')} slots, not {H}")
         if not trace.segments:
@@ -360,7 +378,9 @@ def _load_segment(states: dict, seg: dict, pol: Policy, layers: list) -> None:
             st = states.get((l, sess))
             if st is None:
                 st = states[(l, sess)] = pol.new_state()
-            st.load(snap["position_of_slot"][j][l], int(snap["clock"][j][l]))
+            lfu = "policy_hits" in snap
+            st.load(snap["position_of_slot"][j][l], int(snap["clock"][j][l]), int(snap["rounds"][j][l]),
+                    snap["policy_hits"][j][l] if lfu else None, snap["policy_last_use"][j][l] if lfu else None)
 
 
 def segment_counts(trace) -> np.ndarray:

@@ -40,7 +40,8 @@ class SelectionTrace:
     ``meta``: ``hot_rows``, ``capacity``, ``num_layers``, ``page_rows``, ``row_bytes``, ``topk``, ``source`` and, for
     recorded traces, ``model`` / ``cache`` configs and ``git``. ``segments``: one dict per generate call with
     ``first_step``, ``end_step`` (exclusive), ``sessions`` (indices into ``sessions``), the hot-cache ``snapshot`` of
-    each at the start (``[L, H]`` / ``[L]`` arrays) and ``counters_before`` / ``counters_after`` (``[n, L, 5]``,
+    each at the start (``[L, H]`` / ``[L]`` arrays; the policy's own state as ``policy_<name>``) and
+    ``counters_before`` / ``counters_after`` (``[n, L, 5]``,
     ``COUNTER_NAMES``), or an empty list for synthetic traces."""
 
     meta: dict
@@ -100,8 +101,8 @@ class SelectionTrace:
             arrays[f"seg{k}_steps"] = np.asarray([seg["first_step"], seg["end_step"]], np.int64)
             for name in ("counters_before", "counters_after"):
                 arrays[f"seg{k}_{name}"] = np.asarray(seg[name])
-            for name in SNAPSHOT_FIELDS:
-                arrays[f"seg{k}_snap_{name}"] = np.asarray(seg["snapshot"][name])
+            for name, a in seg["snapshot"].items():  # SNAPSHOT_FIELDS and the policy's own state
+                arrays[f"seg{k}_snap_{name}"] = np.asarray(a)
         meta = {**self.meta, "format_version": FORMAT_VERSION, "num_segments": len(self.segments)}
         arrays["meta"] = np.asarray(json.dumps(meta, default=str))
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -130,7 +131,8 @@ class SelectionTrace:
                                  "sessions": z[f"seg{k}_sessions"].tolist(),
                                  "counters_before": z[f"seg{k}_counters_before"],
                                  "counters_after": z[f"seg{k}_counters_after"],
-                                 "snapshot": {n: z[f"seg{k}_snap_{n}"] for n in SNAPSHOT_FIELDS}})
+                                 "snapshot": {f[len(f"seg{k}_snap_"):]: z[f] for f in z.files
+                                              if f.startswith(f"seg{k}_snap_")}})
             return cls(meta=meta, sessions=z["sessions"].tolist(), segments=segments,
                        **{f: z[f] for f in RECORD_FIELDS + ENTRY_FIELDS})
 
@@ -185,7 +187,8 @@ class TraceRecorder:
         if self._engine_id is None:
             cc = engine.cache_config
             self._engine_id = id(engine)
-            self.meta = {"source": "engine", "hot_rows": cc.hot_rows, "capacity": engine.capacity,
+            self.meta = {"source": "engine", "policy": cc.policy, "hot_rows": cc.hot_rows,
+                         "capacity": engine.capacity,
                          "num_layers": engine.cache.num_layers, "page_rows": engine.page_rows,
                          "row_bytes": engine.cache.fmt.bytes_per_row, "topk": engine.topk,
                          "model": dataclasses.asdict(engine.cfg), "cache": dataclasses.asdict(cc),
@@ -196,6 +199,7 @@ class TraceRecorder:
         slots = np.asarray([s.slot for s in sessions])
         c = engine.cache
         snap = {n: np.asarray(getattr(c, n))[:, slots].swapaxes(0, 1) for n in SNAPSHOT_FIELDS}  # [n, L, ...]
+        snap.update({f"policy_{n}": np.asarray(a)[:, slots].swapaxes(0, 1) for n, a in c.policy_state.items()})
         self._open = {"first_step": self._steps, "sessions": idx, "snapshot": snap,
                       "counters_before": np.asarray(c.counters)[:, slots].swapaxes(0, 1)}
 

@@ -305,10 +305,15 @@ def fill_round(maps: dict, rounds: tuple, lane_slot: jax.Array, lane_active: jax
                                              "interpret"), donate_argnames=("maps",))
 def fill_round_reference(maps: dict, rounds: tuple, lane_slot: jax.Array, lane_active: jax.Array, *,
                          layers: tuple, hot_rows: int, distinct: bool = True, max_repeats: int = 1,
-                         num_warps: int = 8, interpret: bool = False):
+                         num_warps: int = 8, interpret: bool = False, victim_keys: jax.Array | None = None):
     """Pure-jnp ``fill_round``. With ``distinct=False`` each position's first entry (lowest index among its
     valid misses) is the one filled, whatever ``max_repeats`` (the kernel's rule when max_repeats is at least every
-    position's multiplicity)."""
+    position's multiplicity).
+
+    ``victim_keys`` (``[len(layers), B, H]`` int32; the kernel has no such input): another replacement policy's
+    ranking of the lanes' slots, smallest first (ties: lower slot). Victims are then the first unpinned slots in
+    that order instead of in circular order from the clock (``glm53.offload``: LFU); the clock still moves past
+    the last victim, unused."""
     del num_warps, interpret
     _validate(maps, rounds, lane_slot, lane_active, layers, hot_rows, max_repeats)
     L, S, H = maps["pin_round"].shape
@@ -329,7 +334,10 @@ def fill_round_reference(maps: dict, rounds: tuple, lane_slot: jax.Array, lane_a
     pin_round = maps["pin_round"].at[l_m, w_m, jnp.where(is_hit, slot, H)].set(
         jnp.broadcast_to(this_round[..., None], (Lp, B, M)), mode="drop")
     clock = maps["clock"][l_b, s_b]
-    slot_at = (clock[..., None] + jnp.arange(W, dtype=jnp.int32)) % H  # slots in circular order from the clock
+    if victim_keys is None:
+        slot_at = (clock[..., None] + jnp.arange(W, dtype=jnp.int32)) % H  # slots in circular order from the clock
+    else:  # the policy's order; a round pins at most M slots, so the first W = M + F hold F unpinned ones
+        slot_at = jnp.argsort(victim_keys, axis=-1, stable=True)[..., :W].astype(jnp.int32)
     free_at = jnp.take_along_axis(pin_round[l_b, s_b], slot_at, axis=2) != this_round[..., None]
 
     def per_lane(pos, is_miss, valid, active, clock, slot_at, free_at, pos_of_slot):

@@ -143,11 +143,16 @@ MAX_KERNEL_ROUND_POSITIONS = 16384
 
 
 def fill_round(maps: dict, rounds: tuple, lane_slot, lane_active, *, layers: tuple, hot_rows: int, distinct: bool,
-               max_repeats: int, impl: str):
+               max_repeats: int, impl: str, victim_keys=None):
     """The offload fill's bookkeeping for one round per layer and lane: ``(maps, entry, victim, n_fill)`` (see
-    ``kernels_pallas.fill_round``). ``distinct=False`` rounds may repeat a position up to ``max_repeats`` times."""
+    ``kernels_pallas.fill_round``). ``distinct=False`` rounds may repeat a position up to ``max_repeats`` times.
+    ``victim_keys``: another policy's victim order (LFU), which only the jnp reference implements."""
     use_pallas, interpret = resolve(impl)
     M = rounds[0]["pos"].shape[1]
+    if victim_keys is not None:
+        return _fill_round.fill_round_reference(maps, tuple(rounds), lane_slot, lane_active, layers=tuple(layers),
+                                                hot_rows=hot_rows, distinct=distinct, max_repeats=max_repeats,
+                                                victim_keys=victim_keys)
     kernel = use_pallas and M <= MAX_KERNEL_ROUND_POSITIONS
     fn = _fill_round.fill_round if kernel else _fill_round.fill_round_reference
     return fn(maps, tuple(rounds), lane_slot, lane_active, layers=tuple(layers), hot_rows=hot_rows,

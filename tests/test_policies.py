@@ -4,6 +4,7 @@ between calls); round by round it equals the engine's fill (``fill_round_referen
 round-trips; every policy keeps its invariants; the policies behave as their definitions say on synthetic traces;
 recording changes no output."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,14 +26,18 @@ def model():
     return make_model()
 
 
-def _record(model, tmp_path=None):
-    e = glm53.Engine(model, CC.replace(mode="offload", hot_rows=HOT), max_sessions=3)
-    rec = TraceRecorder()
+def _record(model, tmp_path=None, mode="offload", policy="circular"):
+    e = glm53.Engine(model, CC.replace(mode=mode, hot_rows=HOT, policy=policy), max_sessions=3)
+    rec = TraceRecorder() if mode == "offload" else None
     a, b = e.open(ids(300, seed=1)), e.open(ids(220, seed=2))
-    out = [e.generate({a: 24, b: 24}, trace=rec, return_logits=True)]
-    e.rollback(a, 6)
-    c = e.fork(b)
-    out.append(e.generate({a: 12, c: 12}, mtp=2, trace=rec, return_logits=True))
+    out = []
+    for reqs, mtp in (({a: 24, b: 24}, 0), (None, 2)):
+        if reqs is None:
+            e.rollback(a, 6)
+            c = e.fork(b)
+            reqs = {a: 12, c: 12}
+        toks = e.generate(reqs, mtp=mtp, trace=rec, return_logits=True)
+        out.append([(toks[sid], e.last_run.logits[sid]) for sid in reqs])
     return e, rec, out
 
 
@@ -61,12 +66,43 @@ def test_engine_trace_replays_to_the_engines_counters(model, tmp_path):
                           policies.segment_counts(cut))
 
 
+def _same(x, y):
+    for part_x, part_y in zip(x, y, strict=True):
+        for (tx, lx), (ty, ly) in zip(part_x, part_y, strict=True):
+            assert tx == ty and np.array_equal(lx, ly)
+
+
 def test_recording_changes_no_output(model):
     _, _, traced = _record(model)
     e = glm53.Engine(model, CC.replace(mode="offload", hot_rows=HOT), max_sessions=3)
     a, b = e.open(ids(300, seed=1)), e.open(ids(220, seed=2))
-    plain = [e.generate({a: 24, b: 24}, return_logits=True)]
-    assert plain[0] == traced[0]
+    plain = e.generate({a: 24, b: 24}, return_logits=True)
+    _same(traced[:1], [[(plain[a], e.last_run.logits[a]), (plain[b], e.last_run.logits[b])]])
+
+
+def test_engine_lfu_policy(model):
+    """CacheConfig(policy="lfu"): decode, MTP verify and drafts, rollback and fork stay bit-identical to resident;
+    the policy is in effect (other fills than circular's on the same run); the offline "lfu" replayed from the
+    engine's snapshots reproduces its counters exactly."""
+    e, rec, out = _record(model, policy="lfu")
+    _, _, resident = _record(model, mode="resident")
+    _same(out, resident)
+    trace = rec.trace()
+    assert trace.meta["policy"] == "lfu" and "policy_hits" in trace.segments[0]["snapshot"]
+    want = policies.segment_counts(trace)
+    got = policies.replay(trace, "lfu", from_snapshots=True)
+    assert np.array_equal(np.stack([got.per_layer[n] for n in policies.COUNTS[:5]], 1), want)
+    assert want[:, 4].sum() > 0
+    _, circ, _ = _record(model)
+    assert not np.array_equal(policies.segment_counts(circ.trace()), want)
+    with pytest.raises(ValueError, match="recording engine's policy"):
+        policies.replay(trace, "circular", from_snapshots=True)
+    # the accounting counts the policy's state
+    parts = glm53.memory.cache_bytes(model.config, e.cache_config, e.alloc_slots, e.capacity, e.alloc_pages,
+                                     jnp.float32)
+    assert parts["device"]["policy_state.hits"] == np.asarray(e.cache.policy_state["hits"]).nbytes
+    with pytest.raises(ConfigError, match="policy"):
+        glm53.CacheConfig(policy="fifo")
 
 
 def test_trace_needs_an_offload_engine(model):
