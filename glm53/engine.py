@@ -118,6 +118,8 @@ class Session:
     generated: int = 0
     mtp_proposed: list = dataclasses.field(default_factory=lambda: [0] * MAX_MTP_DEPTH)
     mtp_accepted: list = dataclasses.field(default_factory=lambda: [0] * MAX_MTP_DEPTH)
+    # offload: the hot cache's counters folded out of the device's int32 ones ([layers, 5] int64, offload.COUNTERS)
+    counter_totals: np.ndarray | None = None
 
     @property
     def pending(self) -> list:
@@ -448,6 +450,35 @@ class Engine:
         for s in due:
             s.host_rows = self._committed(s) // self.page_rows * self.page_rows
 
+    def session_counters(self, sessions: list) -> np.ndarray:
+        """Offload: the hot cache's counters of ``sessions``, ``[n, layers, 5]`` int64 (``offload.COUNTERS``): what
+        the device counted since the last fold plus the folded totals."""
+        dev = np.asarray(self.cache.counters).astype(np.int64)  # [L, S, 5]
+        return np.stack([dev[:, s.slot] + self._totals(s) for s in sessions])
+
+    def _totals(self, s: Session) -> np.ndarray:
+        if s.counter_totals is None:
+            s.counter_totals = np.zeros((self.cache.num_layers, len(offload.COUNTERS)), np.int64)
+        return s.counter_totals
+
+    def _fold_counters(self, sessions: list) -> None:
+        """Move the sessions' device counters (int32, which one session's decode would overflow after ~1M tokens:
+        up to index_topk lookups per layer and token) into their int64 host totals, and zero them on the device.
+        Called after every generate and every ``fold_every`` steps inside one."""
+        if not self.offload or not sessions:
+            return
+        dev = np.asarray(self.cache.counters)
+        for s in sessions:
+            self._totals(s)[:] += dev[:, s.slot]
+        mask = np.zeros(self.alloc_slots, bool)
+        mask[[s.slot for s in sessions]] = True
+        self._run("clear_counters", self.cache, jnp.asarray(mask))
+
+    def fold_every(self, mtp: int) -> int:
+        """Steps between counter folds inside a generate: a step adds at most index_topk x (mtp + 1) lookups per
+        layer to a counter (its drafts, to the MTP layer's, as many again), so this keeps each below 2**30."""
+        return max(1, (1 << 30) // (self.topk * 2 * (mtp + 1)))
+
     def _groups(self, sessions: list) -> list:
         big = self.buckets[-1]
         return [sessions[i:i + big] for i in range(0, len(sessions), big)]
@@ -606,6 +637,7 @@ class Engine:
             run.execute()
         finally:
             self._settle(sessions)
+            self._fold_counters(sessions)
             for s in sessions:  # pages reserved for rows that were not generated go back
                 keep = _ceil_div(len(s.tokens), self.page_rows)
                 if self.offload and len(s.pages) > keep and self._release_pages(s, keep):
@@ -795,11 +827,14 @@ class Engine:
         """Counters of one session: tokens, MTP acceptance per draft position, and (offload) hits, misses, fills,
         evictions and the bytes moved between host and device, per layer and in total."""
         s = self._session(sid)
+        counters = self.session_counters([s])[0] if self.offload else None
         out = {"tokens": len(s.tokens), "processed": s.processed, "generated": s.generated,
                "mtp_proposed": list(s.mtp_proposed), "mtp_accepted": list(s.mtp_accepted),
                "mtp_acceptance": [a / p if p else None for a, p in zip(s.mtp_accepted, s.mtp_proposed)]}
         if self.offload:
-            out.update(offload.slot_stats(self.cache, s.slot))
+            per_slot = np.zeros((counters.shape[0], self.alloc_slots, counters.shape[1]), np.int64)
+            per_slot[:, s.slot] = counters
+            out.update(offload.slot_stats(self.cache, s.slot, counters=per_slot))
             out["host_rows"] = s.host_rows
             unassigned = int(np.asarray(self.cache.unassigned)[s.slot])
             if unassigned:
@@ -1004,6 +1039,7 @@ class _Run:
 
     def _decode_loop(self) -> None:
         e = self.e
+        fold = e.fold_every(0)
         pages = offload.copy_pages_for(e.cache_config, 1) if e.offload else 0
         tokens = jnp.asarray(self._pending())
         remaining = jnp.asarray(self.remaining.astype(np.int32))
@@ -1021,6 +1057,8 @@ class _Run:
             tokens, logits, remaining = outs[:3]
             self.call_s.append(time.perf_counter() - t)
             self.steps += 1
+            if self.steps % fold == 0:
+                e._fold_counters(self.sessions)
             inflight.append((tokens, remaining, logits if self.return_logits else None, rem_in,
                              outs[3] if len(outs) > 3 else None))
             if len(inflight) > self.LAG:
@@ -1049,6 +1087,7 @@ class _Run:
 
     def _mtp_loop(self) -> None:
         e = self.e
+        fold = e.fold_every(self.mtp)
         pages = offload.copy_pages_for(e.cache_config, self.mtp + 1) if e.offload else 0
         # A session rolled back into its past has no stored hidden state for its pending token's predecessor:
         # one plain decode step first gives it one.
@@ -1090,6 +1129,8 @@ class _Run:
             emitted, n_emit, logits, pending, drafts, draft_p, remaining, accepted = outs[:8]
             self.call_s.append(time.perf_counter() - t)
             self.steps += 1
+            if self.steps % fold == 0:
+                e._fold_counters(self.sessions)
             inflight.append((emitted, n_emit, remaining, accepted, logits if self.return_logits else None,
                              outs[8] if len(outs) > 8 else None))
             if len(inflight) > self.LAG:

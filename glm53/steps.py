@@ -264,6 +264,12 @@ def clear_slot(cache, slot):
     return cache.clear_slot(slot), None
 
 
+def clear_counters(cache, slots):
+    """Zero the hit / miss counters of the slots marked in ``slots`` (bool[S]): the engine has added them to its
+    host totals (int64: the device's int32 would overflow after ~1M decoded tokens of one session)."""
+    return cache.replace(counters=jnp.where(slots[None, :, None], 0, cache.counters)), None
+
+
 def copy_slot(cache, src, dst):
     return cache.copy_slot(src, dst), None
 
@@ -323,6 +329,7 @@ STEPS: dict[str, tuple[Any, tuple[str, ...], bool]] = {
     "mtp_forward": (mtp_forward, ("kernels",), True),
     "settle": (settle, ("pages", "kernels"), False),
     "clear_slot": (clear_slot, (), False),
+    "clear_counters": (clear_counters, (), False),
     "copy_slot": (copy_slot, (), False),
     "set_pages": (set_pages, (), False),
     "write_pages": (write_pages, ("kernels",), False),

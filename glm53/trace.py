@@ -201,15 +201,14 @@ class TraceRecorder:
         snap = {n: np.asarray(getattr(c, n))[:, slots].swapaxes(0, 1) for n in SNAPSHOT_FIELDS}  # [n, L, ...]
         snap.update({f"policy_{n}": np.asarray(a)[:, slots].swapaxes(0, 1) for n, a in c.policy_state.items()})
         self._open = {"first_step": self._steps, "sessions": idx, "snapshot": snap,
-                      "counters_before": np.asarray(c.counters)[:, slots].swapaxes(0, 1)}
+                      "counters_before": engine.session_counters(sessions)}
 
     def end(self, engine, sessions: list) -> None:
         if self._open is None:
             return
-        slots = np.asarray([s.slot for s in sessions])
         seg, self._open = self._open, None
         seg["end_step"] = self._steps
-        seg["counters_after"] = np.asarray(engine.cache.counters)[:, slots].swapaxes(0, 1)
+        seg["counters_after"] = engine.session_counters(sessions)
         self.segments.append(seg)
 
     def add_step(self, rounds: dict, lane_sids: list) -> None:

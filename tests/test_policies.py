@@ -105,6 +105,23 @@ def test_engine_lfu_policy(model):
         glm53.CacheConfig(policy="fifo")
 
 
+def test_counters_fold_into_host_totals(model, monkeypatch):
+    """The device's int32 counters are folded into int64 host totals after every generate and every few steps
+    inside one (here every 2): stats, and a trace's segment counts, are those of a run that never folds; the
+    device counters of the sessions are zero after a generate."""
+    e0, rec0, out0 = _record(model)
+    monkeypatch.setattr(glm53.Engine, "fold_every", lambda self, mtp: 2)
+    e1, rec1, out1 = _record(model)
+    _same(out0, out1)
+    for sid in e0.sessions:
+        s0, s1 = e0.stats(sid), e1.stats(sid)
+        assert s0["per_layer"] == s1["per_layer"] and s0["hits"] == s1["hits"] > 0
+    assert np.array_equal(policies.segment_counts(rec0.trace()), policies.segment_counts(rec1.trace()))
+    slots = [e1._session(sid).slot for sid in e1.sessions]
+    assert not np.asarray(e1.cache.counters)[:, slots].any()
+    assert all(e1._session(sid).counter_totals.sum() > 0 for sid in e1.sessions)
+
+
 def test_trace_needs_an_offload_engine(model):
     e = engine(model, "resident")
     s = e.open(ids(20))
