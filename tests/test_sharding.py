@@ -122,7 +122,8 @@ OFFLOAD = CC.replace(kv_format="q8g64", copyback_every=16, hot_rows=64, max_len=
 @pytest.mark.parametrize("mtp", [0, 2])
 def test_offload_on_a_mesh_is_bit_identical_to_resident_there(one_device, mtp):
     """Offload on tp=2 (pool replicated into every device's host memory): bit-identical to resident on the same
-    mesh through generate, a long append (past the hot cache), fork and rollback; tokens equal to one device."""
+    mesh through generate, a long append (past the hot cache), fork and rollback; tokens equal to one device; the
+    two devices' replicas of every cache array byte-identical."""
     def script(m, mode):
         e = glm53.Engine(m, OFFLOAD.replace(mode=mode), max_sessions=3)
         a, b = e.open(prompts([37])[0]), e.open(prompts([22], seed=1)[0])
@@ -150,3 +151,10 @@ def test_offload_on_a_mesh_is_bit_identical_to_resident_there(one_device, mtp):
     pool = jax.tree_util.tree_leaves(e.cache.pool)[0]
     assert pool.sharding.memory_kind == "pinned_host" and len(pool.addressable_shards) == 2
     assert e.memory_report()["host"]["pool_replicas"] == 2
+    # Owner and peer replicas: every device's copy of every cache array (each host pool replica, the hot caches,
+    # the rings, the maps) holds the same bytes after all that.
+    for path, leaf in jax.tree_util.tree_leaves_with_path(e.cache):
+        copies = [np.asarray(sh.data) for sh in leaf.addressable_shards]
+        assert len(copies) == 2 and all(c.shape == leaf.shape for c in copies), jax.tree_util.keystr(path)
+        assert all(np.array_equal(copies[0].view(np.uint8), c.view(np.uint8)) for c in copies[1:]), \
+            jax.tree_util.keystr(path)
