@@ -827,14 +827,13 @@ class Engine:
         """Counters of one session: tokens, MTP acceptance per draft position, and (offload) hits, misses, fills,
         evictions and the bytes moved between host and device, per layer and in total."""
         s = self._session(sid)
-        counters = self.session_counters([s])[0] if self.offload else None
         out = {"tokens": len(s.tokens), "processed": s.processed, "generated": s.generated,
                "mtp_proposed": list(s.mtp_proposed), "mtp_accepted": list(s.mtp_accepted),
                "mtp_acceptance": [a / p if p else None for a, p in zip(s.mtp_accepted, s.mtp_proposed)]}
         if self.offload:
-            per_slot = np.zeros((counters.shape[0], self.alloc_slots, counters.shape[1]), np.int64)
-            per_slot[:, s.slot] = counters
-            out.update(offload.slot_stats(self.cache, s.slot, counters=per_slot))
+            counters = np.asarray(self.cache.counters).astype(np.int64)  # [L, S, 5]: since the last fold
+            counters[:, s.slot] += self._totals(s)
+            out.update(offload.slot_stats(self.cache, s.slot, counters=counters))
             out["host_rows"] = s.host_rows
             unassigned = int(np.asarray(self.cache.unassigned)[s.slot])
             if unassigned:
@@ -966,7 +965,8 @@ class _Run:
         # No garbage collection while steps are dispatched: a full collection traverses every live container, the
         # sessions' token lists included (millions of entries at long histories), and stalls the host between two
         # step calls; the loop itself makes almost no reference cycles. Step-call spikes of 2-3x the median were
-        # measured in both modes on the H200 (sessions_ab_10x50k.json); whether this removes them is not measured yet.
+        # measured in both modes on the H200 (sessions_ab_10x50k_8eb8e6a.json); with this and the loop-free grouped
+        # matmul they were 1.7-1.9x (sessions_ab_10x50k.json): the two were not measured apart.
         gc_enabled = gc.isenabled()
         gc.disable()
         if self.trace is not None:

@@ -39,9 +39,9 @@ import re
 
 import numpy as np
 
-from glm53.offload import LFU_MAX_AGE, LFU_MAX_HITS
+from glm53.offload import COUNTERS, LFU_MAX_AGE, LFU_MAX_HITS
 
-COUNTS = ("hits", "misses", "ring_reads", "fills", "evictions", "prefetched")
+COUNTS = COUNTERS + ("prefetched",)  # the engine's counters, then rows a prefetch brought in
 POLICIES = "circular | clock | lru | lfu | window<W>+sticky (e.g. window4096+sticky) | <any>+prefetch<P>"
 _BIG = np.int64(1) << 62
 

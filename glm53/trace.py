@@ -29,7 +29,6 @@ from glm53.provenance import git_revision
 RECORD_FIELDS = ("step", "layer", "session", "start", "offset", "count")
 ENTRY_FIELDS = ("positions", "valid", "in_ring")
 SNAPSHOT_FIELDS = ("position_of_slot", "pin_round", "rounds", "clock")
-COUNTER_NAMES = ("hits", "misses", "ring_reads", "fills", "evictions")  # glm53.offload.COUNTERS
 FORMAT_VERSION = 1
 
 
@@ -42,7 +41,7 @@ class SelectionTrace:
     ``first_step``, ``end_step`` (exclusive), ``sessions`` (indices into ``sessions``), the hot-cache ``snapshot`` of
     each at the start (``[L, H]`` / ``[L]`` arrays; the policy's own state as ``policy_<name>``) and
     ``counters_before`` / ``counters_after`` (``[n, L, 5]``,
-    ``COUNTER_NAMES``), or an empty list for synthetic traces."""
+    ``glm53.offload.COUNTERS``), or an empty list for synthetic traces."""
 
     meta: dict
     sessions: list

@@ -26,6 +26,12 @@ def model():
     return make_model()
 
 
+@pytest.fixture(scope="module")
+def recorded(model):
+    """The circular offload run of ``_record`` (the tests below only read it): recorded once per module."""
+    return _record(model)
+
+
 def _record(model, tmp_path=None, mode="offload", policy="circular"):
     e = glm53.Engine(model, CC.replace(mode=mode, hot_rows=HOT, policy=policy), max_sessions=3)
     rec = TraceRecorder() if mode == "offload" else None
@@ -41,8 +47,8 @@ def _record(model, tmp_path=None, mode="offload", policy="circular"):
     return e, rec, out
 
 
-def test_engine_trace_replays_to_the_engines_counters(model, tmp_path):
-    e, rec, _ = _record(model)
+def test_engine_trace_replays_to_the_engines_counters(recorded, tmp_path):
+    e, rec, _ = recorded
     trace = rec.trace()
     assert len(trace.segments) == 2 and trace.num_records > 0
     want = policies.segment_counts(trace)
@@ -72,15 +78,15 @@ def _same(x, y):
             assert tx == ty and np.array_equal(lx, ly)
 
 
-def test_recording_changes_no_output(model):
-    _, _, traced = _record(model)
+def test_recording_changes_no_output(model, recorded):
+    _, _, traced = recorded
     e = glm53.Engine(model, CC.replace(mode="offload", hot_rows=HOT), max_sessions=3)
     a, b = e.open(ids(300, seed=1)), e.open(ids(220, seed=2))
     plain = e.generate({a: 24, b: 24}, return_logits=True)
     _same(traced[:1], [[(plain[a], e.last_run.logits[a]), (plain[b], e.last_run.logits[b])]])
 
 
-def test_engine_lfu_policy(model):
+def test_engine_lfu_policy(model, recorded):
     """CacheConfig(policy="lfu"): decode, MTP verify and drafts, rollback and fork stay bit-identical to resident;
     the policy is in effect (other fills than circular's on the same run); the offline "lfu" replayed from the
     engine's snapshots reproduces its counters exactly."""
@@ -93,7 +99,7 @@ def test_engine_lfu_policy(model):
     got = policies.replay(trace, "lfu", from_snapshots=True)
     assert np.array_equal(np.stack([got.per_layer[n] for n in policies.COUNTS[:5]], 1), want)
     assert want[:, 4].sum() > 0
-    _, circ, _ = _record(model)
+    _, circ, _ = recorded
     assert not np.array_equal(policies.segment_counts(circ.trace()), want)
     with pytest.raises(ValueError, match="recording engine's policy"):
         policies.replay(trace, "circular", from_snapshots=True)
@@ -105,11 +111,11 @@ def test_engine_lfu_policy(model):
         glm53.CacheConfig(policy="fifo")
 
 
-def test_counters_fold_into_host_totals(model, monkeypatch):
+def test_counters_fold_into_host_totals(model, recorded, monkeypatch):
     """The device's int32 counters are folded into int64 host totals after every generate and every few steps
     inside one (here every 2): stats, and a trace's segment counts, are those of a run that never folds; the
     device counters of the sessions are zero after a generate."""
-    e0, rec0, out0 = _record(model)
+    e0, rec0, out0 = recorded
     monkeypatch.setattr(glm53.Engine, "fold_every", lambda self, mtp: 2)
     e1, rec1, out1 = _record(model)
     _same(out0, out1)
