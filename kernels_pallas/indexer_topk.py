@@ -82,7 +82,9 @@ def quantize_index_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
     (relative error <= 2**-4 per element above e4m3's normal range, absolute <= 2**-10 * scale below it)."""
     kf = keys.astype(jnp.float32)
     amax = jnp.max(jnp.abs(kf), axis=-1)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
+    # Floored at f32's smallest normal: for keys below ~5e-36 amax / 448 is subnormal, which CPUs flush to zero
+    # (keys / 0: NaN keys; found by test_fp8_key_error_bound).
+    scale = jnp.where(amax > 0, jnp.maximum(amax / FP8_MAX, np.finfo(np.float32).tiny), 1.0).astype(jnp.float32)
     # Clipped: amax / (amax / 448) may round just above 448, which e4m3fn (no infinities) would turn into NaN.
     return jnp.clip(kf / scale[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), scale
 
