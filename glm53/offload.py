@@ -18,9 +18,10 @@ second implementation of the cache interface in ``glm53.cache``:
   only there when a 1-byte plane would otherwise fall in the range Pallas' Triton lowering misaddresses
   (``glm53.cache.addressable_planes``): that plane alone grows, by rows, instead of every per-slot array by
   phantom session slots.
-* **Copyback inside the step, first.** A step begins by writing every page whose rows became final in earlier
-  steps (all layers, the MTP layer one position behind) from the ring to its pool page with one Pallas kernel
-  (``kernels_pallas.copy_blocks``, zero-copy writes), then does its reads. Measured on the H200
+* **Copyback inside the step, before any read of the pool.** A step writes every page whose rows became final in
+  earlier steps (all layers, the MTP layer one position behind) from the ring to its pool page with one Pallas
+  kernel (``kernels_pallas.copy_blocks``, zero-copy writes) before its first read: in decode and verify steps right
+  after layer 0's ring write, in chunk steps first (``begin_step`` says why). Measured on the H200
   (probes recorded in experiments/results/copyback_in_step.json): a separate copyback call between steps
   blocked the host for ~3x a step (its donation of the pool waits for the queued steps that read it) and made every
   copyback step a stall; a write placed *after* the step's reads of the pool made XLA copy the whole pool twice per
@@ -119,6 +120,7 @@ class OffloadCache(CacheBase):
     policy: str = flax.struct.field(pytree_node=False, default="circular")  # CacheConfig.policy
     page_rows: int = flax.struct.field(pytree_node=False, default=64)
     _ring_rows: int = flax.struct.field(pytree_node=False, default=0)  # R (the planes may hold padding rows)
+    _copy_due: int = flax.struct.field(pytree_node=False, default=0)  # inside a step: pages left for layer 0's write
 
     mode = "offload"
 
@@ -149,10 +151,24 @@ class OffloadCache(CacheBase):
     # ------------------------------------------------------------------------------------------------------------
     def begin_step(self, step) -> "OffloadCache":
         """Write every page that became final before this step (at most ``step.copy_pages`` per lane) to its pool
-        page, before anything reads the pool (see the module doc: written first, XLA copies nothing)."""
+        page, before anything reads the pool: right after layer 0's ring write when the ring can hold what that
+        needs (decode and verify steps), else now (chunk steps).
+
+        Where the copy runs decides what XLA copies. Its pool write must come before every read of the pool, or XLA
+        copies the whole pool (module doc). Its read of the ring must be ordered against the step's ring writes
+        by data, or XLA keeps the old ring alive with a copy of the whole ring: at the step's start nothing made
+        layer 0's write wait for it, and the H200 ran two ~94 MB ring copies per 10-session decode step
+        (``experiments/results/profile_decode_50k_b10.json``; an optimization barrier orders nothing, it is removed
+        before copy insertion). After layer 0's write the copy reads the written ring, and every later write depends
+        on layer 0's gather, which reads the pool the copy wrote. The ring then holds, at layer 0's write, the rows
+        the copy is about to take (under a page past the last copied one, and the previous step's rows) beside
+        this step's: ``copy_after_write`` checks that they fit (a chunk step's do not: it copies first and pays one
+        ring copy per chunk, ~0.1% of a 1,024-token chunk step)."""
         G = step.copy_pages
         if not G:
             return self
+        if copy_after_write(self.page_rows, self.ring_rows, step.positions.shape[1]):
+            return self.replace(_copy_due=G)
         with jax.named_scope("offload_copyback"):
             return self._copyback(step.lanes, G, step.kernels)
 
@@ -195,7 +211,11 @@ class OffloadCache(CacheBase):
         ring = {n: a.at[jnp.where(write, row, a.shape[0]).reshape(-1)]
                 .set(planes[n].reshape(B * T, -1).astype(a.dtype), mode="drop")
                 for n, a in self.ring.items()}
-        return self.replace(ring=ring)
+        cache = self.replace(ring=ring)
+        if layer == 0 and self._copy_due:  # the copyback begin_step placed here
+            with jax.named_scope("offload_copyback"):
+                cache = cache.replace(_copy_due=0)._copyback(step.lanes, self._copy_due, step.kernels)
+        return cache
 
     @jax.named_scope("offload_classify")
     def classify(self, layer: int, positions: Array, lanes) -> tuple[Array, Array, Array]:
@@ -574,6 +594,16 @@ def ring_rows_for(cc: CacheConfig) -> int:
     ``p % R`` is cheap and pages never wrap inside the ring."""
     need = max(cc.ring_rows, 2 * cc.copyback_every, cc.copyback_every + max(cc.prefill_chunk, 2 * MAX_VERIFY_ROWS))
     return 1 << (need - 1).bit_length()
+
+
+def copy_after_write(page_rows: int, ring_rows: int, step_rows: int) -> bool:
+    """Whether a step of ``step_rows`` rows per lane can copy back after layer 0's ring write (``begin_step``): at
+    that write the ring holds the rows the copy takes (under a page past the last copied page, the one row the MTP
+    layer lags, the previous step's rows) and this step's. A step follows a step of at most as many rows, or a
+    settle (the engine settles after every prefill, append and generate); decode and verify steps write at most
+    ``2 * MAX_VERIFY_ROWS`` rows (the verify rows and the drafts' MTP rows)."""
+    rows = max(step_rows, 2 * MAX_VERIFY_ROWS)
+    return page_rows + 2 * rows <= ring_rows
 
 
 def copy_pages_for(cc: CacheConfig, tokens: int) -> int:

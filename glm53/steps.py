@@ -53,11 +53,14 @@ def _last_valid(x: jax.Array, n: jax.Array) -> jax.Array:
 def _mtp_catch_up(module: GLM5, params, cache, lanes: Lanes, hidden: jax.Array, tokens: jax.Array,
                   start: jax.Array, n_commit: jax.Array, kernels: str):
     """The MTP layer's rows for the pairs (hidden at i - 1, token i) of this step's committed input tokens.
-    Returns (cache, end of the MTP layer's final rows [B]) or (cache, None) for models without MTP."""
+    ``hidden`` is read only when T > 1: a one-token step's MTP row needs only the stored hidden state, so decode
+    writes it before the main layers. Returns (cache, end of the MTP layer's final rows [B]) or (cache, None) for
+    models without MTP."""
     if not module.cfg.num_nextn_predict_layers:
         return cache, None
     B, T = tokens.shape
-    prev = jnp.concatenate([cache.sessions.hidden[lanes.slot][:, None].astype(hidden.dtype), hidden[:, :-1]], 1)
+    stored = cache.sessions.hidden[lanes.slot][:, None]
+    prev = stored.astype(module.dtype) if T == 1 else jnp.concatenate([stored.astype(hidden.dtype), hidden[:, :-1]], 1)
     rows = start[:, None] - 1 + jnp.arange(T, dtype=jnp.int32)[None, :]
     fresh = rows >= cache.sessions.mtp_lengths[lanes.slot][:, None]
     step = make_step(start - 1, n_commit, T, cache.capacity, module.cfg, module.dtype, lanes, write_mask=fresh,
@@ -137,9 +140,11 @@ def decode(module: GLM5, params, cache, lanes: Lanes, tokens, remaining, seed, t
     step = make_step(start, n, 1, cache.capacity, module.cfg, module.dtype, lanes, selection=sel, kernels=kernels,
                      fill=True, copy_pages=copy_pages)
     cache = cache.begin_step(step)
+    # The MTP row (the stored hidden state and this token) first: written after the main layers it would depend on
+    # none of their reads of the ring / history, and XLA would keep the old buffer alive with a copy every step.
+    cache, mtp_end = _mtp_catch_up(module, params, cache, lanes, None, tokens[:, None], start, n, kernels)
     hidden, cache, rounds = _apply(module, params, tokens[:, None], step, cache)
     cache = cache.finish_step(rounds, step)
-    cache, mtp_end = _mtp_catch_up(module, params, cache, lanes, hidden, tokens[:, None], start, n, kernels)
     h = hidden[:, 0]
     logits = _apply(module, params, h, method=GLM5.logits)
     nxt = sampling.sample(logits, sampling.position_keys(seed, start + 1, sampling.SAMPLE), temperature, top_p,

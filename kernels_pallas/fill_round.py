@@ -373,10 +373,11 @@ def fill_round_reference(maps: dict, rounds: tuple, lane_slot: jax.Array, lane_a
     active = jnp.broadcast_to(lane_active[None, :], (Lp, B))
     victim, entry, new_pos, old_pos, new_clock, n_fill = jax.vmap(jax.vmap(per_lane))(
         pos, is_miss, valid, active, clock, slot_at, free_at, maps["position_of_slot"][l_b, s_b])
-    # The evicted positions must be read before position_of_slot is updated in place. Left to itself XLA fused that
-    # read into the slot_of_position scatter, scheduled it after the update and so copied the whole map twice per
-    # step to keep the old values (seen in the compiled HLO); the barrier orders the read first, with no copy.
-    old_pos, pos_of_slot_before = jax.lax.optimization_barrier((old_pos, maps["position_of_slot"]))
+    # The evicted positions must be read before position_of_slot is updated in place, and only a data dependency
+    # orders that (an optimization barrier is removed before copy insertion): without one XLA keeps the old map
+    # alive with a copy of the whole map every step. ``old_pos >= -1`` always holds (a position, or -1 for an empty
+    # slot), which XLA cannot know: the update's slots depend on the read, and it happens in place.
+    victim_after_read = jnp.where(old_pos >= -1, victim, H)
     # Every counter in one reduction (each separate one was a ~1-2 us kernel of 8 short rows).
     evicted = jnp.pad(old_pos >= 0, ((0, 0), (0, 0), (0, M - F)))
     indicators = jnp.stack([is_hit & valid, is_miss & valid, ~is_hit & ~is_miss & valid, evicted], axis=2)
@@ -390,7 +391,7 @@ def fill_round_reference(maps: dict, rounds: tuple, lane_slot: jax.Array, lane_a
         jnp.concatenate([jnp.where(old_pos >= 0, old_pos, N), new_pos], -1)].set(
         jnp.concatenate([jnp.full_like(victim, -1), victim], -1).astype(maps["slot_of_position"].dtype),
         mode="drop")
-    position_of_slot = pos_of_slot_before.at[l_f, w_f, victim].set(new_pos, mode="drop")
+    position_of_slot = maps["position_of_slot"].at[l_f, w_f, victim_after_read].set(new_pos, mode="drop")
     new_maps = dict(pin_round=pin_round, position_of_slot=position_of_slot, slot_of_position=slot_of_position,
                     rounds=maps["rounds"].at[l_b, w_b].set(this_round, mode="drop"),
                     clock=maps["clock"].at[l_b, w_b].set(new_clock, mode="drop"),

@@ -59,11 +59,11 @@ def round_fn(cache, latent, rope, n_valid, selected):
     step = make_step(start, n_valid, T, N, CFG, jnp.float32, ln, kernels="auto", fill=True, repeats=T,
                      copy_pages=G)
     cache = cache.begin_step(step)
-    host_len = cache.host_len
     valid = (selected <= step.positions[..., None]) & (jnp.arange(T)[None, :] < n_valid[:, None])[..., None]
     before = [(cache.position_of_slot[layer], cache.counters[layer]) for layer in range(L)]
     for layer in range(L):
         cache = cache.write_rows(layer, latent[layer], rope[layer], step)
+    host_len = cache.host_len  # the copyback ran by now (first, or at layer 0's write), before any read
     outs, rounds = [], []
     for layer in range(L):
         src, _, slot = cache.classify(layer, selected.reshape(B, T * K), ln)
@@ -147,7 +147,7 @@ def test_random_rounds_keep_invariants(seed, steps):
                     shadow[layer][b][lengths[b] + t] = {n: v[b, t] for n, v in pk.items()}
         cache, outs, before, valid, host_len = round_fn(cache, jnp.asarray(latent), jnp.asarray(rope),
                                                         jnp.asarray(n_valid), jnp.asarray(sel, jnp.int32))
-        # copyback at the round's start wrote the pages complete before it
+        # the round's copyback wrote the pages complete before it
         assert (np.asarray(host_len)[SLOTS] == (lengths // P) * P).all()
         valid = np.asarray(valid)
         lengths += n_valid

@@ -1,27 +1,20 @@
-"""The engine's compiled steps should update the cache in place: no copy of a cache buffer. KNOWN TO FAIL today.
+"""The engine's compiled decode, verify and draft steps update the cache in place: no copy of a cache buffer.
 
 A step donates the cache and scatters into it (ring / history rows, indexer keys, the fill's maps). When a step
 reads a buffer and later writes it with nothing making the write depend on the read, XLA keeps the old contents
-alive by copying the whole buffer first. Today the steps do that:
+alive by copying the whole buffer first. Before this test the decode step did that twice to the offload ring (the
+copyback's read of it against layer 0's write; the last layer's reads against the MTP layer's write): two ~94 MB
+copies, 86 us of a ~5 ms step at 10 sessions on the H200 (``experiments/results/profile_decode_50k_b10.json``);
+and the reference fill copied ``position_of_slot``. An optimization barrier does not prevent it (it is removed
+before copy insertion); a data dependency does: decode writes the MTP row first, decode and verify copy back after
+layer 0's ring write (``OffloadCache.begin_step``), the fill's update depends on its read.
 
-- offload ring, twice per decode step: the copyback (``OffloadCache.begin_step``) reads ring rows and layer 0's
-  write does not depend on that read; the MTP layer's row is written after the main layers from the stored hidden
-  state, depending on none of their reads. On the H200 that is two ~94 MB ``MemcpyD2D`` per 10-session decode step
-  at 50K, 86 us of a ~5 ms step (``experiments/results/profile_decode_50k_b10.json``);
-- resident history on the CPU (the MTP write again); the reference fill's ``position_of_slot`` (read for the
-  evicted positions, then updated with nothing depending on the read).
-
-An optimization barrier does not prevent them (it is removed before copy insertion); a data dependency does: the
-MTP row written before the main layers in decode (it needs only the stored hidden state), the copyback moved after
-layer 0's ring write (then the ring must hold two steps' rows past the last copied page: ``ring_rows_for``), the
-fill's update made to depend on its read. That removed every copy from decode, verify and draft on the CPU with
-bit-identical outputs (git branch ``step-copies``: chunk steps keep copying back first, their rows would not fit
-the ring beside the ones being copied), but it changes the step programs and could not be run on the H200 in the
-session that found it, so it is not on main yet. ``xfail(strict=True)``: this test starts failing, as it should, the day the copies are gone.
+Chunk steps (prefill, append) copy back first and so copy the ring once per chunk (their rows would not fit the
+ring beside the rows being copied); they are not checked. Per-slot session scalars (``sessions.lengths`` and the
+like, a few bytes per slot) are left out: the CPU compiler copies them.
 
 The steps are compiled with this backend's kernels (references on a CPU, the Pallas kernels compiled on a GPU) and
-their HLO searched for a copy whose result has the type of a cache buffer. Per-slot session scalars
-(``sessions.lengths`` and the like, a few bytes per slot) are left out."""
+their HLO searched for a copy whose result has the type of a cache buffer."""
 
 import re
 
@@ -58,10 +51,7 @@ def _copied(compiled_text: str, types: dict) -> list:
     return hits
 
 
-@pytest.mark.parametrize("mode", [
-    # the resident history copy was seen in the CPU's HLO; the H200 profile shows none
-    pytest.param("resident", marks=pytest.mark.xfail(strict=False, reason="the MTP write: see the module doc")),
-    pytest.param("offload", marks=pytest.mark.xfail(strict=True, reason="ring copies: see the module doc"))])
+@pytest.mark.parametrize("mode", ["resident", "offload"])
 def test_steps_copy_no_cache_buffer(mode):
     cc = CacheConfig(mode=mode, kv_format="q8g64", prefill_chunk=16, copyback_every=16, hot_rows=64, max_len=128)
     model = glm53.from_config(CFG, seed=0, dtype="bfloat16", cache_config=cc)
@@ -80,11 +70,7 @@ def test_steps_copy_no_cache_buffer(mode):
                    dict(greedy=True, accept_override=None, kernels=e.kernels, copy_pages=pages)),
         "draft": ((model.params, e.cache, lanes, i32, jnp.int32(0), f0, f1),
                   dict(depth=D, greedy=True, kernels=e.kernels)),
-        "chunk": ((model.params, e.cache, lanes, jnp.zeros((B, 16), jnp.int32), i32),
-                  dict(outputs="hidden", kernels=e.kernels, bulk=False, copy_pages=pages)),
     }
-    if mode == "offload":
-        calls["chunk_bulk"] = (calls["chunk"][0], {**calls["chunk"][1], "bulk": True})
     types = _buffer_types(e.cache)
     assert any("ring" in n or "history" in n for n in types.values()), types
     copies = {}
