@@ -448,8 +448,11 @@ def measure_host_read_bandwidth(kv_format: str = "q8g64", rows: int = 65536, his
     import jax
     import jax.numpy as jnp
 
-    from kernels_pallas import hot_gather as hg
+    import importlib
+
     from kernels_pallas import kv_formats as kvf
+
+    hg = importlib.import_module("kernels_pallas.hot_gather")  # the module: the package re-exports its function
 
     dev = device or jax.local_devices()[0]
     if dev.platform == "cpu":
