@@ -966,7 +966,7 @@ class _Run:
         # sessions' token lists included (millions of entries at long histories), and stalls the host between two
         # step calls; the loop itself makes almost no reference cycles. Step-call spikes of 2-3x the median were
         # measured in both modes on the H200 (sessions_ab_10x50k_8eb8e6a.json); with this and the loop-free grouped
-        # matmul they were 1.7-1.9x (sessions_ab_10x50k.json): the two were not measured apart.
+        # matmul they were 1.7-1.9x (sessions_ab_10x50k_43c288c.json): the two were not measured apart.
         gc_enabled = gc.isenabled()
         gc.disable()
         if self.trace is not None:

@@ -158,12 +158,13 @@ class OffloadCache(CacheBase):
         copies the whole pool (module doc). Its read of the ring must be ordered against the step's ring writes
         by data, or XLA keeps the old ring alive with a copy of the whole ring: at the step's start nothing made
         layer 0's write wait for it, and the H200 ran two ~94 MB ring copies per 10-session decode step
-        (``experiments/results/profile_decode_50k_b10.json``; an optimization barrier orders nothing, it is removed
-        before copy insertion). After layer 0's write the copy reads the written ring, and every later write depends
-        on layer 0's gather, which reads the pool the copy wrote. The ring then holds, at layer 0's write, the rows
-        the copy is about to take (under a page past the last copied one, and the previous step's rows) beside
-        this step's: ``copy_after_write`` checks that they fit (a chunk step's do not: it copies first and pays one
-        ring copy per chunk, ~0.1% of a 1,024-token chunk step)."""
+        (``experiments/results/profile_decode_50k_b10_43c288c.json``, gone in ``profile_decode_50k_b10.json``; an
+        optimization barrier orders nothing, it is removed before copy insertion). After layer 0's write the copy
+        reads the written ring, and every later write depends on layer 0's gather, which reads the pool the copy
+        wrote. The ring then holds, at layer 0's write, the rows the copy is about to take (under a page past the
+        last copied one, and the previous step's rows) beside this step's: ``copy_after_write`` checks that they
+        fit (a chunk step's do not: it copies first and pays one ring copy per chunk, ~0.1% of a 1,024-token chunk
+        step)."""
         G = step.copy_pages
         if not G:
             return self

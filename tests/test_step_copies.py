@@ -4,7 +4,7 @@ A step donates the cache and scatters into it (ring / history rows, indexer keys
 reads a buffer and later writes it with nothing making the write depend on the read, XLA keeps the old contents
 alive by copying the whole buffer first. Before this test the decode step did that twice to the offload ring (the
 copyback's read of it against layer 0's write; the last layer's reads against the MTP layer's write): two ~94 MB
-copies, 86 us of a ~5 ms step at 10 sessions on the H200 (``experiments/results/profile_decode_50k_b10.json``);
+copies, 86 us of a ~5 ms step at 10 sessions on the H200 (``experiments/results/profile_decode_50k_b10_43c288c.json``);
 and the reference fill copied ``position_of_slot``. An optimization barrier does not prevent it (it is removed
 before copy insertion); a data dependency does: decode writes the MTP row first, decode and verify copy back after
 layer 0's ring write (``OffloadCache.begin_step``), the fill's update depends on its read.
