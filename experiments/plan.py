@@ -8,14 +8,25 @@
 ``glm53.memory.plan`` counts what an engine would allocate: each device's shards of the parameters under
 ``glm53.sharding``'s rules (``--config.mesh.tp``; ``--machine`` sets it to the machine's device count), the cache
 (replicated over the mesh), the largest transient buffer and the host pool (one copy per device, in its host's
-memory), and how many sessions of each history fit by device memory and by host memory. The same figures as ``Engine.memory_report()`` for the same engine
-(``tests/test_plan.py``). Not in it yet: activations and the compiled steps' workspaces (``compiled.memory_analysis``
-of the decode step), pipeline stages (each stage holding only its layers' weights, keys and history).
+memory), and how many sessions of each history fit by device memory and by host memory. The same figures as
+``Engine.memory_report()`` for the same engine (``tests/test_plan.py``).
+
+``--compile`` adds what counting cannot know, the step's workspace: the decode step (``--mtp=D``: the verify step)
+compiled ahead of time on abstract shapes for the machine's mesh, no weights and no cache allocated
+(``glm53.memory.compiled_step_memory``), and the peak per device it runs in. The workspace is the backend's: run it
+on the GPU the engine will use (the mesh must fit its devices); on a CPU the mesh is made of host devices and the
+workspace is that of the jnp reference paths (whose MoE gathers the routed experts' weights), an upper bound of no
+use for a GPU. The full GLM-5 compiles in about a minute on 2 CPU cores.
+
+    python -m experiments.plan --config=configs/h200_bench.py --machine=h200 --sessions=10 --history=50000 --compile
+
+Not in it yet: pipeline stages (each stage holding only its layers' weights, keys and history).
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 from absl import app, flags
@@ -40,9 +51,17 @@ flags.DEFINE_integer("sessions", 15, "concurrent sessions")
 flags.DEFINE_list("history", ["50000", "200000", "1048576"], "history lengths (tokens per session)")
 flags.DEFINE_enum("expert_weights", "model", ["model", "fp8"], "experts in the model dtype or FP8 (block-scaled)")
 flags.DEFINE_string("out", "", "write the plan JSON here")
+flags.DEFINE_bool("compile", False, "also compile the decode step (--mtp: the verify step) ahead of time on abstract "
+                  "shapes for the machine's mesh and add XLA's workspace (glm53.memory.compiled_step_memory); on a "
+                  "CPU the mesh is made of host devices and the workspace is the jnp references'")
+flags.DEFINE_integer("mtp", 0, "--compile: 0 compiles the decode step, 1-3 the MTP verify step of that depth")
 
 
 def main(_):
+    if FLAGS.compile and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        # Before the backend starts: enough host devices for the machine's mesh (the CPU backend only).
+        n = FLAGS.devices if FLAGS.machine == "custom" else MACHINES[FLAGS.machine][0]
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}")
     c = FLAGS.config
     cfg = glm53.ModelConfig.from_config_dict(c.model)
     cc = glm53.CacheConfig.from_config_dict(c.cache)
@@ -75,15 +94,26 @@ def main(_):
               f"{str(p.get('fits_host', '-')):>5} {str(p.get('max_sessions_by_host', '-')):>11}")
         big = sorted(d["cache_parts"].items(), key=lambda kv: -kv[1])[:3]
         print(f"{'':>10} largest cache parts per device: " + ", ".join(f"{k} {v / GiB:.2f}G" for k, v in big))
+        if FLAGS.compile:
+            mesh = glm53.sharding.make_mesh(glm53.MeshConfig(tp=devices))
+            r = memory.compiled_step_memory(cfg, cc, sessions=FLAGS.sessions, history=h, dtype=resolve_dtype(c.dtype),
+                                            mesh=mesh, expert_weights=FLAGS.expert_weights, mtp=FLAGS.mtp)
+            r["fits_device"] = r["peak_bytes"] <= device_gib * GiB
+            p["compiled"] = r
+            print(f"{'':>10} compiled {r['step']} ({r['backend']}, {r['compile_s']:.0f} s): workspace "
+                  f"{r['temp_bytes'] / GiB:.2f}G, outputs not in place {(r['output_bytes'] - r['alias_bytes']) / GiB:.2f}G, "
+                  f"peak {r['peak_bytes'] / GiB:.2f}G per device, fits {r['fits_device']}")
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump({"config": c.to_dict(), "git": git_revision(), "machine": FLAGS.machine,
                        "devices": devices, "device_gib": device_gib, "host_gib": host_gib,
                        "expert_weights": FLAGS.expert_weights, "sessions": FLAGS.sessions, "plans": rows,
                        "devices_per_host": per_host,
-                       "note": "shapes only: no activations or compiled workspaces; tensor parallel only (no "
-                               "pipeline stages): every device holds the whole cache, its host pool included, so "
-                               "a host holds one copy of every session's history per device"}, f, indent=2, default=lambda o: o.item()
+                       "note": "counted from shapes; with --compile each plan's 'compiled' entry adds XLA's "
+                               "memory analysis of the step compiled on that backend (a CPU's workspace is the jnp "
+                               "references', not the GPU kernels'); tensor parallel only (no pipeline stages): every "
+                               "device holds the whole cache, its host pool included, so a host holds one copy of "
+                               "every session's history per device"}, f, indent=2, default=lambda o: o.item()
                       if isinstance(o, np.generic) else str(o))
 
 

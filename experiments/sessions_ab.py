@@ -39,7 +39,7 @@ flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_integer("sessions", 10, "sessions decoding together")
 flags.DEFINE_integer("pairs", 2, "interleaved resident/offload pairs per setting")
 flags.DEFINE_list("mtp", ["0", "3"], "MTP depths")
-flags.DEFINE_enum("workload", "local99", ["local99", "indexer"], "DSA selection: local99 override or the indexer's")
+flags.DEFINE_string("workload", "local99", f"DSA selection, each session its own: {workloads.WORKLOADS}")
 flags.DEFINE_integer("suffix", 16, "tokens each session appends to the shared history so the sessions diverge")
 flags.DEFINE_integer("check_tokens", 8, "tokens of the logits check run per depth (also the warm-up)")
 flags.DEFINE_integer("append", 4096, "large append measured after the decode settings (0: skip)")
@@ -113,6 +113,7 @@ def main(_):
     max_len = c.run.prompt_len + FLAGS.suffix + max(new, FLAGS.append + FLAGS.check_tokens) + max(depths) + 64
     K = min(model.config.index_topk, max_len)
     history = c.run.prompt_len
+    workloads.selection(FLAGS.workload, K, history, 0, S)  # a bad name fails here, before any prefill
     results = {"config": c.to_dict(), **provenance(), "sessions": S, "workload": FLAGS.workload,
                "histories": "one prefill, forks with their own host pages, a distinct 16-token suffix each",
                "settings": {}}
@@ -131,9 +132,7 @@ def main(_):
               flush=True)
 
     def selection(seed):
-        if FLAGS.workload == "indexer":
-            return None
-        return workloads.local99_sessions(K, history, seed, S)
+        return workloads.selection(FLAGS.workload, K, history, seed, S)
 
     # MTP: forced acceptance (every draft); its runs also record the model's real verdicts (acceptance_real).
     settings = [(d, None) for d in depths if d == 0] + [(d, d) for d in depths if d > 0]

@@ -24,7 +24,8 @@ def setup(c):
     return model, prompts, cc, K
 
 
-WORKLOADS = "indexer | local99 | drift<churn> (e.g. drift0.05) | uniform | window<stride> (e.g. window64)"
+WORKLOADS = ("indexer | local99 | drift<churn> (e.g. drift0.05) | uniform | window<stride> (e.g. window64) | "
+             "zipf<exponent> (e.g. zipf1.0)")
 
 
 def selection(workload: str, K: int, history: int, seed: int, sessions: int = 1):
@@ -38,7 +39,10 @@ def selection(workload: str, K: int, history: int, seed: int, sessions: int = 1)
       the set is hot);
     - ``uniform``: K fresh distinct positions each step, uniform over the history (hits ~ hot rows / history);
     - ``window<s>``: K consecutive positions that slide by ``s`` each step, wrapping around the history (hits ~
-      1 - s / K while the window fits the hot cache)."""
+      1 - s / K while the window fits the hot cache);
+    - ``zipf<e>``: K distinct positions drawn afresh each step with probability proportional to ``rank ** -e``
+      over a fixed random ranking of the history per session: lasting popularity with a long tail, the reuse where
+      replacement policies differ (``glm53.policies``: LFU keeps more of it hot than circular)."""
     if workload == "indexer":
         return None
     if workload == "local99":
@@ -56,6 +60,11 @@ def selection(workload: str, K: int, history: int, seed: int, sessions: int = 1)
             if stride < 1:
                 raise ValueError
             return _rows_override(SlidingWindows(K, history, seed, sessions, stride), sessions, K)
+        if workload.startswith("zipf"):
+            exponent = float(workload[len("zipf"):])
+            if not exponent > 0:
+                raise ValueError
+            return _rows_override(ZipfSets(K, history, seed, sessions, exponent), sessions, K)
     except ValueError:
         pass
     raise ValueError(f"unknown workload {workload!r}: {WORKLOADS}")
@@ -113,6 +122,33 @@ def _window(start, *, K: int, history: int, stride: int):
     start = (start + stride) % history
     rows = (start[:, None] + jnp.arange(K, dtype=jnp.int32)[None, :]) % history
     return start, jnp.sort(rows, axis=1)
+
+
+class ZipfSets:
+    """S rows of K distinct positions drawn afresh each step, position ``p`` with probability proportional to
+    ``rank(p) ** -exponent``, each session ranking the history by its own fixed random permutation (on the device;
+    without replacement by Gumbel top-k, as ``experiments.policy_sweep.zipf_rows`` draws its traces)."""
+
+    def __init__(self, K: int, history: int, seed: int, sessions: int, exponent: float):
+        if history < K:
+            raise ValueError(f"{K} distinct positions need a history of at least {K} (got {history})")
+        rng = np.random.default_rng(seed)
+        self.by_rank = jnp.asarray(np.stack([rng.permutation(history) for _ in range(sessions)]).astype(np.int32))
+        self.logp = jnp.asarray(-exponent * np.log(np.arange(1, history + 1, dtype=np.float64)), jnp.float32)
+        self.key = jax.random.key(seed)
+        self.K = K
+
+    def step(self) -> jax.Array:
+        self.key, rows = _zipf(self.key, self.by_rank, self.logp, K=self.K)
+        return rows
+
+
+@functools.partial(jax.jit, static_argnames=("K",))
+def _zipf(key, by_rank, logp, *, K: int):
+    key, sub = jax.random.split(key)
+    keys = logp[None, :] + jax.random.gumbel(sub, by_rank.shape)
+    _, ranks = jax.lax.top_k(keys, K)
+    return key, jnp.sort(jnp.take_along_axis(by_rank, ranks, 1), axis=1)
 
 
 def local99(K: int, history: int, seed: int, churn: float = 0.01):

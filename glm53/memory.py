@@ -203,3 +203,125 @@ def session_bytes(cfg: ModelConfig, cc: CacheConfig, history: int, dtype) -> dic
     per = {side: {k: v // many for k, v in big[side].items()} for side in ("device", "host")}
     transient = capacity * kv_formats.get_format(cc.kv_format).bytes_per_row if cc.mode == "offload" else 0
     return {**per, "transient": transient, "capacity": capacity}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# XLA's own accounting: the step compiled ahead of time from shapes
+# ----------------------------------------------------------------------------------------------------------------
+def abstract_engine_state(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtype,
+                          mesh=None, expert_weights: str = "model", device=None):
+    """The parameters and the cache an engine of ``sessions`` slots x ``history`` rows would hold, as
+    ``ShapeDtypeStruct``s placed as the engine places them (parameters by ``glm53.sharding``'s rules on ``mesh``,
+    the cache replicated over it, the host pool in ``pinned_host`` memory): nothing is allocated. The slot and page
+    counts are the engine's (``Engine.__init__``: one slot per session, every session's pages in the pool)."""
+    import jax
+
+    from glm53 import sharding
+    from glm53.params import param_shapes, resolve_dtype
+
+    dtype = resolve_dtype(dtype)
+    device = device or jax.local_devices()[0]
+
+    def placed(memory_kind: str = "device"):
+        if mesh is None:
+            return jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+        return sharding.replicated(mesh, memory_kind)
+
+    params = param_shapes(cfg, dtype, expert_weights)
+    where = (sharding.param_shardings(params, mesh) if mesh is not None
+             else jax.tree.map(lambda _: placed(), params))
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, where)
+    capacity = cache.capacity_for(history, cc)
+    if cc.mode == "offload":
+        pages = allocated_pages(cfg, cc, sessions * (capacity // cc.copyback_every))
+        planes = kv_formats.get_format(cc.kv_format).plane_shapes(offload.pool_rows(cfg, cc, pages))
+        pool = {n: jax.ShapeDtypeStruct(shape, dt) for n, (shape, dt) in planes.items()}
+        state = jax.eval_shape(lambda p: offload.init_offload(cfg, cc, sessions, capacity, pages, dtype,
+                                                              device=device, pool=p), pool)
+    else:
+        state = jax.eval_shape(lambda: cache.init_resident(cfg, cc, sessions, capacity, dtype, device=device))
+
+    def place(path, x):
+        kind = "pinned_host" if getattr(path[0], "name", None) == "pool" else "device"
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed(kind))
+
+    return params, jax.tree_util.tree_map_with_path(place, state), placed
+
+
+def compiled_step_memory(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtype, mesh=None,
+                         expert_weights: str = "model", mtp: int = 0, kernels: str = "auto", device=None) -> dict:
+    """What XLA allocates for one step of an engine of ``sessions`` slots x ``history`` rows, per device: the decode
+    step (``mtp=0``) or the MTP verify step of depth ``mtp`` (T = mtp + 1 rows a lane), compiled ahead of time on
+    abstract shapes (``abstract_engine_state``: no weights, no cache), from ``compiled.memory_analysis()``:
+
+    - ``argument_bytes`` / ``host_argument_bytes``: the step's inputs in device / host memory (parameters, cache,
+      the lanes' small inputs); ``alias_bytes``: the part donated and updated in place (the cache);
+    - ``temp_bytes``: the workspace the step needs beside its inputs and outputs (activations, gathered rows, the
+      kernels' buffers) -- what counting shapes (``plan``) cannot know;
+    - ``peak_bytes``: the device memory the step runs in: what the engine holds (``counted``: every parameter
+      shard and the device cache, read by this step or not) + the workspace + the outputs not written in place.
+
+    ``argument_bytes`` is a check on the counting: it is what ``counted`` says minus the arguments the step does
+    not read (``tests/test_plan.py``). A CPU has no separate host memory space: the pool counts in
+    ``argument_bytes`` there, in ``host_argument_bytes`` on a GPU.
+
+    The workspace is the compiling backend's: a CPU compiles the steps' pure-jnp references (``kernels="auto"``
+    picks them there), whose MoE gathers the routed experts' weights, so its ``temp_bytes`` are not a GPU's; run
+    it where the engine will run. ``counted`` holds ``plan``'s figures for the same engine beside them."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from glm53.model import GLM5
+    from glm53.params import resolve_dtype
+    from glm53.steps import Steps
+
+    dtype = resolve_dtype(dtype)
+    params, state, placed = abstract_engine_state(cfg, cc, sessions=sessions, history=history, dtype=dtype,
+                                                  mesh=mesh, expert_weights=expert_weights, device=device)
+    B = sessions
+
+    def arg(shape, dt):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=placed())
+
+    lanes = cache.Lanes(slot=arg((B,), jnp.int32), active=arg((B,), jnp.bool_))
+    scalars = (arg((), jnp.int32), arg((), jnp.float32), arg((), jnp.float32))  # seed, temperature, top_p
+    stop_ids = arg((8,), jnp.int32)  # Engine._stop_ids pads to at least 8
+    steps = Steps(GLM5(cfg, dtype))
+    t0 = time.perf_counter()
+    if mtp == 0:
+        pages = offload.copy_pages_for(cc, 1) if cc.mode == "offload" else 0
+        small = (arg((B,), jnp.int32), arg((B,), jnp.int32)) + scalars + (stop_ids,)
+        lowered = steps.lower("decode", params, state, lanes, *small, None, greedy=True, kernels=kernels,
+                              copy_pages=pages)
+    else:
+        pages = offload.copy_pages_for(cc, mtp + 1) if cc.mode == "offload" else 0
+        small = (arg((B,), jnp.int32), arg((B, mtp), jnp.int32), None, arg((B,), jnp.int32)) + scalars + (stop_ids,)
+        lowered = steps.lower("verify", params, state, lanes, *small, None, greedy=True, accept_override=None,
+                              kernels=kernels, copy_pages=pages)
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - t0
+    ma = compiled.memory_analysis()
+    small_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                      for x in jax.tree.leaves((lanes, small)))
+    out = {
+        "step": "decode" if mtp == 0 else f"verify (MTP depth {mtp})", "backend": jax.default_backend(),
+        "kernels": kernels, "sessions": sessions, "history": history, "compile_s": round(compile_s, 2),
+        "devices": 1 if mesh is None else int(mesh.size),
+        "argument_bytes": int(ma.argument_size_in_bytes), "host_argument_bytes": int(ma.host_argument_size_in_bytes),
+        "output_bytes": int(ma.output_size_in_bytes), "alias_bytes": int(ma.alias_size_in_bytes),
+        "temp_bytes": int(ma.temp_size_in_bytes), "host_temp_bytes": int(ma.host_temp_size_in_bytes),
+        "small_input_bytes": small_bytes,
+    }
+    mesh_shape = None if mesh is None else dict(mesh.shape)
+    counted = plan(cfg, cc, sessions=sessions, history=history, dtype=dtype, mesh_shape=mesh_shape,
+                   expert_weights=expert_weights)
+    out["counted"] = {"params": counted["per_device"]["params"], "cache": counted["per_device"]["cache"],
+                      "pool": counted["per_host"]["pool"]}
+    # The engine holds every parameter and the whole cache whether or not this step reads them (jit drops unused
+    # arguments from argument_bytes), so the step runs in what is held plus its workspace and the outputs it does
+    # not write in place.
+    out["peak_bytes"] = (out["counted"]["params"] + out["counted"]["cache"] + small_bytes + out["temp_bytes"]
+                         + out["output_bytes"] - out["alias_bytes"])
+    return out

@@ -753,10 +753,16 @@ def page_bytes(cfg: ModelConfig, cc: CacheConfig) -> int:
     return cc.copyback_every * cfg.num_cache_layers * kv_formats.get_format(cc.kv_format).bytes_per_row
 
 
+def pool_rows(cfg: ModelConfig, cc: CacheConfig, pool_pages: int) -> int:
+    """Rows of each host pool plane for ``pool_pages`` pages (at least one page: the pool is never empty)."""
+    return max(pool_pages, 1) * cfg.num_cache_layers * cc.copyback_every
+
+
 def init_offload(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, pool_pages: int, dtype,
-                 device=None, mesh=None) -> OffloadCache:
+                 device=None, mesh=None, pool: dict | None = None) -> OffloadCache:
     """An empty offload cache: ``slots`` session slots of ``capacity`` rows, a host pool of ``pool_pages`` pages
-    (allocated once, in pinned_host memory)."""
+    (allocated once, in pinned_host memory). ``pool``: planes to use instead of allocating them (abstract ones,
+    under ``jax.eval_shape``, for ``glm53.memory.compiled_step_memory``)."""
     validate(cfg, cc, slots, capacity, pool_pages)
     fmt = kv_formats.get_format(cc.kv_format)
     L, S, N = cfg.num_cache_layers, slots, capacity
@@ -764,7 +770,8 @@ def init_offload(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, p
     if N % P:
         raise ConfigError(f"capacity {N} must be a multiple of copyback_every={P}")
     device = device or jax.local_devices()[0]  # this process's first (several processes: not the global first)
-    pool = allocate_pool(fmt, max(pool_pages, 1) * L * P, device, mesh=mesh)
+    if pool is None:
+        pool = allocate_pool(fmt, pool_rows(cfg, cc, pool_pages), device, mesh=mesh)
     cache = OffloadCache(
         sessions=init_sessions(cfg, S), **init_index_keys(cfg, cc, S, N, dtype), pool=pool,
         page_table=jnp.full((S, N // P), -1, jnp.int32), host_len=jnp.zeros((S,), jnp.int32),

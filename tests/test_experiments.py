@@ -99,7 +99,7 @@ def test_bench_copyback(tmp_path):
 def test_sessions_ab(tmp_path):
     out = tmp_path / "sessions.json"
     _run("experiments.sessions_ab", "--config.run.max_new_tokens=10", "--sessions=2", "--pairs=1", "--mtp=2",
-         "--suffix=4", "--check_tokens=4", "--append=40", f"--out={out}")
+         "--suffix=4", "--check_tokens=4", "--append=40", "--workload=zipf1.0", f"--out={out}")
     report = json.loads(out.read_text())
     (name,) = report["settings"]
     s = report["settings"][name]
@@ -322,7 +322,7 @@ def test_offload_ab_sweeps_hit_rates_with_a_plot(tmp_path):
     assert pathlib.Path(r["plot"]).exists() and r["plot"].endswith("sweep.png")
 
 
-@pytest.mark.parametrize("name", ["local99", "drift0.3", "uniform", "window32"])
+@pytest.mark.parametrize("name", ["local99", "drift0.3", "uniform", "window32", "zipf1.0"])
 def test_synthetic_workloads_give_valid_selections(name):
     import numpy as np
 
@@ -337,10 +337,34 @@ def test_synthetic_workloads_give_valid_selections(name):
         assert any((a != b).any() for a, b in zip(rows, rows[1:]))  # it moves
 
 
+def test_zipf_rows_reuse_the_popular_positions():
+    """zipf<e>: the most popular positions come back step after step, the tail rarely, and a larger exponent
+    concentrates the draws (what makes LFU beat circular in glm53.policies)."""
+    import numpy as np
+
+    from experiments import workloads
+
+    K, history = 64, 5000
+
+    def mean_overlap(exponent):
+        sets = workloads.ZipfSets(K, history, seed=3, sessions=2, exponent=exponent)
+        rows = [np.asarray(sets.step()) for _ in range(20)]
+        for s in range(2):
+            seen = np.zeros(history)
+            for r in rows:
+                assert r.shape == (2, K) and (np.diff(r[s]) > 0).all()
+                seen[r[s]] += 1
+            by_rank = seen[np.asarray(sets.by_rank)[s]]  # how often each rank was drawn
+            assert by_rank[:16].mean() > 5 * by_rank[1000:].mean()  # the head comes back, the tail rarely
+        return np.mean([len(np.intersect1d(a[0], b[0])) / K for a, b in zip(rows, rows[1:])])
+
+    assert mean_overlap(1.2) > mean_overlap(0.8) > 5 * K / history  # uniform draws would share K / history
+
+
 def test_unknown_workloads_are_named():
     from experiments import workloads
 
-    for bad in ("drift0", "drift1.5", "window0", "windowx", "nope"):
+    for bad in ("drift0", "drift1.5", "window0", "windowx", "zipf", "zipf0", "zipf-1", "nope"):
         with pytest.raises(ValueError, match="unknown workload"):
             workloads.selection(bad, 64, 500, seed=0)
     assert workloads.selection("indexer", 64, 500, seed=0) is None

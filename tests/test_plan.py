@@ -2,6 +2,7 @@
 parameter shards follow the sharding rules (checked by hand on known shapes), and its session counts are exact."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -70,9 +71,40 @@ def test_plan_entry_point(tmp_path):
     out = tmp_path / "plan.json"
     p = subprocess.run([sys.executable, "-m", "experiments.plan", "--config=configs/tiny.py", "--machine=custom",
                         "--devices=2", "--device_gib=0.01", "--host_gib=1", "--sessions=3", "--history=100,400",
-                        f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                        "--compile", f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})  # it makes its 2 devices
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert [q["history"] for q in r["plans"]] == [100, 400] and r["devices"] == 2
     assert all(q["per_device"]["params"] > 0 and q["max_sessions_by_device"] >= 0 for q in r["plans"])
     assert "max by dev" in p.stdout
+    for q in r["plans"]:  # the decode step compiled for the 2-device mesh, its peak above what is counted
+        comp = q["compiled"]
+        assert comp["step"] == "decode" and comp["devices"] == 2 and comp["temp_bytes"] > 0
+        assert comp["peak_bytes"] > q["per_device"]["params"] + q["per_device"]["cache"]
+    assert "compiled decode" in p.stdout
+
+
+@pytest.mark.parametrize("mode,tp", [("resident", 1), ("offload", 2)])
+def test_compiled_step_checks_the_counting(mode, tp):
+    """XLA's own accounting of the MTP verify step compiled from shapes (nothing allocated) agrees with the
+    planner's counting: the step's arguments are the parameters' shards, the cache with its host pool and the
+    lanes' inputs, less the three sampling scalars a greedy step never reads (jit drops unused arguments); the
+    whole cache is donated and written in place; the workspace is what the peak adds to what is held."""
+    cc = CacheConfig(mode=mode, kv_format="q8g64", prefill_chunk=16, copyback_every=16, hot_rows=64)
+    mesh = sharding.make_mesh(sharding.MeshConfig(tp=tp))
+    r = memory.compiled_step_memory(CFG, cc, sessions=3, history=200, dtype="float32", mesh=mesh, mtp=1)
+    c = r["counted"]
+    assert c == {k: v for k, v in memory.plan(CFG, cc, sessions=3, history=200, dtype=jnp.float32,
+                                             mesh_shape={"stage": 1, "tp": tp})["per_device"].items()
+                 if k in ("params", "cache")} | {"pool": c["pool"]}
+    assert (c["pool"] > 0) == (mode == "offload")
+    seed_temperature_top_p = 3 * 4
+    # a CPU has no separate host memory space: the pool is among the device arguments there
+    assert r["argument_bytes"] + r["host_argument_bytes"] == (c["params"] + c["cache"] + c["pool"]
+                                                              + r["small_input_bytes"] - seed_temperature_top_p)
+    assert r["alias_bytes"] == c["cache"] + c["pool"]
+    assert r["temp_bytes"] > 0 and r["output_bytes"] > r["alias_bytes"]  # the logits and tokens are new
+    assert r["peak_bytes"] == (c["params"] + c["cache"] + r["small_input_bytes"] + r["temp_bytes"]
+                               + r["output_bytes"] - r["alias_bytes"])
+    assert r["step"] == "verify (MTP depth 1)" and r["devices"] == tp
