@@ -248,6 +248,43 @@ def abstract_engine_state(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, h
     return params, jax.tree_util.tree_map_with_path(place, state), placed
 
 
+def lower_step(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtype, mesh=None,
+               expert_weights: str = "model", mtp: int = 0, kernels: str = "auto", device=None):
+    """The engine's decode step (``mtp=0``) or MTP verify step of depth ``mtp``, lowered (not compiled) on the
+    abstract state of ``abstract_engine_state``: greedy, no selection override, ``sessions`` lanes. Returns
+    ``(lowered, small)``: the lowering and the lanes' small inputs it was given (their bytes count as arguments)."""
+    import jax
+    import jax.numpy as jnp
+
+    from glm53.model import GLM5
+    from glm53.params import resolve_dtype
+    from glm53.steps import Steps
+
+    dtype = resolve_dtype(dtype)
+    params, state, placed = abstract_engine_state(cfg, cc, sessions=sessions, history=history, dtype=dtype,
+                                                  mesh=mesh, expert_weights=expert_weights, device=device)
+    B = sessions
+
+    def arg(shape, dt):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=placed())
+
+    lanes = cache.Lanes(slot=arg((B,), jnp.int32), active=arg((B,), jnp.bool_))
+    scalars = (arg((), jnp.int32), arg((), jnp.float32), arg((), jnp.float32))  # seed, temperature, top_p
+    stop_ids = arg((8,), jnp.int32)  # Engine._stop_ids pads to at least 8
+    steps = Steps(GLM5(cfg, dtype))
+    if mtp == 0:
+        pages = offload.copy_pages_for(cc, 1) if cc.mode == "offload" else 0
+        small = (arg((B,), jnp.int32), arg((B,), jnp.int32)) + scalars + (stop_ids,)
+        lowered = steps.lower("decode", params, state, lanes, *small, None, greedy=True, kernels=kernels,
+                              copy_pages=pages)
+    else:
+        pages = offload.copy_pages_for(cc, mtp + 1) if cc.mode == "offload" else 0
+        small = (arg((B,), jnp.int32), arg((B, mtp), jnp.int32), None, arg((B,), jnp.int32)) + scalars + (stop_ids,)
+        lowered = steps.lower("verify", params, state, lanes, *small, None, greedy=True, accept_override=None,
+                              kernels=kernels, copy_pages=pages)
+    return lowered, (lanes, small)
+
+
 def compiled_step_memory(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtype, mesh=None,
                          expert_weights: str = "model", mtp: int = 0, kernels: str = "auto", device=None) -> dict:
     """What XLA allocates for one step of an engine of ``sessions`` slots x ``history`` rows, per device: the decode
@@ -271,40 +308,17 @@ def compiled_step_memory(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, hi
     import time
 
     import jax
-    import jax.numpy as jnp
 
-    from glm53.model import GLM5
     from glm53.params import resolve_dtype
-    from glm53.steps import Steps
 
     dtype = resolve_dtype(dtype)
-    params, state, placed = abstract_engine_state(cfg, cc, sessions=sessions, history=history, dtype=dtype,
-                                                  mesh=mesh, expert_weights=expert_weights, device=device)
-    B = sessions
-
-    def arg(shape, dt):
-        return jax.ShapeDtypeStruct(shape, dt, sharding=placed())
-
-    lanes = cache.Lanes(slot=arg((B,), jnp.int32), active=arg((B,), jnp.bool_))
-    scalars = (arg((), jnp.int32), arg((), jnp.float32), arg((), jnp.float32))  # seed, temperature, top_p
-    stop_ids = arg((8,), jnp.int32)  # Engine._stop_ids pads to at least 8
-    steps = Steps(GLM5(cfg, dtype))
     t0 = time.perf_counter()
-    if mtp == 0:
-        pages = offload.copy_pages_for(cc, 1) if cc.mode == "offload" else 0
-        small = (arg((B,), jnp.int32), arg((B,), jnp.int32)) + scalars + (stop_ids,)
-        lowered = steps.lower("decode", params, state, lanes, *small, None, greedy=True, kernels=kernels,
-                              copy_pages=pages)
-    else:
-        pages = offload.copy_pages_for(cc, mtp + 1) if cc.mode == "offload" else 0
-        small = (arg((B,), jnp.int32), arg((B, mtp), jnp.int32), None, arg((B,), jnp.int32)) + scalars + (stop_ids,)
-        lowered = steps.lower("verify", params, state, lanes, *small, None, greedy=True, accept_override=None,
-                              kernels=kernels, copy_pages=pages)
+    lowered, small = lower_step(cfg, cc, sessions=sessions, history=history, dtype=dtype, mesh=mesh,
+                                expert_weights=expert_weights, mtp=mtp, kernels=kernels, device=device)
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
     ma = compiled.memory_analysis()
-    small_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-                      for x in jax.tree.leaves((lanes, small)))
+    small_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(small))
     out = {
         "step": "decode" if mtp == 0 else f"verify (MTP depth {mtp})", "backend": jax.default_backend(),
         "kernels": kernels, "sessions": sessions, "history": history, "compile_s": round(compile_s, 2),

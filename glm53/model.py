@@ -25,6 +25,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from glm53.cache import Lanes
 from glm53.config import ModelConfig
@@ -285,6 +286,22 @@ def route(x: Array, router: Array, bias: Array, cfg: ModelConfig) -> tuple[Array
     return idx, w * cfg.routed_scaling_factor
 
 
+def _experts(xs, w_gate, w_up, w_down, sizes, scale: dict, kernels: str):
+    """The routed experts' SwiGLU over rows ``xs`` sorted by expert (``sizes`` rows each)."""
+    hidden = (jax.nn.silu(ops.grouped_matmul(xs, w_gate, sizes, scale["gate"], impl=kernels))
+              * ops.grouped_matmul(xs, w_up, sizes, scale["up"], impl=kernels))
+    return ops.grouped_matmul(hidden.astype(xs.dtype), w_down, sizes, scale["down"], impl=kernels)
+
+
+def _tp_mesh(w):
+    """The (abstract) mesh ``w`` is placed on when it has a ``tp`` axis of several devices, else None (one device,
+    or outside a mesh)."""
+    mesh = getattr(jax.typeof(w).sharding, "mesh", None)
+    if mesh is None or "tp" not in getattr(mesh, "axis_names", ()) or mesh.shape["tp"] == 1:
+        return None
+    return mesh
+
+
 class MoE(nn.Module):
     cfg: ModelConfig
     dtype: Any
@@ -312,9 +329,20 @@ class MoE(nn.Module):
         order = jnp.argsort(flat, stable=True)
         xs = xf[order // k]
         sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-        hidden = (jax.nn.silu(ops.grouped_matmul(xs, w_gate, sizes, scale["gate"], impl=kernels))
-                  * ops.grouped_matmul(xs, w_up, sizes, scale["up"], impl=kernels))
-        ys = ops.grouped_matmul(hidden.astype(x.dtype), w_down, sizes, scale["down"], impl=kernels)
+        mesh = _tp_mesh(w_gate)
+        if mesh is not None and ops.resolve(kernels)[0] and scale["gate"] is None:
+            # The Pallas kernel has no partitioning rule: left to GSPMD, each device would gather every expert's
+            # whole weights before it (a custom call's operands are replicated), every layer and step. Each device
+            # multiplies by its own slice of the experts' width instead and the partial outputs are summed, the
+            # split the rules give the weights (glm53.sharding: expert_mlp over tp) and what XLA does with the
+            # jnp reference. FP8 experts keep the default (their block scales are not split by the rules).
+            col, row = P(None, None, "tp"), P(None, "tp", None)
+            ys = jax.shard_map(
+                lambda xs, wg, wu, wd, sizes: jax.lax.psum(_experts(xs, wg, wu, wd, sizes, scale, kernels), "tp"),
+                mesh=mesh, in_specs=(P(), col, col, row, P()), out_specs=P(), check_vma=False,
+            )(xs, w_gate, w_up, w_down, sizes)
+        else:
+            ys = _experts(xs, w_gate, w_up, w_down, sizes, scale, kernels)
         y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, H)
         routed = jnp.einsum("nkh,nk->nh", y.astype(F32), w).astype(x.dtype)
         shared = MLP(c, I * c.n_shared_experts, self.dtype, name="shared_experts")(x)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -78,6 +79,13 @@ def param_shapes(cfg: ModelConfig, dtype, expert_weights: str = "model") -> Any:
     """The parameter pytree as ShapeDtypeStructs, without allocating anything."""
     if expert_weights not in EXPERT_WEIGHTS:
         raise ValueError(f"expert_weights must be one of {EXPERT_WEIGHTS}, got {expert_weights!r}")
+    return _param_shapes(cfg, jnp.dtype(resolve_dtype(dtype)), expert_weights)
+
+
+@functools.lru_cache(maxsize=32)
+def _param_shapes(cfg: ModelConfig, dtype, expert_weights: str) -> Any:
+    # Tracing the full GLM-5's init takes ~2 s, and a planner's table asks for the same shapes at every history
+    # and machine; the result is immutable (ShapeDtypeStructs), so one trace per (config, dtype, experts) serves.
     module = GLM5(cfg, dtype)
     shapes = jax.eval_shape(lambda: _init_all(module, jax.random.key(0), *_dummy_inputs(cfg, dtype)))
     if expert_weights == "fp8":

@@ -20,6 +20,14 @@ them). One copy per host shared by its devices (the article's owner and peer) is
 Not built yet, refused with a ``ConfigError`` naming it: pipeline stages (``stages > 1``: GLM-5's layers are
 separate Flax modules of three kinds, not a stack a ``layers`` axis could split).
 
+**Pallas kernels on a mesh.** A Pallas call reaches XLA as a custom call with no partitioning rule, whose operands
+GSPMD replicates. Where that matters, the model splits the work itself: the MoE's grouped matmul runs under
+``jax.shard_map`` on each device's slice of the experts' width (``expert_mlp`` over ``tp``) and the partial outputs
+are summed (``glm53.model.MoE``; FP8 experts excepted: their block scales are not split). The other kernels take
+replicated operands (the cache, gathered rows) and run whole on every device, as the replicated cache intends; the
+indexer kernel receives its head-split queries and weights gathered (small: ``[B, T, heads, 128]``) and scores every
+head on every device.
+
 **Several processes** (``glm53.distributed``, ``experiments.launch``): the mesh spans the devices of every process;
 each process runs the same steps on the same inputs (SPMD), so the code above is unchanged.
 """
