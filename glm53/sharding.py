@@ -25,8 +25,9 @@ GSPMD replicates. Where that matters, the model splits the work itself: the MoE'
 ``jax.shard_map`` on each device's slice of the experts' width (``expert_mlp`` over ``tp``) and the partial outputs
 are summed (``glm53.model.MoE``; FP8 experts excepted: their block scales are not split). The other kernels take
 replicated operands (the cache, gathered rows) and run whole on every device, as the replicated cache intends; the
-indexer kernel receives its head-split queries and weights gathered (small: ``[B, T, heads, 128]``) and scores every
-head on every device.
+indexer kernel's head-split queries and weights should reach it gathered (small: ``[B, T, heads, 128]``), every
+device scoring every head: expected of a GPU's compiled custom call, not checked there (the CPU's interpreted
+kernels are ordinary HLO that GSPMD partitions like the rest).
 
 **Several processes** (``glm53.distributed``, ``experiments.launch``): the mesh spans the devices of every process;
 each process runs the same steps on the same inputs (SPMD), so the code above is unchanged.
