@@ -9,7 +9,8 @@ deterministic, so every process keeps the same session table without talking to 
     GLM53_COORDINATOR=host0:12355 GLM53_NUM_PROCESSES=2 GLM53_PROCESS_ID=0 python -m experiments.generate ...
 
 ``initialize()`` reads those variables (or takes the values as arguments); without them it does nothing, and one
-process is the default. Only process 0 writes results (``is_writer()``).
+process is the default. Only process 0 writes results (``is_writer()``) and session saves (``Engine.save``: the
+others wait for it and learn whether it succeeded; every process reads a save to restore it).
 """
 
 from __future__ import annotations

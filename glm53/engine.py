@@ -26,6 +26,7 @@ import collections
 import dataclasses
 import gc
 import math
+import os
 import time
 from typing import Any, Callable, Mapping
 
@@ -688,7 +689,6 @@ class Engine:
         rows in host memory are checked against the logical length. The save holds the history rows, indexer keys,
         lengths, the MTP hidden state, the tokens and the sampler settings; not the hot cache: a restored session
         starts cold. Returns the version directory written."""
-        self._one_process("save")
         s = self._session(sid)
         if self.offload:
             self._admit(0, self._pages_needed(s, s.processed), f"save of session {sid} (its partial page)")
@@ -710,18 +710,34 @@ class Engine:
         meta = {"fingerprint": self.fingerprint(), "tokens": list(map(int, s.tokens)), "processed": n,
                 "mtp_processed": s.mtp_processed, "hidden_valid": s.hidden_valid, "sampler": dict(s.sampler),
                 "generated": s.generated}
-        return session_io.write(directory, arrays, meta)
+        if jax.process_count() == 1:
+            return session_io.write(directory, arrays, meta)
+        return self._write_from_process_0(directory, arrays, meta, sid)
 
     @staticmethod
-    def _one_process(what: str) -> None:
-        if jax.process_count() > 1:
-            raise ConfigError(f"{what} with several processes is not built yet (every process would write / read "
-                              "the save through orbax on its own); save from a one-process run")
+    def _write_from_process_0(directory: str, arrays: dict, meta: dict, sid: int) -> str:
+        """Several processes (``glm53.distributed``): each holds the same rows (the read is replicated over the
+        mesh), so process 0 writes the save and every process waits for it and learns whether it succeeded. The
+        directory must be one every process sees (a shared file system across hosts) for ``restore``."""
+        from jax.experimental import multihost_utils
+
+        path, error = None, None
+        if jax.process_index() == 0:
+            try:
+                path = session_io.write(directory, arrays, meta)
+            except Exception as e:  # every process must reach the broadcast below, or the others wait forever
+                error = e
+        ok = int(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+        if error is not None:
+            raise error
+        if not ok:
+            raise RuntimeError(f"process 0 failed to save session {sid} to {directory} (its log says why); the "
+                               "session is unchanged")
+        return path or session_io.latest(os.path.abspath(directory))
 
     def restore(self, directory: str) -> int:
         """A new session from a save (made by this or any engine of the same model and kv_format, in either cache
         mode, with any hot_rows). Returns its id; it continues exactly as the saved session would have."""
-        self._one_process("restore")
         meta, arrays = session_io.read(directory)
         self._check_fingerprint(meta.get("fingerprint", {}), directory)
         try:

@@ -62,7 +62,7 @@ class Model:
             for path, leaf in jax.tree_util.tree_leaves_with_path(self.params):
                 h.update(jax.tree_util.keystr(path).encode())
                 h.update(f"{leaf.shape}{leaf.dtype}".encode())
-                h.update(np.asarray(leaf.reshape(-1)[:4096]).tobytes())
+                h.update(np.asarray(_head(leaf)).tobytes())
             self._digest = h.hexdigest()
         return self._digest
 
@@ -135,6 +135,16 @@ class Model:
 # ----------------------------------------------------------------------------------------------------------------
 # Constructors
 # ----------------------------------------------------------------------------------------------------------------
+def _head(x, n: int = 4096):
+    """The first ``n`` values of ``x``, readable by every process: on a mesh spanning several processes a process
+    holds only its shards, so the slice is taken replicated over the mesh first."""
+    sh = getattr(x, "sharding", None)
+    if isinstance(sh, jax.sharding.NamedSharding) and not x.is_fully_addressable:
+        replicated = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
+        return jax.jit(lambda a: a.reshape(-1)[:n], out_shardings=replicated)(x)
+    return x.reshape(-1)[:n]
+
+
 def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype="bfloat16",
                 cache_config: CacheConfig | None = None, expert_weights: str = "model", mesh=None) -> Model:
     """A randomly initialised model (normal(0, initializer_range) matrices, unit norms) for research/benchmarks.

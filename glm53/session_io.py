@@ -81,6 +81,17 @@ def latest(directory: str) -> str | None:
     return os.path.join(directory, name)
 
 
+def _this_process_only():
+    """Orbax's options for a checkpoint this process reads or writes on its own: with several JAX processes
+    (``glm53.distributed``) orbax would otherwise make every save and restore a collective of all of them. Sessions
+    are numpy arrays every process holds whole; ``Engine.save`` has process 0 write and the others wait."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    me = jax.process_index()
+    return ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+
+
 def write(directory: str, arrays: dict, meta: dict, *, _before_commit=None) -> str:
     """Save ``arrays`` (a nested dict of numpy arrays) and ``meta`` (JSON-serialisable) as the newest version in
     ``directory``. Returns the version directory. ``_before_commit`` (tests) runs after the data is written and
@@ -98,7 +109,7 @@ def write(directory: str, arrays: dict, meta: dict, *, _before_commit=None) -> s
     final = os.path.join(directory, f"v{number:06d}")
     tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
     os.makedirs(tmp)
-    ckptr = ocp.StandardCheckpointer()
+    ckptr = ocp.StandardCheckpointer(multiprocessing_options=_this_process_only())
     ckptr.save(os.path.join(tmp, "arrays"), arrays)
     ckptr.wait_until_finished()
     flat = _flatten(arrays)
@@ -151,7 +162,8 @@ def read(directory: str) -> tuple[dict, dict]:
         raise SessionFileError(f"{doc_path} has session format version {doc.get('version')}, this glm53 reads "
                                f"version {VERSION}")
     try:
-        arrays = ocp.StandardCheckpointer().restore(os.path.join(version, "arrays"))
+        arrays = ocp.StandardCheckpointer(multiprocessing_options=_this_process_only()).restore(
+            os.path.join(version, "arrays"))
     except Exception as e:  # orbax / tensorstore raise many types for damaged files
         raise SessionFileError(f"cannot read the arrays of {version}: the save is corrupted ({type(e).__name__}: "
                                f"{str(e)[:300]})") from e

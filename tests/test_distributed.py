@@ -39,6 +39,31 @@ def test_two_processes_of_eight_devices_match_one_device(tmp_path):
     assert b["config"]["mesh"]["tp"] == 16
 
 
+@pytest.mark.parametrize("mode", ["offload"])
+def test_save_and_restore_across_two_processes(tmp_path, mode):
+    """A session saved on a mesh of 2 processes x 2 devices (process 0 writes, the others wait) and restored by a
+    fresh engine on the same mesh continues exactly as the original, MTP on, offload; and the whole life equals
+    one process on one device."""
+    script = str(ROOT / "tests" / "multiprocess_sessions.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GLM53_") and k != "XLA_FLAGS"}
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    _run([sys.executable, script, str(one), str(tmp_path / "save1"), mode],
+         {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    p = _run([sys.executable, "-m", "experiments.launch", "--processes=2", "--devices_per_process=2", "--",
+              sys.executable, script, str(two), str(tmp_path / "save2"), mode], env)
+    assert "[launch] exit codes [0, 0]" in p.stdout
+    a, b = json.loads(one.read_text()), json.loads(two.read_text())
+    assert (a["processes"], a["devices"], b["processes"], b["devices"]) == (1, 1, 2, 4)
+    assert b["restored"] == b["rest"][str(b["a"])]  # the restored session continues as the saved one did
+    assert {k: b[k] for k in ("first", "rest", "restored")} == {k: a[k] for k in ("first", "rest", "restored")}
+    assert os.path.isdir(b["saved"]) and b["saved"].startswith(str(tmp_path / "save2"))
+    # a save process 0 cannot write fails in every process (the others learn it from process 0) and the engine
+    # keeps decoding, the same tokens in both
+    p0, p1 = (json.loads((tmp_path / f"two.json.p{i}").read_text()) for i in (0, 1))
+    assert (p0["failed_save"], p1["failed_save"]) == ("FileExistsError", "RuntimeError")
+    assert p0["after"] == p1["after"] and len(p0["after"]) == 2
+
+
 def test_launch_fails_when_a_process_fails(tmp_path):
     p = subprocess.run([sys.executable, "-m", "experiments.launch", "--processes=2", "--devices_per_process=1", "--",
                         sys.executable, "-c", "import os, sys; sys.exit(int(os.environ['GLM53_PROCESS_ID']) * 3)"],
