@@ -100,8 +100,9 @@ def main(_):
                                             mesh=mesh, expert_weights=FLAGS.expert_weights, mtp=FLAGS.mtp)
             r["fits_device"] = r["peak_bytes"] <= device_gib * GiB
             p["compiled"] = r
+            fresh = (r["output_bytes"] - r["alias_bytes"]) / GiB
             print(f"{'':>10} compiled {r['step']} ({r['backend']}, {r['compile_s']:.0f} s): workspace "
-                  f"{r['temp_bytes'] / GiB:.2f}G, outputs not in place {(r['output_bytes'] - r['alias_bytes']) / GiB:.2f}G, "
+                  f"{r['temp_bytes'] / GiB:.2f}G, outputs not in place {fresh:.2f}G, "
                   f"peak {r['peak_bytes'] / GiB:.2f}G per device, fits {r['fits_device']}")
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:

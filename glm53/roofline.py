@@ -445,10 +445,10 @@ def measure_host_read_bandwidth(kv_format: str = "q8g64", rows: int = 65536, his
     ``{"bandwidth_Bps", "GBps", "rows", "row_bytes", ...}``, or None on a CPU (the interpreter cannot read
     pinned_host operands: there is no zero-copy path to measure). A decode step's physical floor in offload mode is
     its misses x row bytes over this bandwidth."""
+    import importlib
+
     import jax
     import jax.numpy as jnp
-
-    import importlib
 
     from kernels_pallas import kv_formats as kvf
 
