@@ -10,6 +10,13 @@ heads, indexer heads, dense and expert MLP widths, the vocabulary) and the jitte
 inserts the collectives. Split reductions (``o_proj``, ``down_proj``, the LM head's vocabulary) sum in another order
 than one device does: tokens stay identical, float32 logits agree to ~1e-6 relative, not bit for bit.
 
+**No expert axis, by choice.** Routed experts are split by width (``expert_mlp`` over ``tp``), not placed whole on
+devices (expert parallelism). Decode reads weights, and a step of a few sessions routes its tokens to a few dozen of
+GLM-5's 256 experts: split by width, every device reads an equal 1/tp of each routed expert; placed whole, the
+devices holding the popular experts read all of theirs while others idle, and the step waits for the busiest
+(tokens would also have to travel to their experts' devices). Expert parallelism pays in large prefill batches,
+where each expert's matmul grows; that trade is not made here.
+
 **The cache is replicated over ``tp``.** MLA's latent row is shared by every head, so each device of a
 tensor-parallel group holds the same rows: the row is packed once (in the step, from replicated inputs) and the
 replicas are the same bytes (the article: quantising on each side cost speed and lost overlap). Sessions' tables,
