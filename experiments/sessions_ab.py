@@ -87,6 +87,10 @@ def run(e: glm53.Engine, sids: list, n: int, depth: int, accept, selection, logi
     return res
 
 
+def _median_ms(seconds: list) -> float | None:
+    return 1e3 * float(np.median(seconds)) if seconds else None
+
+
 def figures(res: dict, n_sessions: int) -> dict:
     r = res["report"]
     pct = r.step_call_ms
@@ -100,6 +104,13 @@ def figures(res: dict, n_sessions: int) -> dict:
         "acceptance_real": r.acceptance, "tokens_per_step_per_session": r.decode_tokens / max(r.steps, 1) / n_sessions,
         "step_call_ms": pct, "step_call_p99_over_median": pct["p99"] / pct["p50"] if pct else None,
         "copyback_steps": r.copyback_steps, "hit_rate": res.get("hit_rate"),
+        # which calls are slow: the p99 target is about them (copyback steps against the others, the slowest)
+        "slowest_step_calls_ms": sorted(((round(1e3 * t, 3), i + 1) for i, t in enumerate(r.step_call_s)),
+                                        reverse=True)[:8],
+        "copyback_step_call_ms_median": _median_ms([r.step_call_s[i - 1] for i in r.copyback_steps
+                                                    if 0 < i <= len(r.step_call_s)]),
+        "other_step_call_ms_median": _median_ms([t for i, t in enumerate(r.step_call_s, 1)
+                                                 if i not in set(r.copyback_steps)]),
         "hit_rate_per_session": res.get("hit_rate_per_session"), "compile_s": r.compile_s,
     }
 

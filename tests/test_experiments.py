@@ -112,6 +112,7 @@ def test_sessions_ab(tmp_path):
         # forced acceptance: drafts committed but where the 10-token budget clamps; real verdicts recorded too
         assert 0 < f["mtp_committed"][0] <= f["mtp_proposed"][0]
         assert all(a <= p for a, p in zip(f["mtp_accepted"], f["mtp_proposed"]))
+        assert 0 < len(f["slowest_step_calls_ms"]) <= 8 and f["other_step_call_ms_median"] > 0
     assert 0 < pair["offload"]["hit_rate"] <= 1 and len(pair["offload"]["hit_rate_per_session"]) == 2
     assert report["build"]["offload"]["host_used_bytes"] > 0
     app = report["append"]
