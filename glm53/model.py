@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from glm53.cache import Lanes
 from glm53.config import ModelConfig
 from kernels_pallas import ops
+from kernels_pallas.grouped_matmul import SCALE_BLOCK
 
 Array = jax.Array
 F32 = jnp.float32
@@ -330,17 +331,25 @@ class MoE(nn.Module):
         xs = xf[order // k]
         sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
         mesh = _tp_mesh(w_gate)
-        if mesh is not None and ops.resolve(kernels)[0] and scale["gate"] is None:
+        fp8 = scale["gate"] is not None
+        if mesh is not None and ops.resolve(kernels)[0] and (not fp8 or (I // mesh.shape["tp"]) % SCALE_BLOCK == 0):
             # The Pallas kernel has no partitioning rule: left to GSPMD, each device would gather every expert's
             # whole weights before it (a custom call's operands are replicated), every layer and step. Each device
             # multiplies by its own slice of the experts' width instead and the partial outputs are summed, the
             # split the rules give the weights (glm53.sharding: expert_mlp over tp) and what XLA does with the
-            # jnp reference. FP8 experts keep the default (their block scales are not split by the rules).
+            # jnp reference. FP8 block scales go with their blocks: a slice must hold whole 128-wide blocks (GLM-5:
+            # 2,048 / 16 devices = 128), else FP8 experts take the default path.
             col, row = P(None, None, "tp"), P(None, "tp", None)
-            ys = jax.shard_map(
-                lambda xs, wg, wu, wd, sizes: jax.lax.psum(_experts(xs, wg, wu, wd, sizes, scale, kernels), "tp"),
-                mesh=mesh, in_specs=(P(), col, col, row, P()), out_specs=P(), check_vma=False,
-            )(xs, w_gate, w_up, w_down, sizes)
+            args, specs = [xs, w_gate, w_up, w_down, sizes], [P(), col, col, row, P()]
+            if fp8:
+                args += [scale["gate"], scale["up"], scale["down"]]
+                specs += [col, col, row]
+
+            def local(xs, wg, wu, wd, sizes, *scales):
+                s = dict(zip(("gate", "up", "down"), scales)) if scales else scale
+                return jax.lax.psum(_experts(xs, wg, wu, wd, sizes, s, kernels), "tp")
+
+            ys = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=P(), check_vma=False)(*args)
         else:
             ys = _experts(xs, w_gate, w_up, w_down, sizes, scale, kernels)
         y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, H)

@@ -30,7 +30,8 @@ separate Flax modules of three kinds, not a stack a ``layers`` axis could split)
 **Pallas kernels on a mesh.** A Pallas call reaches XLA as a custom call with no partitioning rule, whose operands
 GSPMD replicates. Where that matters, the model splits the work itself: the MoE's grouped matmul runs under
 ``jax.shard_map`` on each device's slice of the experts' width (``expert_mlp`` over ``tp``) and the partial outputs
-are summed (``glm53.model.MoE``; FP8 experts excepted: their block scales are not split). The other kernels take
+are summed (``glm53.model.MoE``; FP8 experts too, each device taking its slice's whole 128-wide scale blocks,
+where the slice holds whole blocks: GLM-5's 2,048-wide experts on up to 16 devices). The other kernels take
 replicated operands (the cache, gathered rows) and run whole on every device, as the replicated cache intends; the
 indexer kernel's head-split queries and weights should reach it gathered (small: ``[B, T, heads, 128]``), every
 device scoring every head: expected of a GPU's compiled custom call, not checked there (the CPU's interpreted

@@ -162,6 +162,12 @@ def test_offload_on_a_mesh_is_bit_identical_to_resident_there(one_device, mtp):
             jax.tree_util.keystr(path)
 
 
+def _gathered(compiled_text: str) -> list:
+    """Elements of every all-gather's result in a compiled step."""
+    return [int(np.prod([int(d) for d in m.group(1).split(",") if d]))
+            for m in re.finditer(r"= \w+\[([0-9,]*)\]\{[^}]*\} all-gather", compiled_text)]
+
+
 def test_pallas_experts_use_their_own_slice_on_a_mesh(one_device):
     """The Pallas grouped matmul has no partitioning rule, so on tp=2 the MoE calls it per device on that device's
     slice of the experts' width (shard_map) and sums the partial outputs: no step gathers an expert weight whole
@@ -173,11 +179,31 @@ def test_pallas_experts_use_their_own_slice_on_a_mesh(one_device):
                              kernels="pallas")[0].compile().as_text()
     # Left to GSPMD the interpreted kernel gathers each expert's matrix piece by piece (4 x [32, 64] and 4 x
     # [16, 32] here); with the slices the step gathers only small activations, less than one expert matrix in all.
-    gathered = [np.prod([int(d) for d in m.group(1).split(",") if d])
-                for m in re.finditer(r"= f32\[([0-9,]*)\]\{[^}]*\} all-gather", text)]
+    gathered = _gathered(text)
     assert gathered and sum(gathered) < CFG.hidden_size * CFG.moe_intermediate_size, gathered
     ps = prompts([37, 22])
     base = glm53.generate(one_device, ps, max_new_tokens=5, return_logits=True, kernels="pallas")
     run = glm53.generate(model(2), ps, max_new_tokens=5, return_logits=True, kernels="pallas")
     assert run.tokens == base.tokens
     assert close(run.logits, base.logits) < 1e-5
+
+
+def test_fp8_pallas_experts_split_with_their_block_scales():
+    """FP8 experts on tp=2 with the Pallas kernel: each device takes whole 128-wide scale blocks with its slice of
+    the experts' width (an expert width of 256 here), so no FP8 weight is gathered, and tokens equal one device's."""
+    import dataclasses
+
+    from glm53 import memory
+
+    cfg = dataclasses.replace(CFG, moe_intermediate_size=256)
+    mesh = sharding.make_mesh(glm53.MeshConfig(tp=2))
+    text = memory.lower_step(cfg, CC, sessions=2, history=64, dtype="float32", mesh=mesh, expert_weights="fp8",
+                             kernels="pallas")[0].compile().as_text()
+    # without the split: every expert's FP8 weights gathered whole (as f16 on the CPU: 4 x [8, 64, 256], ...)
+    assert "f8e4m3fn" in text and sum(_gathered(text)) < cfg.hidden_size * cfg.moe_intermediate_size, _gathered(text)
+    ps = prompts([29, 18])
+    runs = [glm53.generate(glm53.from_config(cfg, seed=0, dtype="float32", cache_config=CC, expert_weights="fp8",
+                                             mesh=glm53.MeshConfig(tp=tp)),
+                           ps, max_new_tokens=4, return_logits=True, kernels="pallas") for tp in (1, 2)]
+    assert runs[1].tokens == runs[0].tokens
+    assert close(runs[1].logits, runs[0].logits) < 1e-5
