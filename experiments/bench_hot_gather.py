@@ -30,6 +30,9 @@ flags.DEFINE_integer("iters", 50, "timed calls per case (median reported)")
 flags.DEFINE_bool("sweep", False, "also time every (block_rows, num_warps) launch shape at all hits / all misses")
 flags.DEFINE_list("sweep_block_rows", ["4", "8", "16", "32"], "--sweep: rows per program")
 flags.DEFINE_list("sweep_num_warps", ["1", "2", "4", "8"], "--sweep: warps per program")
+flags.DEFINE_list("decode_cases", ["20480:0.99"], "more cases, rows:hit_fraction, each beside the resident gather of "
+                  "as many rows: the default is a 10-session decode step's layer (10 x 2,048 rows, 1% misses); "
+                  "--tiny caps the rows at half the history")
 
 
 def timeit(fn, varying, fixed, iters):
@@ -118,10 +121,8 @@ def main(_):
         t = timeit(kernel, sets, (ring, hot, host), FLAGS.iters)
         results["cases"][name] = {"hit_fraction": frac, "ms": t * 1e3, "bit_identical_to_reference": equal,
                                   "host_GBps": (1 - frac) * M * fmt.bytes_per_row / t / 1e9}
-    # Device-only baselines: the same kernel with the history on the device, and the resident gather (+dequant).
-    sets = inputs(0.0, M)
-    t_dev = timeit(kernel, sets, (ring, hot, host_on_device), FLAGS.iters)
-    results["cases"]["device_only_same_kernel"] = {"ms": t_dev * 1e3}
+    # The decode step's shape: many rows, few misses (the 10-session profile's hot gather took 35.6 us a layer
+    # against the resident gather's 11.4: profile_decode_50k_b10.json), beside the resident gather of as many rows.
     from kernels_pallas.gather_rows import gather_rows
     res_planes = {k: v[None] for k, v in host_on_device.items()}
 
@@ -129,6 +130,26 @@ def main(_):
         return gather_rows(planes, jnp.zeros((1,), jnp.int32), pos[None], kv_format=fmt.name,
                            out_dtype=jnp.bfloat16, interpret=interpret)
 
+    for case in FLAGS.decode_cases:
+        rows, frac = case.split(":")
+        rows, frac = min(int(rows), n_hist // 2) if FLAGS.tiny else int(rows), float(frac)
+        rows -= rows % hg.DEFAULT_BLOCK_ROWS
+        sets = inputs(frac, rows)
+        got = kernel(*sets[0], ring, hot, host)
+        want = reference(*sets[0], ring, hot, host_on_device)
+        equal = all(np.array_equal(np.asarray(g), np.asarray(w))
+                    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+        t = timeit(kernel, sets, (ring, hot, host), FLAGS.iters)
+        positions = [(jnp.asarray(np.sort(rng.choice(n_hist, rows, replace=False)).astype(np.int32)),)
+                     for _ in range(4)]
+        t_res = timeit(resident, positions, (res_planes,), FLAGS.iters)
+        results["cases"][f"rows{rows}_hits{frac:g}"] = {
+            "rows": rows, "hit_fraction": frac, "ms": t * 1e3, "bit_identical_to_reference": equal,
+            "resident_gather_rows_dequant_ms": t_res * 1e3, "over_resident_ms": (t - t_res) * 1e3}
+    # Device-only baselines: the same kernel with the history on the device, and the resident gather (+dequant).
+    sets = inputs(0.0, M)
+    t_dev = timeit(kernel, sets, (ring, hot, host_on_device), FLAGS.iters)
+    results["cases"]["device_only_same_kernel"] = {"ms": t_dev * 1e3}
     t_res = timeit(resident, [(r,) for _, r in sets], (res_planes,), FLAGS.iters)
     results["cases"]["resident_gather_rows_dequant"] = {"ms": t_res * 1e3}
     # Zero-copy bandwidth ceiling of this machine: the same miss path with many rows in flight, and a bulk DMA.

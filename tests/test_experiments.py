@@ -82,6 +82,9 @@ def test_bench_hot_gather(tmp_path):
     (shape,) = report["sweep"]
     assert (shape["block_rows"], shape["num_warps"]) == (8, 2) and shape["bit_identical_to_reference"]
     assert report["zero_copy_GBps"] > 0 and report["all_misses_fraction_of_zero_copy"] > 0
+    (decode,) = [c for name, c in report["cases"].items() if name.startswith("rows")]  # the decode step's shape
+    assert decode["bit_identical_to_reference"] and decode["hit_fraction"] == 0.99 and decode["rows"] == 2048
+    assert decode["resident_gather_rows_dequant_ms"] > 0
 
 
 def test_bench_copyback(tmp_path):
