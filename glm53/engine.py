@@ -738,7 +738,7 @@ class Engine:
     def restore(self, directory: str) -> int:
         """A new session from a save (made by this or any engine of the same model and kv_format, in either cache
         mode, with any hot_rows). Returns its id; it continues exactly as the saved session would have."""
-        meta, arrays = session_io.read(directory)
+        meta, arrays = self._read_everywhere(directory)
         self._check_fingerprint(meta.get("fingerprint", {}), directory)
         try:
             tokens = [int(t) for t in meta["tokens"]]
@@ -783,6 +783,30 @@ class Engine:
         s.sampler = dict(meta.get("sampler", s.sampler))
         s.generated = int(meta.get("generated", 0))
         return s.sid
+
+    @staticmethod
+    def _read_everywhere(directory: str) -> tuple[dict, dict]:
+        """``session_io.read`` in every process. With several, each reads the files itself and they agree on the
+        outcome before any goes on: a process that cannot read them (a host without the shared file system, a
+        damaged copy) makes every one raise, instead of leaving the others to wait in the next step's
+        collectives."""
+        if jax.process_count() == 1:
+            return session_io.read(directory)
+        from jax.experimental import multihost_utils
+
+        result, error = None, None
+        try:
+            result = session_io.read(directory)
+        except Exception as e:  # every process must reach the exchange below
+            error = e
+        failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None))).reshape(-1)
+        if error is not None:
+            raise error
+        if failed.any():
+            raise session_io.SessionFileError(
+                f"{directory}: process(es) {np.nonzero(failed)[0].tolist()} could not read the save (their logs say "
+                "why); nothing was restored")
+        return result
 
     def _check_fingerprint(self, saved: dict, directory: str) -> None:
         mine = self.fingerprint()

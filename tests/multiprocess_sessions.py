@@ -47,8 +47,17 @@ def main(out: str, directory: str, mode: str) -> None:
         failed = None
     except Exception as err:  # noqa: BLE001 -- the type is what the test checks
         failed = type(err).__name__
-    with open(f"{out}.p{__import__('jax').process_index()}", "w") as f:
-        json.dump({"failed_save": failed, "after": e.generate({b: 2})[b]}, f)
+    # A save one process cannot read (process 1's copy is gone, as on a host without the shared file system):
+    # every process refuses the restore, none waits forever.
+    me = __import__("jax").process_index()
+    e.save(b, os.path.join(os.path.dirname(out), f"only-p0-{me}"))  # a directory per process: process 0's is real
+    try:
+        glm53.Engine(model, max_sessions=1).restore(os.path.join(os.path.dirname(out), f"only-p0-{me}"))
+        unreadable = None
+    except Exception as err:  # noqa: BLE001 -- the type is what the test checks
+        unreadable = type(err).__name__
+    with open(f"{out}.p{me}", "w") as f:
+        json.dump({"failed_save": failed, "failed_restore": unreadable, "after": e.generate({b: 2})[b]}, f)
     if distributed.is_writer():
         with open(out, "w") as f:
             json.dump({"processes": __import__("jax").process_count(), "devices": tp, "saved": path,

@@ -43,7 +43,8 @@ def test_two_processes_of_eight_devices_match_one_device(tmp_path):
 def test_save_and_restore_across_two_processes(tmp_path, mode):
     """A session saved on a mesh of 2 processes x 2 devices (process 0 writes, the others wait) and restored by a
     fresh engine on the same mesh continues exactly as the original, MTP on, offload; and the whole life equals
-    one process on one device."""
+    one process on one device. A save process 0 cannot write, or one a process cannot read, fails in every
+    process (none is left waiting) and the engine keeps decoding."""
     script = str(ROOT / "tests" / "multiprocess_sessions.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GLM53_") and k != "XLA_FLAGS"}
     one, two = tmp_path / "one.json", tmp_path / "two.json"
@@ -61,6 +62,8 @@ def test_save_and_restore_across_two_processes(tmp_path, mode):
     # keeps decoding, the same tokens in both
     p0, p1 = (json.loads((tmp_path / f"two.json.p{i}").read_text()) for i in (0, 1))
     assert (p0["failed_save"], p1["failed_save"]) == ("FileExistsError", "RuntimeError")
+    # a save only process 0 can read: every process refuses the restore
+    assert p0["failed_restore"] == p1["failed_restore"] == "SessionFileError"
     assert p0["after"] == p1["after"] and len(p0["after"]) == 2
 
 
