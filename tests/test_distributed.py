@@ -24,6 +24,7 @@ def _run(cmd, env=None):
     return p
 
 
+@pytest.mark.slow  # by default the 2 x 2 run of test_save_and_restore_across_two_processes covers several processes
 def test_two_processes_of_eight_devices_match_one_device(tmp_path):
     one = tmp_path / "one.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GLM53_")}
