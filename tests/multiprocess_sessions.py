@@ -31,13 +31,13 @@ def main(out: str, directory: str, mode: str) -> None:
     rng = np.random.default_rng(0)
     e = glm53.Engine(model, max_sessions=2)
     a, b = e.open(rng.integers(0, 256, 37).tolist()), e.open(rng.integers(0, 256, 22).tolist())
-    first = e.generate({a: 5, b: 3}, mtp=1)
+    first = e.generate({a: 5, b: 3})
     e.append(a, rng.integers(0, 256, 21).tolist())
     path = e.save(a, directory)
-    rest = e.generate({a: 6, b: 4}, mtp=1)
+    rest = e.generate({a: 6, b: 4})
     r = glm53.Engine(model, max_sessions=1)
     got = r.restore(directory)
-    restored = r.generate({got: 6}, mtp=1)
+    restored = r.generate({got: 6})
     # A save process 0 cannot write (its directory is a file): every process raises, none waits forever.
     blocked = os.path.join(os.path.dirname(out), "not-a-directory")
     if distributed.is_writer():

@@ -43,7 +43,7 @@ def test_two_processes_of_eight_devices_match_one_device(tmp_path):
 @pytest.mark.parametrize("mode", ["offload"])
 def test_save_and_restore_across_two_processes(tmp_path, mode):
     """A session saved on a mesh of 2 processes x 2 devices (process 0 writes, the others wait) and restored by a
-    fresh engine on the same mesh continues exactly as the original, MTP on, offload; and the whole life equals
+    fresh engine on the same mesh continues exactly as the original, offload; and the whole life equals
     one process on one device. A save process 0 cannot write, or one a process cannot read, fails in every
     process (none is left waiting) and the engine keeps decoding."""
     script = str(ROOT / "tests" / "multiprocess_sessions.py")

@@ -121,8 +121,8 @@ def test_save_on_a_mesh_restores_on_one_device_and_back(one_device, tmp_path):
 OFFLOAD = CC.replace(kv_format="q8g64", copyback_every=16, hot_rows=64, max_len=192)
 
 
-# MTP on a mesh runs by default in test_tensor_parallel_generate_matches_one_device and, offload across processes,
-# in test_distributed's save / restore test; the MTP variant here is the slow one.
+# MTP on a mesh runs by default in test_tensor_parallel_generate_matches_one_device; the MTP variant here is the
+# slow one.
 @pytest.mark.parametrize("mtp", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_offload_on_a_mesh_is_bit_identical_to_resident_there(one_device, mtp):
     """Offload on tp=2 (pool replicated into every device's host memory): bit-identical to resident on the same
