@@ -712,33 +712,42 @@ class Engine:
                 "generated": s.generated}
         if jax.process_count() == 1:
             return session_io.write(directory, arrays, meta)
-        return self._write_from_process_0(directory, arrays, meta, sid)
+        # Several processes: each holds the same rows (the read is replicated over the mesh); process 0 writes, to a
+        # directory every process sees (a shared file system across hosts) for restore.
+        path = self._agreed(lambda: session_io.write(directory, arrays, meta),
+                            f"save of session {sid} to {directory} (the session is unchanged)", RuntimeError,
+                            process_0_only=True)
+        return path or session_io.latest(os.path.abspath(directory))
 
     @staticmethod
-    def _write_from_process_0(directory: str, arrays: dict, meta: dict, sid: int) -> str:
-        """Several processes (``glm53.distributed``): each holds the same rows (the read is replicated over the
-        mesh), so process 0 writes the save and every process waits for it and learns whether it succeeded. The
-        directory must be one every process sees (a shared file system across hosts) for ``restore``."""
+    def _agreed(action, what: str, error_type, *, process_0_only: bool = False):
+        """``action()`` with several processes (``glm53.distributed``): run in every process (or only in process 0),
+        then every process learns whether it failed anywhere, and all raise if it did. A process that raised alone
+        would leave the others waiting forever in the next collective."""
         from jax.experimental import multihost_utils
 
-        path, error = None, None
-        if jax.process_index() == 0:
+        result, error = None, None
+        if not process_0_only or jax.process_index() == 0:
             try:
-                path = session_io.write(directory, arrays, meta)
-            except Exception as e:  # every process must reach the broadcast below, or the others wait forever
+                result = action()
+            except Exception as e:  # every process must reach the exchange below
                 error = e
-        ok = int(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+        failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None))).reshape(-1)
         if error is not None:
             raise error
-        if not ok:
-            raise RuntimeError(f"process 0 failed to save session {sid} to {directory} (its log says why); the "
-                               "session is unchanged")
-        return path or session_io.latest(os.path.abspath(directory))
+        if failed.any():
+            raise error_type(f"{what}: process(es) {np.nonzero(failed)[0].tolist()} failed (their logs say why)")
+        return result
 
     def restore(self, directory: str) -> int:
         """A new session from a save (made by this or any engine of the same model and kv_format, in either cache
         mode, with any hot_rows). Returns its id; it continues exactly as the saved session would have."""
-        meta, arrays = self._read_everywhere(directory)
+        if jax.process_count() == 1:
+            meta, arrays = session_io.read(directory)
+        else:  # every process reads the files itself, and none goes on unless all could
+            meta, arrays = self._agreed(lambda: session_io.read(directory),
+                                        f"{directory}: reading the save (nothing was restored)",
+                                        session_io.SessionFileError)
         self._check_fingerprint(meta.get("fingerprint", {}), directory)
         try:
             tokens = [int(t) for t in meta["tokens"]]
@@ -783,30 +792,6 @@ class Engine:
         s.sampler = dict(meta.get("sampler", s.sampler))
         s.generated = int(meta.get("generated", 0))
         return s.sid
-
-    @staticmethod
-    def _read_everywhere(directory: str) -> tuple[dict, dict]:
-        """``session_io.read`` in every process. With several, each reads the files itself and they agree on the
-        outcome before any goes on: a process that cannot read them (a host without the shared file system, a
-        damaged copy) makes every one raise, instead of leaving the others to wait in the next step's
-        collectives."""
-        if jax.process_count() == 1:
-            return session_io.read(directory)
-        from jax.experimental import multihost_utils
-
-        result, error = None, None
-        try:
-            result = session_io.read(directory)
-        except Exception as e:  # every process must reach the exchange below
-            error = e
-        failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None))).reshape(-1)
-        if error is not None:
-            raise error
-        if failed.any():
-            raise session_io.SessionFileError(
-                f"{directory}: process(es) {np.nonzero(failed)[0].tolist()} could not read the save (their logs say "
-                "why); nothing was restored")
-        return result
 
     def _check_fingerprint(self, saved: dict, directory: str) -> None:
         mine = self.fingerprint()
