@@ -31,6 +31,7 @@ from ml_collections import config_flags
 
 import glm53
 from experiments import workloads
+from experiments.engine_runs import device_memory, figures, run
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
@@ -39,80 +40,43 @@ flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_integer("sessions", 10, "sessions decoding together")
 flags.DEFINE_integer("pairs", 2, "interleaved resident/offload pairs per setting")
 flags.DEFINE_list("mtp", ["0", "3"], "MTP depths")
-flags.DEFINE_string("workload", "local99", f"DSA selection, each session its own: {workloads.WORKLOADS}")
+flags.DEFINE_list("workload", ["local99"], f"DSA selections, each session its own; several: each depth is run "
+                  f"with each: {workloads.WORKLOADS}")
 flags.DEFINE_integer("suffix", 16, "tokens each session appends to the shared history so the sessions diverge")
 flags.DEFINE_integer("check_tokens", 8, "tokens of the logits check run per depth (also the warm-up)")
 flags.DEFINE_integer("append", 4096, "large append measured after the decode settings (0: skip)")
+flags.DEFINE_string("prefill_once", "", "prefill the history in the resident engine only, save it to this directory "
+                    "and restore it into the offload engine (a 1M-token prefill takes minutes; the restored session "
+                    "continues exactly as the saved one, so both engines decode the same history)")
 
 
-def device_memory() -> dict:
-    stats = jax.devices()[0].memory_stats() or {}
-    return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats}
-
-
-def build(model, cc, c, n_sessions: int) -> tuple[glm53.Engine, list, dict]:
+def build(model, cc, c, n_sessions: int, save_to: str = "", restore_from: str = "") -> tuple[glm53.Engine, list, dict]:
+    """The engine and its sessions. ``save_to``: the prefilled history is also saved there; ``restore_from``: the
+    history comes from that save instead of a prefill (its time is reported as ``restore_s``)."""
     rng = np.random.default_rng(c.run.seed)
     history = rng.integers(0, model.config.vocab_size, c.run.prompt_len).tolist()
     e = glm53.Engine(model, cc, max_sessions=n_sessions)
     t = time.perf_counter()
-    root = e.open(history, progress=True)
+    if restore_from:
+        root = e.restore(restore_from)
+        if e.tokens(root) != history:
+            raise ValueError(f"{restore_from} holds another history than --config.run.prompt_len / seed give")
+    else:
+        root = e.open(history, progress=True)
     jax.block_until_ready(e.cache)
     t_prefill = time.perf_counter() - t
+    fig = {"restore_s" if restore_from else "prefill_s": t_prefill}
+    if not restore_from:
+        fig["prefill_tokens_per_s"] = c.run.prompt_len / t_prefill
+    if save_to:
+        t = time.perf_counter()
+        e.save(root, save_to)
+        fig["save_s"] = time.perf_counter() - t
     sids = [root] + [e.fork(root, share_pages=False) for _ in range(n_sessions - 1)]
     for i, s in enumerate(sids):
         e.append(s, np.random.default_rng(1000 + i).integers(0, model.config.vocab_size, FLAGS.suffix).tolist())
     jax.block_until_ready(e.cache)
-    return e, sids, {"prefill_s": t_prefill, "prefill_tokens_per_s": c.run.prompt_len / t_prefill}
-
-
-def run(e: glm53.Engine, sids: list, n: int, depth: int, accept, selection, logits=False) -> dict:
-    before = {s: e.stats(s) for s in sids}
-    out = e.generate({s: n for s in sids}, mtp=depth, accept_override=accept, selection_override=selection,
-                     return_logits=logits)
-    r = e.last_run
-    res = {"tokens": [out[s] for s in sids], "report": r}
-    if e.offload:
-        after = {s: e.stats(s) for s in sids}
-        rates = []
-        for s in sids:
-            h = after[s]["hits"] - before[s]["hits"]
-            m = after[s]["misses"] - before[s]["misses"]
-            rates.append(h / (h + m) if h + m else None)
-        res["hit_rate_per_session"] = rates
-        h = sum(after[s]["hits"] - before[s]["hits"] for s in sids)
-        m = sum(after[s]["misses"] - before[s]["misses"] for s in sids)
-        res["hit_rate"] = h / (h + m) if h + m else None
-    for s in sids:  # back to the same state for the next run
-        e.rollback(s, len(out[s]))
-    return res
-
-
-def _median_ms(seconds: list) -> float | None:
-    return 1e3 * float(np.median(seconds)) if seconds else None
-
-
-def figures(res: dict, n_sessions: int) -> dict:
-    r = res["report"]
-    pct = r.step_call_ms
-    total = sum(len(t) for t in res["tokens"])
-    return {
-        # every session's tokens after its first (the first is the previous token's, sampled before the loop)
-        "aggregate_tokens_per_s": r.decode_tokens / r.decode_s,
-        "per_session_tokens_per_s": [(len(t) - 1) / r.decode_s for t in res["tokens"]],
-        "tokens_total": total, "decode_s": r.decode_s, "first_token_s": r.first_token_s, "steps": r.steps,
-        "mtp_proposed": r.mtp_proposed, "mtp_accepted": r.mtp_accepted, "mtp_committed": r.mtp_committed,
-        "acceptance_real": r.acceptance, "tokens_per_step_per_session": r.decode_tokens / max(r.steps, 1) / n_sessions,
-        "step_call_ms": pct, "step_call_p99_over_median": pct["p99"] / pct["p50"] if pct else None,
-        "copyback_steps": r.copyback_steps, "hit_rate": res.get("hit_rate"),
-        # which calls are slow: the p99 target is about them (copyback steps against the others, the slowest)
-        "slowest_step_calls_ms": sorted(((round(1e3 * t, 3), i + 1) for i, t in enumerate(r.step_call_s)),
-                                        reverse=True)[:8],
-        "copyback_step_call_ms_median": _median_ms([r.step_call_s[i - 1] for i in r.copyback_steps
-                                                    if 0 < i <= len(r.step_call_s)]),
-        "other_step_call_ms_median": _median_ms([t for i, t in enumerate(r.step_call_s, 1)
-                                                 if i not in set(r.copyback_steps)]),
-        "hit_rate_per_session": res.get("hit_rate_per_session"), "compile_s": r.compile_s,
-    }
+    return e, sids, fig
 
 
 def main(_):
@@ -124,32 +88,42 @@ def main(_):
     max_len = c.run.prompt_len + FLAGS.suffix + max(new, FLAGS.append + FLAGS.check_tokens) + max(depths) + 64
     K = min(model.config.index_topk, max_len)
     history = c.run.prompt_len
-    workloads.selection(FLAGS.workload, K, history, 0, S)  # a bad name fails here, before any prefill
-    results = {"config": c.to_dict(), **provenance(), "sessions": S, "workload": FLAGS.workload,
-               "histories": "one prefill, forks with their own host pages, a distinct 16-token suffix each",
-               "settings": {}}
+    for w in FLAGS.workload:
+        workloads.selection(w, K, history, 0, S)  # a bad name fails here, before any prefill
+    results = {"config": c.to_dict(), **provenance(), "sessions": S, "workloads": FLAGS.workload,
+               "histories": ("one prefill (resident), saved and restored into the offload engine" if FLAGS.prefill_once
+                             else "one prefill per engine") + ", forks with their own host pages, a distinct "
+                             f"{FLAGS.suffix}-token suffix each", "settings": {}}
     engines = {}
     for mode in ("resident", "offload"):
-        e, sids, fig = build(model, cc.replace(mode=mode, max_len=max_len), c, S)
+        once = FLAGS.prefill_once
+        e, sids, fig = build(model, cc.replace(mode=mode, max_len=max_len), c, S,
+                             save_to=once if once and mode == "resident" else "",
+                             restore_from=once if once and mode == "offload" else "")
         rep = e.memory_report()
         engines[mode] = (e, sids)
         results.setdefault("build", {})[mode] = {**fig, "device_memory": device_memory(),
                                                  "device_cache_bytes": rep["device"]["cache_bytes"],
                                                  "host_pool_bytes": rep["host"]["pool_bytes"],
                                                  "host_used_bytes": rep["host"]["used_bytes"]}
-        print(f"[{mode}] {S} sessions of {history} + {FLAGS.suffix} tokens: prefill {fig['prefill_s']:.1f} s; "
+        how = f"restore {fig['restore_s']:.1f} s" if "restore_s" in fig else f"prefill {fig['prefill_s']:.1f} s"
+        print(f"[{mode}] {S} sessions of {history} + {FLAGS.suffix} tokens: {how}; "
               f"device cache {rep['device']['cache_bytes'] / 2**30:.2f} GiB, host pool "
               f"{rep['host']['pool_bytes'] / 2**30:.2f} GiB ({rep['host']['used_bytes'] / 2**30:.2f} GiB in use)",
               flush=True)
 
-    def selection(seed):
-        return workloads.selection(FLAGS.workload, K, history, seed, S)
-
     # MTP: forced acceptance (every draft); its runs also record the model's real verdicts (acceptance_real).
-    settings = [(d, None) for d in depths if d == 0] + [(d, d) for d in depths if d > 0]
-    for depth, accept in settings:
+    settings = [(w, d, None) for w in FLAGS.workload for d in depths if d == 0] + \
+        [(w, d, d) for w in FLAGS.workload for d in depths if d > 0]
+    for workload, depth, accept in settings:
+
+        def selection(seed):
+            return workloads.selection(workload, K, history, seed, S)
+
         name = f"mtp{depth}" + ("" if not depth else ("_forced" if accept is not None else "_real"))
-        entry = {"mtp": depth, "accept_override": accept, "pairs": []}
+        if len(FLAGS.workload) > 1:
+            name = f"{workload}_{name}"
+        entry = {"mtp": depth, "accept_override": accept, "workload": workload, "pairs": []}
         # The warm-up (it compiles every shape of the setting) is also the logits check: offload == resident bit
         # for bit.
         check = {}

@@ -99,14 +99,34 @@ def test_bench_copyback(tmp_path):
     assert report["variants"]["in_step_first"]["history_copies_in_step"] == 0
 
 
+def test_live_history_ab(tmp_path):
+    out = tmp_path / "live.json"
+    _run("experiments.live_history_ab", "--config.run.max_new_tokens=6", "--check_tokens=4", "--large_capacity=2048",
+         "--modes=resident,offload", "--sessions=2", "--pairs=2", f"--out={out}")
+    report = json.loads(out.read_text())
+    assert report["capacities"] == {"small": 100 + 6 + 64, "large": 2048}
+    assert sorted(report["modes"]) == ["offload", "resident"]
+    for m in report["modes"].values():
+        assert m["build"]["large"]["capacity"] >= 2048 > m["build"]["small"]["capacity"]
+        assert m["build"]["large"]["device_cache_bytes"] > m["build"]["small"]["device_cache_bytes"]
+        assert m["summary"]["all_tokens_identical"] and m["summary"]["logits_identical"]
+        assert len(m["pairs"]) == 2 and m["pairs"][1]["order"] == ["large", "small"]
+        assert all(q[s]["tokens_total"] == 2 * 6 for q in m["pairs"] for s in ("small", "large"))
+
+
 def test_sessions_ab(tmp_path):
     out = tmp_path / "sessions.json"
     _run("experiments.sessions_ab", "--config.run.max_new_tokens=10", "--sessions=2", "--pairs=1", "--mtp=2",
-         "--suffix=4", "--check_tokens=4", "--append=40", "--workload=zipf1.0", f"--out={out}")
+         "--suffix=4", "--check_tokens=4", "--append=40", "--workload=zipf1.0,local99",
+         f"--prefill_once={tmp_path / 'history'}", f"--out={out}")
     report = json.loads(out.read_text())
-    (name,) = report["settings"]
-    s = report["settings"][name]
-    assert name == "mtp2_forced" and s["summary"]["all_tokens_identical"] and s["summary"]["logits_identical"]
+    # one prefill: the resident engine's, saved; the offload engine restored it and decodes the same tokens
+    assert "save_s" in report["build"]["resident"] and "restore_s" in report["build"]["offload"]
+    assert "prefill_s" not in report["build"]["offload"]
+    assert sorted(report["settings"]) == ["local99_mtp2_forced", "zipf1.0_mtp2_forced"]
+    for s in report["settings"].values():
+        assert s["summary"]["all_tokens_identical"] and s["summary"]["logits_identical"]
+    s = report["settings"]["zipf1.0_mtp2_forced"]
     (pair,) = s["pairs"]
     for mode in ("resident", "offload"):
         f = pair[mode]

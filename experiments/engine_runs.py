@@ -1,0 +1,66 @@
+"""What the engine A/B entry points (``sessions_ab``, ``live_history_ab``) share: one timed ``Engine.generate``
+run that leaves the sessions as it found them, and the figures reported for it."""
+
+import jax
+import numpy as np
+
+import glm53
+
+
+def device_memory() -> dict:
+    stats = jax.devices()[0].memory_stats() or {}
+    return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats}
+
+
+def run(e: glm53.Engine, sids: list, n: int, depth: int, accept, selection, logits=False) -> dict:
+    """``n`` tokens for every session of ``sids`` in one ``generate`` call (MTP ``depth``, ``accept`` the forced
+    acceptance or None, ``selection`` the workload's override or None), then every session rolled back to where it
+    was, so the next run starts from the same state. Returns the tokens, the run report and, offloaded, hit rates."""
+    before = {s: e.stats(s) for s in sids}
+    out = e.generate({s: n for s in sids}, mtp=depth, accept_override=accept, selection_override=selection,
+                     return_logits=logits)
+    r = e.last_run
+    res = {"tokens": [out[s] for s in sids], "report": r}
+    if e.offload:
+        after = {s: e.stats(s) for s in sids}
+        rates = []
+        for s in sids:
+            h = after[s]["hits"] - before[s]["hits"]
+            m = after[s]["misses"] - before[s]["misses"]
+            rates.append(h / (h + m) if h + m else None)
+        res["hit_rate_per_session"] = rates
+        h = sum(after[s]["hits"] - before[s]["hits"] for s in sids)
+        m = sum(after[s]["misses"] - before[s]["misses"] for s in sids)
+        res["hit_rate"] = h / (h + m) if h + m else None
+    for s in sids:  # back to the same state for the next run
+        e.rollback(s, len(out[s]))
+    return res
+
+
+def _median_ms(seconds: list) -> float | None:
+    return 1e3 * float(np.median(seconds)) if seconds else None
+
+
+def figures(res: dict, n_sessions: int) -> dict:
+    """The reported figures of one ``run``: tokens/s, MTP counts, step-call percentiles and the slowest calls."""
+    r = res["report"]
+    pct = r.step_call_ms
+    total = sum(len(t) for t in res["tokens"])
+    return {
+        # every session's tokens after its first (the first is the previous token's, sampled before the loop)
+        "aggregate_tokens_per_s": r.decode_tokens / r.decode_s,
+        "per_session_tokens_per_s": [(len(t) - 1) / r.decode_s for t in res["tokens"]],
+        "tokens_total": total, "decode_s": r.decode_s, "first_token_s": r.first_token_s, "steps": r.steps,
+        "mtp_proposed": r.mtp_proposed, "mtp_accepted": r.mtp_accepted, "mtp_committed": r.mtp_committed,
+        "acceptance_real": r.acceptance, "tokens_per_step_per_session": r.decode_tokens / max(r.steps, 1) / n_sessions,
+        "step_call_ms": pct, "step_call_p99_over_median": pct["p99"] / pct["p50"] if pct else None,
+        "copyback_steps": r.copyback_steps, "hit_rate": res.get("hit_rate"),
+        # which calls are slow: the p99 target is about them (copyback steps against the others, the slowest)
+        "slowest_step_calls_ms": sorted(((round(1e3 * t, 3), i + 1) for i, t in enumerate(r.step_call_s)),
+                                        reverse=True)[:8],
+        "copyback_step_call_ms_median": _median_ms([r.step_call_s[i - 1] for i in r.copyback_steps
+                                                    if 0 < i <= len(r.step_call_s)]),
+        "other_step_call_ms_median": _median_ms([t for i, t in enumerate(r.step_call_s, 1)
+                                                 if i not in set(r.copyback_steps)]),
+        "hit_rate_per_session": res.get("hit_rate_per_session"), "compile_s": r.compile_s,
+    }
