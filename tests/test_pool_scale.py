@@ -87,6 +87,7 @@ def test_hot_gather_reads_host_rows_past_2_31_bytes():
     kw = dict(kv_format=FMT, out_dtype=jnp.float32, block_rows=hg.DEFAULT_BLOCK_ROWS)
     got = hg.hot_gather(*args, interpret=True, **kw)
     want = hg.hot_gather_reference(*args, **kw)
+    got, want = (x[:2] + (hg.packed_at_misses(x[2], args[0]),) for x in (got, want))  # packed: misses only
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     from_host = source == hg.HOST
@@ -95,8 +96,6 @@ def test_hot_gather_reads_host_rows_past_2_31_bytes():
         packed = np.asarray(got[2][n])
         np.testing.assert_array_equal(packed[from_host], written[n][[index[int(r)] for r in row[from_host]]],
                                       err_msg=n)
-        np.testing.assert_array_equal(packed[5], ring[n][3], err_msg=n)
-        np.testing.assert_array_equal(packed[11], hot[n][6], err_msg=n)
     lat, rope = kvf.unpack(fmt, {n: jnp.asarray(v) for n, v in written.items()}, jnp.float32)
     np.testing.assert_array_equal(np.asarray(got[0])[from_host], np.asarray(lat)[[index[int(r)] for r in
                                                                                     row[from_host]]])
