@@ -75,7 +75,7 @@ class Round:
     source: Array  # int32[B, M] ring / hot / host
     slot: Array  # int32[B, M] hot slot of hits
     valid: Array  # bool[B, M] entries attention uses
-    packed: dict  # plane -> [B, M, W] the rows as stored (copied into victim slots)
+    packed: dict  # plane -> [B, M, W] the rows as stored, at misses (what the fill copies into victim slots)
     layer: int = flax.struct.field(pytree_node=False, default=0)
 
 

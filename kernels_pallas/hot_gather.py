@@ -6,8 +6,9 @@ Misses are read straight from the ``pinned_host`` history planes, zero-copy over
 Pallas's Triton lowering and ``memory_space=ANY`` operands: h200-probe.md).
 
 The kernel writes each row twice: dequantised (``latent``, ``rope`` in the model's dtype, what attention reads,
-with the same arithmetic as ``kv_formats.unpack`` and the resident ``gather_rows``) and packed (the raw plane bytes,
-what the fill step copies into victim slots: a dequantised row cannot be re-packed to the same bytes). Dequantising
+with the same arithmetic as ``kv_formats.unpack`` and the resident ``gather_rows``) and, for misses only, packed (the
+raw plane bytes, what the fill step copies into victim slots: a dequantised row cannot be re-packed to the same
+bytes). Each program issues all its loads before any store, so a miss's round trips overlap. Dequantising
 here instead of in a separate XLA op saved one kernel per layer per step, ~2 us each on the H200 (profile_decode).
 
 Each entry's source is decided before the kernel (``source``: 0 ring, 1 hot, 2 host) together with its row in that
@@ -139,9 +140,9 @@ def _hot_gather_kernel(source_ref, row_ref, *refs, fmt: KVFormat, names: tuple, 
         # reshape in the kernel. Loading group by group instead (as gather_rows does) made this kernel 2x slower.
         scale_per_col = _load3(srcs["scale"], masks, row, cols["latent"] // fmt.group_size,
                                packed_out["scale"].dtype)  # [block, 512]
-    # Packed rows only for misses: the fill copies nothing else (hits are in the hot cache already, ring rows
-    # reach the host through the copyback), and storing every entry's packed bytes cost as much again as a third of
-    # the dequantised writes (13 MB a layer at 10 lanes x 2,048 rows).
+    # Packed rows only for misses: the fill installs nothing else (hits are in the hot cache already, ring rows
+    # reach the host through the copyback). Storing every entry's 656 packed bytes beside its 1,152 dequantised ones
+    # wrote 13 MB more a layer at 10 lanes x 2,048 rows; 38.3 -> 32.8 us with the load order above (H200).
     miss = masks[HOST][:, None]
     _store_where(packed_out["latent"], latent, miss)
     _store_where(packed_out["rope"], rope, miss)
@@ -222,7 +223,9 @@ def hot_gather_reference(source: jax.Array, row: jax.Array, ring: dict, hot: dic
                          num_warps: int = DEFAULT_NUM_WARPS,
                          interpret: bool = False) -> tuple[jax.Array, jax.Array, dict]:
     """Pure-jnp reference with the same signature. ``host`` planes must be readable by XLA's gather here (device
-    arrays; a caller holding ``pinned_host`` planes moves them first — the CPU fallback does)."""
+    arrays; a caller holding ``pinned_host`` planes moves them first — the CPU fallback does). Its packed rows are
+    zero where the kernel's are unspecified (every entry but a miss), so a consumer that read them would change
+    results on the CPU too, not only on a GPU."""
     del num_warps, interpret
     fmt = kv_formats.get_format(kv_format)
     _validate(source, row, ring, hot, host, block_rows, fmt, compiled=False)
@@ -233,4 +236,4 @@ def hot_gather_reference(source: jax.Array, row: jax.Array, ring: dict, hot: dic
         sel = source[:, None]
         packed[name] = jnp.where(sel == RING, vals[0], jnp.where(sel == HOT, vals[1], vals[2]))
     latent, rope = kv_formats.unpack(fmt, packed, out_dtype)
-    return latent, rope, packed
+    return latent, rope, packed_at_misses(packed, source)
