@@ -35,21 +35,29 @@ _ROUTING = flags.DEFINE_enum("routing", "auto", ["auto", "probe", "uniform"],
                              "routed experts for the roofline: auto (exact for one token per step, else probe), "
                              "probe (the model's routing, one instrumented decode), uniform (the expectation)")
 _PROBE_TOKENS = flags.DEFINE_integer("probe_tokens", 4, "tokens per session of the routing probe")
+_EXPERT_WEIGHTS = flags.DEFINE_enum("expert_weights", "model", ["model", "fp8"],
+                                    "routed experts in the model dtype, or kept in FP8 on the device (block-scaled "
+                                    "e4m3, dequantised in the grouped matmul): fewer bytes per decode step")
 _BANDWIDTH_MIB = flags.DEFINE_integer("bandwidth_mib", 0, "array size of the bandwidth benchmark (0: 1 GiB on "
                                       "accelerators, 64 MiB on a CPU)")
 
 
-def build_model(config) -> glm53.Model:
+def build_model(config, expert_weights: str = "model") -> glm53.Model:
     cache_config = glm53.CacheConfig.from_config_dict(config.cache)
     path = config.checkpoint
     mesh = config.get("mesh")  # --config.mesh.tp=4: parameters split over 4 devices (glm53.sharding)
     if not path:
-        return glm53.from_config(config.model, config.seed, dtype=config.dtype, cache_config=cache_config, mesh=mesh)
+        return glm53.from_config(config.model, config.seed, dtype=config.dtype, cache_config=cache_config, mesh=mesh,
+                                 expert_weights=expert_weights)
     if os.path.exists(os.path.join(path, "glm53.json")):
         model = glm53.load(path, dtype=config.dtype, mesh=mesh)
+        if model.expert_weights != expert_weights:
+            raise glm53.ConfigError(f"--expert_weights={expert_weights}: {path} holds its experts as "
+                                    f"{model.expert_weights!r} (a glm53 checkpoint keeps what it was saved with)")
         model.cache_config = cache_config
         return model
-    return glm53.from_pretrained(path, dtype=config.dtype, cache_config=cache_config, mesh=mesh)
+    return glm53.from_pretrained(path, dtype=config.dtype, cache_config=cache_config, mesh=mesh,
+                                 expert_weights=expert_weights)
 
 
 def figures(result: glm53.GenerateResult) -> dict:
@@ -133,7 +141,7 @@ def main(argv):
     distributed.initialize()
     config = _CONFIG.value
     run = config.run
-    model = build_model(config)
+    model = build_model(config, _EXPERT_WEIGHTS.value)
     print(model)
     rng = np.random.default_rng(run.seed)
     prompts = [rng.integers(0, model.config.vocab_size, run.prompt_len).tolist() for _ in range(run.batch)]
@@ -206,7 +214,8 @@ def main(argv):
         if run.compare_resident and mode != "resident":
             out_roofline["resident_baseline"] = rooflines.get("resident")
     if run.output_json and distributed.is_writer():
-        report = {"config": config.to_dict(), "figures": out, "tokens": result.tokens,
+        report = {"config": config.to_dict(), "expert_weights": model.expert_weights, "figures": out,
+                  "tokens": result.tokens,
                   **({"roofline": out_roofline} if bandwidth is not None else {}),
                   "cache_stats": jax.tree_util.tree_map(lambda x: np.asarray(x).tolist(), result.cache_stats),
                   "jax_version": jax.__version__, "backend": jax.default_backend(),

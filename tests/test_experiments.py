@@ -269,6 +269,20 @@ def test_generate_roofline(tmp_path):
     assert run["bytes"]["routed_experts"]["per_layer"] == base["bytes"]["routed_experts"]["per_layer"]
 
 
+def test_generate_fp8_experts(tmp_path):
+    """--expert_weights=fp8: the experts stay FP8 on the device, the roofline counts their bytes, offload equals
+    resident on the same FP8 model."""
+    out = tmp_path / "gen.json"
+    _run("experiments.generate", "--expert_weights=fp8", "--config.run.max_new_tokens=5",
+         "--config.cache.mode=offload", "--config.run.compare_resident=True", f"--config.run.output_json={out}",
+         "--bandwidth_mib=8")
+    report = json.loads(out.read_text())
+    assert report["expert_weights"] == "fp8"
+    assert report["roofline"]["run"]["bytes"]["inputs"]["expert_weights"] == "fp8"
+    comparison = report["figures"]["comparison"]
+    assert comparison["tokens_identical"] and comparison["logits_bit_identical"]
+
+
 def test_throughput(tmp_path):
     """Sessions x histories x modes: every point timed with its roofline, tokens equal between modes, the plot; a
     point that cannot fit is skipped with the reason; --plot_only merges result files."""
