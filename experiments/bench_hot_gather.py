@@ -27,7 +27,8 @@ flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_bool("tiny", False, "small sizes for a CPU smoke run")
 flags.DEFINE_string("kv_format", "q8g64", "row format")
 flags.DEFINE_integer("iters", 50, "timed calls per case (median reported)")
-flags.DEFINE_bool("sweep", False, "also time every (block_rows, num_warps) launch shape at all hits / all misses")
+flags.DEFINE_bool("sweep", False, "also time every (block_rows, num_warps) launch shape at all hits / all misses "
+                  "and at each --decode_cases case")
 flags.DEFINE_list("sweep_block_rows", ["4", "8", "16", "32"], "--sweep: rows per program")
 flags.DEFINE_list("sweep_num_warps", ["1", "2", "4", "8"], "--sweep: warps per program")
 flags.DEFINE_list("decode_cases", ["20480:0.99"], "more cases, rows:hit_fraction, each beside the resident gather of "
@@ -138,15 +139,19 @@ def main(_):
         return gather_rows(planes, jnp.zeros((1,), jnp.int32), pos[None], kv_format=fmt.name,
                            out_dtype=jnp.bfloat16, interpret=interpret)
 
-    for case in FLAGS.decode_cases:
+    def decode_case(case: str) -> tuple[str, int, float]:
         rows, frac = case.split(":")
         rows, frac = min(int(rows), n_hist // 2) if FLAGS.tiny else int(rows), float(frac)
-        rows -= rows % hg.DEFAULT_BLOCK_ROWS
+        rows -= rows % max(32, hg.DEFAULT_BLOCK_ROWS)  # every swept launch shape divides it
+        return f"rows{rows}_hits{frac:g}", rows, frac
+
+    for case in FLAGS.decode_cases:
+        _, rows, frac = decode_case(case)
         t, equal = checked_time(frac, rows)
         positions = [(jnp.asarray(np.sort(rng.choice(n_hist, rows, replace=False)).astype(np.int32)),)
                      for _ in range(4)]
         t_res = timeit(resident, positions, (res_planes,), FLAGS.iters)
-        results["cases"][f"rows{rows}_hits{frac:g}"] = {
+        results["cases"][decode_case(case)[0]] = {
             "rows": rows, "hit_fraction": frac, "ms": t * 1e3, "bit_identical_to_reference": equal,
             "resident_gather_rows_dequant_ms": t_res * 1e3, "over_resident_ms": (t - t_res) * 1e3}
     # Device-only baselines: the same kernel with the history on the device, and the resident gather (+dequant).
@@ -173,20 +178,31 @@ def main(_):
     if FLAGS.sweep:
         # Misses are latency-bound over PCIe at 2,048 rows: how many rows each program keeps in flight (block_rows,
         # with more programs for fewer rows) and how many warps issue them decide the bandwidth reached.
+        # At the decode step's shape (many rows, few misses) bandwidth matters as well as latency, so the shape
+        # chosen at 2,048 rows need not be the best there: each decode case is timed with every shape too.
         sweep = []
         miss_sets, hit_sets = inputs(0.0, M), inputs(1.0, M)
         want = reference(*miss_sets[0], ring, hot, host_on_device)
+        decode_sets = {}
+        for case in FLAGS.decode_cases:
+            name, rows, frac = decode_case(case)
+            sets = inputs(frac, rows)
+            decode_sets[name] = (sets, reference(*sets[0], ring, hot, host_on_device))
         for block_rows in map(int, FLAGS.sweep_block_rows):
             for num_warps in map(int, FLAGS.sweep_num_warps):
                 fn = functools.partial(kernel, block_rows=block_rows, num_warps=num_warps)
                 equal = identical(fn(*miss_sets[0], ring, hot, host), want, miss_sets[0][0])
                 t_miss = timeit(fn, miss_sets, (ring, hot, host), FLAGS.iters)
                 t_hit = timeit(fn, hit_sets, (ring, hot, host), FLAGS.iters)
+                decode_ms = {}
+                for name, (sets, want_d) in decode_sets.items():
+                    equal = equal and identical(fn(*sets[0], ring, hot, host), want_d, sets[0][0])
+                    decode_ms[name] = timeit(fn, sets, (ring, hot, host), FLAGS.iters) * 1e3
                 sweep.append({"block_rows": block_rows, "num_warps": num_warps, "bit_identical_to_reference": equal,
                               "all_misses_ms": t_miss * 1e3, "all_hits_ms": t_hit * 1e3,
-                              "all_misses_host_GBps": M * fmt.bytes_per_row / t_miss / 1e9})
+                              "all_misses_host_GBps": M * fmt.bytes_per_row / t_miss / 1e9, "decode_ms": decode_ms})
                 print(f"sweep block_rows={block_rows:>2} num_warps={num_warps}: misses {t_miss * 1e3:.4f} ms, "
-                      f"hits {t_hit * 1e3:.4f} ms, identical {equal}")
+                      f"hits {t_hit * 1e3:.4f} ms, decode cases {decode_ms}, identical {equal}")
         results["sweep"] = sweep
         results["sweep_default"] = {"block_rows": hg.DEFAULT_BLOCK_ROWS,
                                     "num_warps": hg.DEFAULT_NUM_WARPS}

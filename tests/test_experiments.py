@@ -85,6 +85,7 @@ def test_bench_hot_gather(tmp_path):
     (decode,) = [c for name, c in report["cases"].items() if name.startswith("rows")]  # the decode step's shape
     assert decode["bit_identical_to_reference"] and decode["hit_fraction"] == 0.99 and decode["rows"] == 2048
     assert decode["resident_gather_rows_dequant_ms"] > 0
+    assert list(shape["decode_ms"]) == ["rows2048_hits0.99"] and shape["decode_ms"]["rows2048_hits0.99"] > 0
 
 
 def test_bench_copyback(tmp_path):
