@@ -6,14 +6,19 @@
 Each mode builds one engine of ``--sessions`` slots. The histories: one prompt of ``prompt_len`` tokens is
 prefilled, ``--sessions - 1`` forks copy it *with their own host pages* (``fork(share_pages=False)``: ten 50K
 prefills would not fit the device time; the copies make every session's history its own host memory, as ten
-prefills would), and each session then appends its own 16 random tokens, so they decode different tokens.
+prefills would), and each session then appends its own 16 random tokens, so they decode different tokens. With
+``--prefill_once=DIR`` only the resident engine prefills; it saves the session to DIR and the offload engine restores
+it (a 1M-token history: one prefill of minutes instead of two)::
 
-For every MTP depth, after an untimed warm-up (compilation), ``--pairs`` interleaved pairs (resident first, then
+    python -m experiments.sessions_ab --config=configs/h200_1m.py --sessions=1 --mtp=0 --append=0 \
+        --workload=local99,indexer --prefill_once=/tmp/history_1m --out=$OUT/sessions_ab_1m.json
+
+For every workload of ``--workload`` and MTP depth, after an untimed warm-up (compilation), ``--pairs`` interleaved pairs (resident first, then
 offload first, ...) each generate ``max_new_tokens`` tokens for every session in one ``Engine.generate`` call, then
 roll the sessions back to where they were, so every run starts from the same state. Random weights accept almost no
 drafts, so MTP runs force acceptance (``accept_override``: every draft accepted; outputs are then compared between
-modes only) and also record the model's real verdicts on the same drafts (``acceptance_real``). Reported per run: aggregate and per-session tokens/s,
-acceptance per draft position, hit rates, host step-call percentiles (stalls), copyback steps, device memory (peak
+modes only) and also record the model's real verdicts on the same drafts (``acceptance_real``). Reported per run:
+aggregate and per-session tokens/s, acceptance per draft position, hit rates, host step-call percentiles (stalls), copyback steps, device memory (peak
 and in use) and host bytes actually allocated. Tokens must be identical between modes in every pair; a short run per
 depth also compares the logits bit for bit.
 
