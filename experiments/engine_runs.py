@@ -32,6 +32,7 @@ def run(e: glm53.Engine, sids: list, n: int, depth: int, accept, selection, logi
         h = sum(after[s]["hits"] - before[s]["hits"] for s in sids)
         m = sum(after[s]["misses"] - before[s]["misses"] for s in sids)
         res["hit_rate"] = h / (h + m) if h + m else None
+        res["misses"] = m
     for s in sids:  # back to the same state for the next run
         e.rollback(s, len(out[s]))
     return res
@@ -54,7 +55,7 @@ def figures(res: dict, n_sessions: int) -> dict:
         "mtp_proposed": r.mtp_proposed, "mtp_accepted": r.mtp_accepted, "mtp_committed": r.mtp_committed,
         "acceptance_real": r.acceptance, "tokens_per_step_per_session": r.decode_tokens / max(r.steps, 1) / n_sessions,
         "step_call_ms": pct, "step_call_p99_over_median": pct["p99"] / pct["p50"] if pct else None,
-        "copyback_steps": r.copyback_steps, "hit_rate": res.get("hit_rate"),
+        "copyback_steps": r.copyback_steps, "hit_rate": res.get("hit_rate"), "misses": res.get("misses"),
         # which calls are slow: the p99 target is about them (copyback steps against the others, the slowest)
         "slowest_step_calls_ms": sorted(((round(1e3 * t, 3), i + 1) for i, t in enumerate(r.step_call_s)),
                                         reverse=True)[:8],

@@ -29,7 +29,7 @@ from ml_collections import config_flags
 import glm53
 import glm53.roofline
 import kernels_pallas.kv_formats
-from experiments import workloads
+from experiments import loss_plot, workloads
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
@@ -46,49 +46,19 @@ def run_once(model, prompts, cc, new_tokens, workload, K, history, seed, run_cfg
 
 
 def floor_pct(pairs: list, row_bytes: int, host_bw: dict | None) -> float | None:
-    """The physical floor of a workload's offload loss, in % of the resident step: misses per step x row bytes over
-    the measured zero-copy bandwidth (None without a measurement)."""
-    if not host_bw:
-        return None
-    pct = []
-    for p in pairs:
-        d = p["cache_stats"]["decode"]
-        steps = max(p["decode_steps"], 1)
-        floor_s = d["misses"] * row_bytes / steps / host_bw["bandwidth_Bps"]
-        pct.append(100 * floor_s / p["resident_step_s"])
-    return float(np.mean(pct))
+    """The physical floor of a workload's offload loss, in % of the resident step, averaged over its pairs (None
+    without a bandwidth measurement)."""
+    pct = [loss_plot.floor_pct(p["cache_stats"]["decode"]["misses"] / max(p["decode_steps"], 1), row_bytes, host_bw,
+                               p["resident_step_s"]) for p in pairs]
+    return None if None in pct else float(np.mean(pct))
 
 
 def plot(results: dict, path: str) -> str | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        return f"no plot: {err}"
-    rows = [(wl, s) for wl, s in results.get("summary", {}).items() if s.get("decode_hit_rate") is not None]
-    if not rows:
-        return "no plot: no workload with a hit rate"
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    x = [100 * s["decode_hit_rate"] for _, s in rows]
-    ax.plot(x, [s["pooled_loss_pct"] for _, s in rows], "o", label="offload loss (pooled pairs)")
-    for (wl, s), xi in zip(rows, x):
-        ax.annotate(wl, (xi, s["pooled_loss_pct"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.vlines(xi, s["loss_pct_min"], s["loss_pct_max"], alpha=0.4)
-    floors = [(xi, s["floor_pct"]) for (_, s), xi in zip(rows, x) if s.get("floor_pct") is not None]
-    if floors:
-        fx, fy = zip(*sorted(floors))
-        ax.plot(fx, fy, "k--", label="physical floor: misses x row bytes / zero-copy bandwidth")
-    ax.axhline(0, color="grey", lw=0.5)
-    ax.set_xlabel("decode hit rate (%)")
-    ax.set_ylabel("decode time lost to offload (% of resident)")
-    ax.set_title(f"offload loss vs hit rate ({results.get('device_kind', '')}, history "
-                 f"{results['config']['run']['prompt_len']:,}, MTP {results['config']['run']['mtp']})", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    points = [{"label": wl, "hit_rate": s.get("decode_hit_rate"), "loss_pct": s["pooled_loss_pct"],
+               "loss_min": s["loss_pct_min"], "loss_max": s["loss_pct_max"], "floor_pct": s.get("floor_pct")}
+              for wl, s in results.get("summary", {}).items()]
+    return loss_plot.plot(points, path, f"offload loss vs hit rate ({results.get('device_kind', '')}, history "
+                          f"{results['config']['run']['prompt_len']:,}, MTP {results['config']['run']['mtp']})")
 
 
 def summarise(pairs: list) -> dict:

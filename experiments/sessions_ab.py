@@ -13,14 +13,16 @@ it (a 1M-token history: one prefill of minutes instead of two)::
     python -m experiments.sessions_ab --config=configs/h200_1m.py --sessions=1 --mtp=0 --append=0 \
         --workload=local99,indexer --prefill_once=/tmp/history_1m --out=$OUT/sessions_ab_1m.json
 
-For every workload of ``--workload`` and MTP depth, after an untimed warm-up (compilation), ``--pairs`` interleaved pairs (resident first, then
-offload first, ...) each generate ``max_new_tokens`` tokens for every session in one ``Engine.generate`` call, then
-roll the sessions back to where they were, so every run starts from the same state. Random weights accept almost no
-drafts, so MTP runs force acceptance (``accept_override``: every draft accepted; outputs are then compared between
-modes only) and also record the model's real verdicts on the same drafts (``acceptance_real``). Reported per run:
-aggregate and per-session tokens/s, acceptance per draft position, hit rates, host step-call percentiles (stalls), copyback steps, device memory (peak
-and in use) and host bytes actually allocated. Tokens must be identical between modes in every pair; a short run per
-depth also compares the logits bit for bit.
+For every workload of ``--workload`` and MTP depth, after an untimed warm-up (compilation), ``--pairs`` interleaved
+pairs (resident first, then offload first, ...) each generate ``max_new_tokens`` tokens for every session in one
+``Engine.generate`` call, then roll the sessions back to where they were, so every run starts from the same state.
+Random weights accept almost no drafts, so MTP runs force acceptance (``accept_override``: every draft accepted;
+outputs are then compared between modes only) and also record the model's real verdicts on the same drafts
+(``acceptance_real``). Reported per run: aggregate and per-session tokens/s, acceptance per draft position, hit
+rates, host step-call percentiles (stalls), copyback steps, device memory (peak and in use) and host bytes actually
+allocated; per setting the physical floor (misses per step x row bytes over the zero-copy bandwidth measured in the
+run, GPU only); with several workloads, the loss against hit rate drawn next to ``--out`` (``.png``). Tokens must
+be identical between modes in every pair; a short run per depth also compares the logits bit for bit.
 
 Last, ``--append`` tokens are appended to one session of each engine in interleaved pairs (``append_ab``): the time
 of a large append to a long offloaded history against resident, outputs compared after it.
@@ -35,9 +37,11 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import glm53
-from experiments import workloads
+import glm53.roofline
+from experiments import loss_plot, workloads
 from experiments.engine_runs import device_memory, figures, run
 from glm53.provenance import provenance
+from kernels_pallas import kv_formats
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment config")
@@ -99,6 +103,9 @@ def main(_):
                "histories": ("one prefill (resident), saved and restored into the offload engine" if FLAGS.prefill_once
                              else "one prefill per engine") + ", forks with their own host pages, a distinct "
                              f"{FLAGS.suffix}-token suffix each", "settings": {}}
+    # A physical floor beside each setting's loss: its misses per step over the zero-copy bandwidth (GPU only)
+    results["host_read_bandwidth"] = host_bw = glm53.roofline.measure_host_read_bandwidth(cc.kv_format)
+    row_bytes = kv_formats.get_format(cc.kv_format).bytes_per_row
     engines = {}
     for mode in ("resident", "offload"):
         once = FLAGS.prefill_once
@@ -160,14 +167,27 @@ def main(_):
                   f"(ms {fo['step_call_ms']}); copyback steps {fo['copyback_steps'][:8]}", flush=True)
         res_s = sum(1 / q["resident"]["aggregate_tokens_per_s"] for q in entry["pairs"])
         off_s = sum(1 / q["offload"]["aggregate_tokens_per_s"] for q in entry["pairs"])
+        floors = [loss_plot.floor_pct(q["offload"]["misses"] / max(q["offload"]["steps"], 1), row_bytes, host_bw,
+                                      q["resident"]["decode_s"] / max(q["resident"]["steps"], 1))
+                  for q in entry["pairs"]]
         entry["summary"] = {
             "pooled_loss_pct": 100 * (1 - res_s / off_s),
             "losses_pct": [q["offload_loss_pct"] for q in entry["pairs"]],
+            "hit_rate": float(np.mean([q["offload"]["hit_rate"] for q in entry["pairs"]])),
+            "floor_pct": None if None in floors else float(np.mean(floors)),
             "all_tokens_identical": all(q["tokens_identical"] for q in entry["pairs"])
             and entry["check_tokens_identical"], "logits_identical": entry["check_logits_identical"],
             "offload_step_call_p99_over_median": [q["offload"]["step_call_p99_over_median"] for q in entry["pairs"]]}
         print(f"[{name}] {entry['summary']}", flush=True)
         results["settings"][name] = entry
+        if FLAGS.out and len(FLAGS.workload) > 1:
+            results["plot"] = loss_plot.plot(
+                [{"label": n, "hit_rate": st["summary"]["hit_rate"], "loss_pct": st["summary"]["pooled_loss_pct"],
+                  "loss_min": min(st["summary"]["losses_pct"]), "loss_max": max(st["summary"]["losses_pct"]),
+                  "floor_pct": st["summary"]["floor_pct"]} for n, st in results["settings"].items()],
+                FLAGS.out.rsplit(".", 1)[0] + ".png",
+                f"offload loss vs hit rate ({S} sessions x {history:,}-token histories, "
+                f"{jax.devices()[0].device_kind})")
         if FLAGS.out:  # after every setting, so a run cut short still leaves what it measured
             with open(FLAGS.out, "w") as f:
                 json.dump(results, f, indent=2, default=str)
