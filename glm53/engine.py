@@ -40,6 +40,7 @@ except ImportError:
     from tqdm import tqdm
 
 from glm53 import memory, offload, session_io
+from glm53 import steps as steps_lib
 from glm53.cache import Lanes, capacity_for, init_resident
 from glm53.config import CacheConfig, ConfigError
 from kernels_pallas import kv_formats
@@ -253,6 +254,7 @@ class Engine:
         self.device_budget_bytes = device_budget_bytes
         self.host_budget_bytes = host_budget_bytes
         self.cache = self._build()
+        self._inputs = steps_lib.Steps.outputs_placement(self.cache)
         self._steps: dict = {}
         self._free_slots = list(range(self.max_sessions))
         self._free_pages = collections.deque(range(self.pool_pages))
@@ -391,13 +393,19 @@ class Engine:
         self.cache, out = self._step(name)(*args, **kw)
         return out
 
+    def _put(self, x, dtype=None) -> jax.Array:
+        """A step input built on the host, placed where the steps put their outputs (``Steps.outputs_placement``):
+        the loops feed each step the previous one's outputs, and an input placed otherwise on the first call
+        compiles the step a second time."""
+        return jax.device_put(np.asarray(x, dtype), self._inputs)
+
     def _lanes(self, slots: list) -> tuple[Lanes, int]:
         bucket = next(b for b in self.buckets if b >= len(slots))
         slot = np.zeros(bucket, np.int32)
         slot[: len(slots)] = slots
         active = np.zeros(bucket, bool)
         active[: len(slots)] = True
-        return Lanes(slot=jnp.asarray(slot), active=jnp.asarray(active)), bucket
+        return Lanes(slot=self._put(slot), active=self._put(active)), bucket
 
     def _chunk_steps(self, s: Session, ids: list, *, outputs: str | None = None, progress: bool = False):
         """Process ``ids`` (the session's unprocessed tokens) in chunk steps; returns the chunks' outputs."""
@@ -671,7 +679,7 @@ class Engine:
         # -1 never matches a token; a fixed length keeps one compiled shape per step.
         padded = np.full(max(8, _next_pow2(len(ids))), -1, np.int32)
         padded[: len(ids)] = ids
-        return jnp.asarray(padded)
+        return self._put(padded)
 
     # ------------------------------------------------------------------------------------------------------------
     # public API: save / restore
@@ -894,8 +902,8 @@ class _Run:
         self.sessions = sessions
         self.reqs = reqs
         self.mtp, self.greedy = mtp, greedy
-        self.seed = jnp.int32(seed)
-        self.temperature, self.top_p = jnp.float32(temperature), jnp.float32(top_p)
+        self.seed = engine._put(seed, np.int32)
+        self.temperature, self.top_p = engine._put(temperature, np.float32), engine._put(top_p, np.float32)
         self.stop = stop
         self.on_token = on_token
         self.return_logits = return_logits
@@ -979,7 +987,7 @@ class _Run:
             raise ValueError("selection_override must return distinct positions in each row")
         full = np.zeros((self.bucket, K), np.int32)
         full[:n] = sel
-        return jnp.asarray(full)
+        return self.e._put(full)
 
     # ---- the loop ----
     def execute(self) -> None:
@@ -1066,8 +1074,8 @@ class _Run:
         e = self.e
         fold = e.fold_every(0)
         pages = offload.copy_pages_for(e.cache_config, 1) if e.offload else 0
-        tokens = jnp.asarray(self._pending())
-        remaining = jnp.asarray(self.remaining.astype(np.int32))
+        tokens = e._put(self._pending())
+        remaining = e._put(self.remaining, np.int32)
         inflight = self.inflight = collections.deque()
         self.absorb = self._absorb_decode
         t_loop0 = time.perf_counter()
@@ -1122,7 +1130,7 @@ class _Run:
             rem[stale] = self.remaining[stale]
             before = self.remaining.copy()
             e.cache, outs = e._step("decode")(
-                e.model.params, e.cache, self.lanes, jnp.asarray(self._pending()), jnp.asarray(rem),
+                e.model.params, e.cache, self.lanes, e._put(self._pending()), e._put(rem),
                 self.seed, self.temperature, self.top_p, self.stop, self._selection(0), greedy=self.greedy,
                 kernels=e.kernels, copy_pages=pages, trace=self.trace is not None)
             tok, logits, rem_after = outs[:3]
@@ -1133,13 +1141,13 @@ class _Run:
             rem_after = np.asarray(rem_after)
             self._absorb_decode(tok, np.where(mask, rem_after, self.remaining), logits if self.return_logits
                                 else None, before_rem, outs[3] if len(outs) > 3 else None)
-        pending = jnp.asarray(self._pending())
+        pending = e._put(self._pending())
         e.cache, outs = e._step("draft")(
             e.model.params, e.cache, self.lanes, pending, self.seed, self.temperature, self.top_p,
             depth=self.mtp, greedy=self.greedy, kernels=e.kernels, trace=self.trace is not None)
         drafts, draft_p = outs[:2]
         self._record(outs[2] if len(outs) > 2 else None)
-        remaining = jnp.asarray(self.remaining.astype(np.int32))
+        remaining = e._put(self.remaining, np.int32)
         inflight = self.inflight = collections.deque()
         self.absorb = self._absorb_verify
         t_loop0 = time.perf_counter()

@@ -366,15 +366,22 @@ class Steps:
                 donate = (1,)  # (params, cache, ...)
             else:
                 donate = (0,)
-            first = jax.tree_util.tree_leaves(cache)[0].sharding
-            if isinstance(first, jax.sharding.NamedSharding):  # a cache on a mesh: outputs replicated over it
-                device = jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
-            else:
-                device = jax.sharding.SingleDeviceSharding(next(iter(first.device_set)))
             fn = jax.jit(_named(f, name), static_argnames=static, donate_argnums=donate,
-                         out_shardings=(shardings, device))
+                         out_shardings=(shardings, self.outputs_placement(cache)))
             self._jits[key] = fn
         return fn
+
+    @staticmethod
+    def outputs_placement(cache) -> jax.sharding.Sharding:
+        """Where the steps for ``cache`` put their outputs other than the cache (tokens, remaining counts, logits):
+        its device, or replicated over its mesh. Inputs a caller builds on the host for the same arguments belong
+        there too (``Engine._put``): a jitted function compiles once per placement of its arguments, so a decode
+        loop whose first call took host-built tokens (uncommitted) and later calls the previous step's outputs
+        compiled the step twice."""
+        first = jax.tree_util.tree_leaves(cache)[0].sharding
+        if isinstance(first, jax.sharding.NamedSharding):  # a cache on a mesh: outputs replicated over it
+            return jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+        return jax.sharding.SingleDeviceSharding(next(iter(first.device_set)))
 
     def __call__(self, name: str, *args, **kw):
         """Run step ``name``: ``(params, cache, ...)`` for model steps, ``(cache, ...)`` for lifecycle ones.
