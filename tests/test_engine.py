@@ -476,3 +476,16 @@ def test_a_failing_callback_leaves_the_session_consistent(model):
     assert 6 <= n <= 12
     want = ref.generate({r: n + 8})[r]
     assert e.generate({s: 8})[s] == want[n:] and e.tokens(s) == ref.tokens(r)
+
+
+def test_decode_and_verify_compile_once_per_shape():
+    """A generate feeds each step the previous step's outputs; its first call takes inputs built on the host. Placed
+    differently (uncommitted), they made decode and verify compile twice per shape."""
+    e = glm53.Engine(make_model(), CC.replace(mode="offload"), max_sessions=2)  # a fresh model: its own steps
+    sids = [e.open(ids(40, seed)) for seed in range(2)]
+    e.generate({s: 4 for s in sids})
+    e.generate({s: 5 for s in sids}, mtp=1)
+    e.generate({sids[0]: 3})  # bucket 1: one more of each
+    e.generate({sids[0]: 3}, mtp=1)
+    assert {n: e._step(n)._cache_size() for n in ("decode", "verify")} == {"decode": 2, "verify": 2}
+
