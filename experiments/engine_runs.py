@@ -1,5 +1,5 @@
-"""What the engine A/B entry points (``sessions_ab``, ``live_history_ab``) share: one timed ``Engine.generate``
-run that leaves the sessions as it found them, and the figures reported for it."""
+"""What the A/B entry points share: one timed ``Engine.generate`` run that leaves the sessions as it found them,
+the figures reported for it, the logits check, and the pooled loss over interleaved pairs (``offload_ab`` too)."""
 
 import jax
 import numpy as np
@@ -23,19 +23,26 @@ def run(e: glm53.Engine, sids: list, n: int, depth: int, accept, selection, logi
     res = {"tokens": [out[s] for s in sids], "report": r}
     if e.offload:
         after = {s: e.stats(s) for s in sids}
-        rates = []
-        for s in sids:
-            h = after[s]["hits"] - before[s]["hits"]
-            m = after[s]["misses"] - before[s]["misses"]
-            rates.append(h / (h + m) if h + m else None)
-        res["hit_rate_per_session"] = rates
-        h = sum(after[s]["hits"] - before[s]["hits"] for s in sids)
-        m = sum(after[s]["misses"] - before[s]["misses"] for s in sids)
+        hits = [after[s]["hits"] - before[s]["hits"] for s in sids]
+        misses = [after[s]["misses"] - before[s]["misses"] for s in sids]
+        res["hit_rate_per_session"] = [h / (h + m) if h + m else None for h, m in zip(hits, misses)]
+        h, m = sum(hits), sum(misses)
         res["hit_rate"] = h / (h + m) if h + m else None
         res["misses"] = m
     for s in sids:  # back to the same state for the next run
         e.rollback(s, len(out[s]))
     return res
+
+
+def pooled_loss_pct(base_tokens_per_s: list, other_tokens_per_s: list) -> float:
+    """The loss of ``other`` against ``base`` over interleaved pairs, from the pooled time per token (every pair's
+    seconds per token added up, so each pair weighs the same)."""
+    return 100 * (1 - sum(1 / x for x in base_tokens_per_s) / sum(1 / x for x in other_tokens_per_s))
+
+
+def same_logits(a: dict, sids_a: list, b: dict, sids_b: list) -> bool:
+    """Whether two ``run(..., logits=True)`` results hold bit-identical logits, session by session."""
+    return all(np.array_equal(a["report"].logits[x], b["report"].logits[y]) for x, y in zip(sids_a, sids_b))
 
 
 def _median_ms(seconds: list) -> float | None:

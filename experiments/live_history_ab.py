@@ -24,7 +24,7 @@ from ml_collections import config_flags
 
 import glm53
 from experiments import workloads
-from experiments.engine_runs import device_memory, figures, run
+from experiments.engine_runs import device_memory, figures, pooled_loss_pct, run, same_logits
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
@@ -71,9 +71,8 @@ def main(_):
         check = {size: run(e, sids, FLAGS.check_tokens, 0, None, selection(1), logits=True)
                  for size, (e, sids) in engines.items()}
         entry["check_tokens_identical"] = check["small"]["tokens"] == check["large"]["tokens"]
-        entry["check_logits_identical"] = all(
-            np.array_equal(check["small"]["report"].logits[a], check["large"]["report"].logits[b])
-            for a, b in zip(engines["small"][1], engines["large"][1]))
+        entry["check_logits_identical"] = same_logits(check["small"], engines["small"][1], check["large"],
+                                                      engines["large"][1])
         for p in range(FLAGS.pairs):
             order = ("small", "large") if p % 2 == 0 else ("large", "small")
             runs = {size: run(*engines[size], new, 0, None, selection(10 + p)) for size in order}
@@ -85,10 +84,9 @@ def main(_):
             print(f"[{mode} pair {p}] small {fs['aggregate_tokens_per_s']:.1f} tok/s, large "
                   f"{fl['aggregate_tokens_per_s']:.1f} tok/s, loss {pair['large_loss_pct']:.2f}%, tokens identical "
                   f"{pair['tokens_identical']}", flush=True)
-        small_s = sum(1 / q["small"]["aggregate_tokens_per_s"] for q in entry["pairs"])
-        large_s = sum(1 / q["large"]["aggregate_tokens_per_s"] for q in entry["pairs"])
         entry["summary"] = {
-            "pooled_large_loss_pct": 100 * (1 - small_s / large_s),
+            "pooled_large_loss_pct": pooled_loss_pct([q["small"]["aggregate_tokens_per_s"] for q in entry["pairs"]],
+                                                     [q["large"]["aggregate_tokens_per_s"] for q in entry["pairs"]]),
             "losses_pct": [q["large_loss_pct"] for q in entry["pairs"]],
             "all_tokens_identical": entry["check_tokens_identical"]
             and all(q["tokens_identical"] for q in entry["pairs"]),

@@ -30,6 +30,7 @@ import glm53
 import glm53.roofline
 import kernels_pallas.kv_formats
 from experiments import loss_plot, workloads
+from experiments.engine_runs import pooled_loss_pct
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
@@ -67,9 +68,8 @@ def summarise(pairs: list) -> dict:
     +-1.5% on the H200, with an occasional host-disturbed outlier (9% in offload_ab_50k_9a24c79.json), so one pair
     decides nothing."""
     losses = [p["offload_loss_pct"] for p in pairs]
-    resident_s = sum(1 / p["resident_decode_tok_s"] for p in pairs)
-    offload_s = sum(1 / p["offload_decode_tok_s"] for p in pairs)
-    return {"pairs": len(pairs), "pooled_loss_pct": 100 * (1 - resident_s / offload_s),
+    return {"pairs": len(pairs), "pooled_loss_pct": pooled_loss_pct([p["resident_decode_tok_s"] for p in pairs],
+                                                                    [p["offload_decode_tok_s"] for p in pairs]),
             "loss_pct_min": min(losses), "loss_pct_median": float(np.median(losses)), "loss_pct_max": max(losses),
             "all_identical": all(p["tokens_identical"] and p["logits_identical"] for p in pairs)}
 

@@ -39,7 +39,7 @@ from ml_collections import config_flags
 import glm53
 import glm53.roofline
 from experiments import loss_plot, workloads
-from experiments.engine_runs import device_memory, figures, run
+from experiments.engine_runs import device_memory, figures, pooled_loss_pct, run, same_logits
 from glm53.provenance import provenance
 from kernels_pallas import kv_formats
 
@@ -143,9 +143,7 @@ def main(_):
             check[mode] = run(e, sids, FLAGS.check_tokens, depth, accept, selection(1), logits=True)
         r, o = check["resident"], check["offload"]
         entry["check_tokens_identical"] = r["tokens"] == o["tokens"]
-        entry["check_logits_identical"] = all(
-            np.array_equal(r["report"].logits[a], o["report"].logits[b])
-            for a, b in zip(engines["resident"][1], engines["offload"][1]))
+        entry["check_logits_identical"] = same_logits(r, engines["resident"][1], o, engines["offload"][1])
         for p in range(FLAGS.pairs):
             order = ("resident", "offload") if p % 2 == 0 else ("offload", "resident")
             runs = {}
@@ -165,13 +163,12 @@ def main(_):
                   f"committed {fo['mtp_committed']}/{fo['mtp_proposed']}; step call p99/p50 resident "
                   f"{fr['step_call_p99_over_median']:.2f}, offload {fo['step_call_p99_over_median']:.2f} "
                   f"(ms {fo['step_call_ms']}); copyback steps {fo['copyback_steps'][:8]}", flush=True)
-        res_s = sum(1 / q["resident"]["aggregate_tokens_per_s"] for q in entry["pairs"])
-        off_s = sum(1 / q["offload"]["aggregate_tokens_per_s"] for q in entry["pairs"])
         floors = [loss_plot.floor_pct(q["offload"]["misses"] / max(q["offload"]["steps"], 1), row_bytes, host_bw,
                                       q["resident"]["decode_s"] / max(q["resident"]["steps"], 1))
                   for q in entry["pairs"]]
         entry["summary"] = {
-            "pooled_loss_pct": 100 * (1 - res_s / off_s),
+            "pooled_loss_pct": pooled_loss_pct([q["resident"]["aggregate_tokens_per_s"] for q in entry["pairs"]],
+                                               [q["offload"]["aggregate_tokens_per_s"] for q in entry["pairs"]]),
             "losses_pct": [q["offload_loss_pct"] for q in entry["pairs"]],
             "hit_rate": float(np.mean([q["offload"]["hit_rate"] for q in entry["pairs"]])),
             "floor_pct": None if None in floors else float(np.mean(floors)),
