@@ -31,6 +31,12 @@ flags.DEFINE_bool("sweep", False, "also time every (block_rows, num_warps) launc
                   "and at each --decode_cases case")
 flags.DEFINE_list("sweep_block_rows", ["4", "8", "16", "32"], "--sweep: rows per program")
 flags.DEFINE_list("sweep_num_warps", ["1", "2", "4", "8"], "--sweep: warps per program")
+flags.DEFINE_string("insitu", "10:2048:50000:32768:0.99",
+                    "a decode step's layer laid out as the engine lays it out, lanes:K:history:hot_rows:hits (--tiny "
+                    "shrinks it): each lane selects K sorted positions of its own history (a working set, as local99); "
+                    "its hot cache holds them in slots handed out as misses arrived, so slot order is random against "
+                    "position order; misses read the lane's own host rows. Timed as the step orders the entries, with "
+                    "the same entries' slots sorted by position, and beside the resident gather of the same positions")
 flags.DEFINE_list("decode_cases", ["20480:0.99"], "more cases, rows:hit_fraction, each beside the resident gather of "
                   "as many rows: the default is a 10-session decode step's layer (10 x 2,048 rows, 1% misses); "
                   "--tiny caps the rows at half the history")
@@ -136,7 +142,8 @@ def main(_):
     res_planes = {k: v[None] for k, v in host_on_device.items()}
 
     def resident(pos, planes):
-        return gather_rows(planes, jnp.zeros((1,), jnp.int32), pos[None], kv_format=fmt.name,
+        pos = pos if pos.ndim == 2 else pos[None]
+        return gather_rows(planes, jnp.arange(pos.shape[0], dtype=jnp.int32), pos, kv_format=fmt.name,
                            out_dtype=jnp.bfloat16, interpret=interpret)
 
     def decode_case(case: str) -> tuple[str, int, float]:
@@ -144,6 +151,35 @@ def main(_):
         rows, frac = min(int(rows), n_hist // 2) if FLAGS.tiny else int(rows), float(frac)
         rows -= rows % max(32, hg.DEFAULT_BLOCK_ROWS)  # every swept launch shape divides it
         return f"rows{rows}_hits{frac:g}", rows, frac
+
+    def insitu_case() -> dict:
+        """``--insitu``: the kernel's inputs in the order the step builds them (lane by lane, positions sorted) and
+        with each lane's slots sorted by position, a hot plane of ``lanes x hot_rows``, and the resident gather's
+        positions and ``[lanes, history, W]`` planes."""
+        lanes, K, hist, hot_rows, frac = FLAGS.insitu.split(":")
+        lanes, K, hist, hot_rows, frac = int(lanes), int(K), int(hist), int(hot_rows), float(frac)
+        if FLAGS.tiny:
+            lanes, K, hist, hot_rows = 2, 64, 1024, 256
+        if lanes * hist > n_hist or K > min(hist, hot_rows) or (lanes * K) % 32:
+            raise ValueError(f"--insitu={FLAGS.insitu}: lanes x history must fit the {n_hist:,}-row host plane, K "
+                             "the history and the hot rows, and lanes x K be a multiple of 32")
+        hot_planes = {k: jnp.asarray(v) for k, v in planes(lanes * hot_rows).items()}
+        sets = {"insitu_step_order": [], "insitu_slots_by_position": []}
+        positions = []
+        for _ in range(4):
+            pos = np.stack([np.sort(rng.choice(hist, K, replace=False)) for _ in range(lanes)])  # [lanes, K]
+            hit = rng.random((lanes, K)) < frac
+            slots = np.stack([rng.choice(hot_rows, K, replace=False) for _ in range(lanes)])
+            base_hot = (np.arange(lanes) * hot_rows)[:, None]
+            host_row = (np.arange(lanes) * hist)[:, None] + pos
+            src = np.where(hit, hg.HOT, hg.HOST).astype(np.int32).reshape(-1)
+            for name, s_ in (("insitu_step_order", slots), ("insitu_slots_by_position", np.sort(slots, axis=1))):
+                row = np.where(hit, base_hot + s_, host_row).astype(np.int32).reshape(-1)
+                sets[name].append((jnp.asarray(src), jnp.asarray(row)))
+            positions.append((jnp.asarray(pos.astype(np.int32)),))
+        res_planes = {k: v[: lanes * hist].reshape(lanes, hist, v.shape[-1]) for k, v in host_on_device.items()}
+        return {"sets": sets, "hot": hot_planes, "positions": positions, "resident_planes": res_planes,
+                "shape": {"lanes": lanes, "K": K, "history": hist, "hot_rows": hot_rows, "hit_fraction": frac}}
 
     for case in FLAGS.decode_cases:
         _, rows, frac = decode_case(case)
@@ -154,6 +190,14 @@ def main(_):
         results["cases"][decode_case(case)[0]] = {
             "rows": rows, "hit_fraction": frac, "ms": t * 1e3, "bit_identical_to_reference": equal,
             "resident_gather_rows_dequant_ms": t_res * 1e3, "over_resident_ms": (t - t_res) * 1e3}
+    insitu = insitu_case()
+    for name, sets in insitu["sets"].items():
+        equal = identical(kernel(*sets[0], ring, insitu["hot"], host),
+                          reference(*sets[0], ring, insitu["hot"], host_on_device), sets[0][0])
+        t = timeit(kernel, sets, (ring, insitu["hot"], host), FLAGS.iters)
+        results["cases"][name] = {"ms": t * 1e3, "bit_identical_to_reference": equal, **insitu["shape"]}
+    t_res = timeit(resident, insitu["positions"], (insitu["resident_planes"],), FLAGS.iters)
+    results["cases"]["insitu_resident_gather_rows_dequant"] = {"ms": t_res * 1e3, **insitu["shape"]}
     # Device-only baselines: the same kernel with the history on the device, and the resident gather (+dequant).
     sets = inputs(0.0, M)
     t_dev = timeit(kernel, sets, (ring, hot, host_on_device), FLAGS.iters)
@@ -187,7 +231,10 @@ def main(_):
         for case in FLAGS.decode_cases:
             name, rows, frac = decode_case(case)
             sets = inputs(frac, rows)
-            decode_sets[name] = (sets, reference(*sets[0], ring, hot, host_on_device))
+            decode_sets[name] = (sets, hot, reference(*sets[0], ring, hot, host_on_device))
+        sets = insitu["sets"]["insitu_step_order"]
+        decode_sets["insitu_step_order"] = (sets, insitu["hot"],
+                                            reference(*sets[0], ring, insitu["hot"], host_on_device))
         for block_rows in map(int, FLAGS.sweep_block_rows):
             for num_warps in map(int, FLAGS.sweep_num_warps):
                 fn = functools.partial(kernel, block_rows=block_rows, num_warps=num_warps)
@@ -195,9 +242,9 @@ def main(_):
                 t_miss = timeit(fn, miss_sets, (ring, hot, host), FLAGS.iters)
                 t_hit = timeit(fn, hit_sets, (ring, hot, host), FLAGS.iters)
                 decode_ms = {}
-                for name, (sets, want_d) in decode_sets.items():
-                    equal = equal and identical(fn(*sets[0], ring, hot, host), want_d, sets[0][0])
-                    decode_ms[name] = timeit(fn, sets, (ring, hot, host), FLAGS.iters) * 1e3
+                for name, (sets, hot_d, want_d) in decode_sets.items():
+                    equal = equal and identical(fn(*sets[0], ring, hot_d, host), want_d, sets[0][0])
+                    decode_ms[name] = timeit(fn, sets, (ring, hot_d, host), FLAGS.iters) * 1e3
                 sweep.append({"block_rows": block_rows, "num_warps": num_warps, "bit_identical_to_reference": equal,
                               "all_misses_ms": t_miss * 1e3, "all_hits_ms": t_hit * 1e3,
                               "all_misses_host_GBps": M * fmt.bytes_per_row / t_miss / 1e9, "decode_ms": decode_ms})

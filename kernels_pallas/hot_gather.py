@@ -135,11 +135,13 @@ def _hot_gather_kernel(source_ref, row_ref, *refs, fmt: KVFormat, names: tuple, 
     rope = _load3(srcs["rope"], masks, row, cols["rope"], packed_out["rope"].dtype)
     if fmt.quantised:
         scale = _load3(srcs["scale"], masks, row, cols["scale"], packed_out["scale"].dtype)  # [block, G]
-        # Each latent column's group scale, loaded again at latent width (column c reads scale c // group_size, a
-        # cache hit): the same q.astype(f32) * scale.astype(f32) as kv_formats.unpack, hence bit-identical, with no
-        # reshape in the kernel. Loading group by group instead (as gather_rows does) made this kernel 2x slower.
-        scale_per_col = _load3(srcs["scale"], masks, row, cols["latent"] // fmt.group_size,
-                               packed_out["scale"].dtype)  # [block, 512]
+        # Each latent column's group scale, broadcast from the [block, G] tile just loaded: the same
+        # q.astype(f32) * scale.astype(f32) as kv_formats.unpack, hence bit-identical. The scale used to be loaded
+        # a second time at latent width (column c reading scale c // group_size): 512 scalar loads a row, which
+        # Triton cannot vectorise, issued three times (one per source) where a row's latent takes 32 vector loads.
+        per_group = (block_rows, fmt.scales_per_row, fmt.group_size)
+        scale_per_col = jnp.broadcast_to(scale[:, :fmt.scales_per_row, None], per_group).reshape(
+            block_rows, kv_formats.LATENT_DIM)  # [block, 512]
     # Packed rows only for misses: the fill installs nothing else (hits are in the hot cache already, ring rows
     # reach the host through the copyback). Storing every entry's 656 packed bytes beside its 1,152 dequantised ones
     # wrote 13 MB more a layer at 10 lanes x 2,048 rows; 38.3 -> 32.8 us with the load order above (H200).

@@ -76,8 +76,9 @@ def test_bench_hot_gather(tmp_path):
     _bench("experiments.bench_hot_gather", "--iters=1", "--sweep", "--sweep_block_rows=8", "--sweep_num_warps=2",
            f"--out={out}")
     report = json.loads(out.read_text())
-    for case in ("all_hits", "half_hits", "all_misses"):
+    for case in ("all_hits", "half_hits", "all_misses", "insitu_step_order", "insitu_slots_by_position"):
         assert report["cases"][case]["bit_identical_to_reference"], case
+    assert report["cases"]["insitu_resident_gather_rows_dequant"]["lanes"] == 2
     assert report["cases"]["all_hits"]["host_GBps"] == 0 and report["cases"]["all_misses"]["host_GBps"] > 0
     (shape,) = report["sweep"]
     assert (shape["block_rows"], shape["num_warps"]) == (8, 2) and shape["bit_identical_to_reference"]
@@ -85,7 +86,8 @@ def test_bench_hot_gather(tmp_path):
     (decode,) = [c for name, c in report["cases"].items() if name.startswith("rows")]  # the decode step's shape
     assert decode["bit_identical_to_reference"] and decode["hit_fraction"] == 0.99 and decode["rows"] == 2048
     assert decode["resident_gather_rows_dequant_ms"] > 0
-    assert list(shape["decode_ms"]) == ["rows2048_hits0.99"] and shape["decode_ms"]["rows2048_hits0.99"] > 0
+    assert list(shape["decode_ms"]) == ["rows2048_hits0.99", "insitu_step_order"]
+    assert all(ms > 0 for ms in shape["decode_ms"].values())
 
 
 def test_bench_copyback(tmp_path):
