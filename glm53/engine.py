@@ -890,10 +890,15 @@ class Engine:
 # ----------------------------------------------------------------------------------------------------------------
 class _Run:
     """The decode loop of one ``Engine.generate``: dispatch steps ahead of the device and read each step's small
-    outputs one step later (the device always has the next step queued; the host learns lengths, acceptances and
-    stops with a lag of one step)."""
+    outputs ``LAG`` steps later (the device always has the next steps queued; the host learns lengths, acceptances
+    and stops with a lag of ``LAG`` steps)."""
 
-    LAG = 1
+    # Two steps queued, not one: a step's host call (argument handling and XLA's kernel launches, 1.8-3 ms at 10
+    # lanes on the H200's host) is well under the device's ~5 ms step on average, but its slow tail (p90 4.4 ms,
+    # p99 5.9 ms in sessions_ab_10x50k_8f038d6.json) reached the step time: with one step queued the device then
+    # idled until the host caught up. A second queued step absorbs such a call. Nothing is dispatched for nothing
+    # (``_dispatch_ok`` counts every step in flight), and the host learns stops a step later.
+    LAG = 2
 
     def __init__(self, engine: Engine, sessions: list, reqs: dict, *, mtp, greedy, seed, temperature, top_p, stop,
                  on_token, return_logits, progress, selection_override, accept_override, trace=None):

@@ -7,11 +7,15 @@ not the default on CUDA), so a prefill chunk of a 16-expert MoE did 16x the FLOP
 every expert's weights where its tokens route to a few. Here each program works on one (row tile, group) *visit*: only groups that have rows are
 visited, so the bytes read are the routed experts' and the FLOPs are the rows' own (plus the tile's padding).
 
-Schedule (jnp glue, like megablox's ``make_group_metadata``): a group of rows ``[start, end)`` spans the row tiles
+Schedule (like megablox's ``make_group_metadata``): a group of rows ``[start, end)`` spans the row tiles
 ``start // BM .. (end - 1) // BM``; visits are listed group by group, so there are at most ``tiles + G - 1`` of them
 (each group boundary inside a tile adds one). A visit loads its whole tile of ``x`` and the group's weight blocks
 and stores only the rows of its group (masked store into the output, so two visits of one tile never overwrite
-each other's rows).
+each other's rows). Each program works its own visit out from the group sizes (two prefix sums over G, a few
+hundred instructions). That schedule was jnp glue before the kernel, and XLA fused its prefix sums and search into
+one loop fusion that recomputed the inner prefix sums for every element of the outer ones and of the search
+(O(G^3) work per visit): 21 us a layer on the H200 at G = 16 (``profile_decode_8k.json``, 8f038d6), 3.9% of a
+batch-1 decode step, and it would have grown with GLM-5's 256 experts as 4,096x that.
 
 FP8 weights (``w_scale``): ``w`` in float8_e4m3fn with one f32 scale per 128 x 128 block of each group's ``[K, N]``
 matrix (the layout of published GLM-5-FP8 / DeepSeek-V3 checkpoints, transposed), dequantised inside the kernel
@@ -61,11 +65,30 @@ def dequantize_blocks(w: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     return (w.astype(jnp.float32) * s).astype(dtype)
 
 
+def _visit(sizes_ref, v, *, block_m: int):
+    """Visit ``v``'s group (``G`` or more: no visit), its row tile, and the group's row range ``[start, end)``,
+    from the group sizes (``[G]``, G a power of two: the wrapper pads with empty groups)."""
+    sizes = sizes_ref[...]
+    G = sizes.shape[0]
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    # Row counts are never negative, so truncating division is floor division (and needs no sign fix-ups).
+    first = lax.div(starts, jnp.int32(block_m))
+    last = lax.div(jnp.maximum(ends - 1, 0), jnp.int32(block_m))
+    visits = jnp.where(sizes > 0, last - first + 1, 0)
+    visit_end = jnp.cumsum(visits)
+    g = jnp.sum((visit_end <= v).astype(jnp.int32))  # groups whose visits all come before v
+    at_g = jnp.arange(G, dtype=jnp.int32) == g
+
+    def pick(a):
+        return jnp.sum(jnp.where(at_g, a, 0))
+
+    tile = pick(first) + v - (pick(visit_end) - pick(visits))
+    return g, tile, pick(starts), pick(ends)
+
+
 def _kernel(
-    tile_ref,  # [V] int32 row tile of each visit, ANY
-    group_ref,  # [V] int32 group of each visit (G: no visit), ANY
-    start_ref,  # [G + 1] int32 first row of each group, ANY
-    end_ref,  # [G + 1] int32 end row of each group, ANY
+    sizes_ref,  # [Gp] int32 rows of each group (Gp a power of two, empty groups past G), ANY
     x_ref,  # [Mp, K], ANY
     w_ref,  # [G, K, N], ANY
     *rest,  # (s_ref [G, K/128, N/128] f32, ANY: FP8 block scales)?, o_ref [Mp, N], ANY (masked stores)
@@ -77,11 +100,11 @@ def _kernel(
 ):
     s_ref, o_ref = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
     v, j = pl.program_id(0), pl.program_id(1)
-    g = group_ref[v]
+    g, tile, start, end = _visit(sizes_ref, v, block_m=block_m)
 
     @pl.when(g < num_groups)
     def _():
-        row0 = tile_ref[v] * block_m
+        row0 = tile * block_m
         col0 = j * block_n
         K = x_ref.shape[1]
         precision = lax.Precision.HIGHEST if dot_dtype == jnp.float32 else lax.Precision.DEFAULT
@@ -98,32 +121,23 @@ def _kernel(
 
         acc = lax.fori_loop(0, K // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
         rows = row0 + lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0)
-        mine = (rows >= start_ref[g]) & (rows < end_ref[g])
+        mine = (rows >= start) & (rows < end)
         plgpu.store(o_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], acc.astype(o_ref.dtype), mask=mine)
 
 
 def _schedule(group_sizes: jax.Array, num_tiles: int, block_m: int):
-    """Per visit: its row tile and group (``G`` past the last real visit), and each group's row range."""
+    """Every visit's row tile, group (``G``: no visit) and group row range ``[start, end)``, as the kernel's programs
+    work them out (``_visit``): for tests."""
     G = group_sizes.shape[0]
-    sizes = group_sizes.astype(jnp.int32)
-    ends = jnp.cumsum(sizes)
-    starts = ends - sizes
-    first = starts // block_m
-    last = jnp.maximum(ends - 1, 0) // block_m
-    visits = jnp.where(sizes > 0, last - first + 1, 0)
-    visit_end = jnp.cumsum(visits)
-    V = num_tiles + G - 1
-    v = jnp.arange(V, dtype=jnp.int32)
-    # Groups whose visits end <= v. compare_all, not the default "scan": the scan is a while loop, and XLA's GPU
-    # runtime decides each iteration of a while loop on the host (a launch and a device-to-host read per iteration,
-    # outside command buffers) -- five of them per grouped matmul, three matmuls per MoE layer, every decode step.
-    # [V, G] comparisons of a few dozen visits against at most a few hundred groups cost nothing.
-    group = jnp.searchsorted(visit_end, v, side="right", method="compare_all").astype(jnp.int32)
-    gc = jnp.minimum(group, G - 1)
-    tile = first[gc] + v - (visit_end[gc] - visits[gc])
-    tile = jnp.where(group < G, tile, 0)
-    pad = jnp.zeros((1,), jnp.int32)
-    return tile.astype(jnp.int32), group, jnp.concatenate([starts, pad]), jnp.concatenate([ends, pad])
+    sizes = jnp.pad(group_sizes.astype(jnp.int32), (0, _next_pow2(G) - G))
+
+    class _Ref:  # what a program reads: the whole padded sizes array
+        def __getitem__(self, idx):
+            return sizes[idx]
+
+    g, tile, start, end = (jnp.stack(parts) for parts in zip(
+        *(_visit(_Ref(), jnp.int32(v), block_m=block_m) for v in range(num_tiles + G - 1))))
+    return tile, jnp.minimum(g, G), start, end
 
 
 def _validate(x, w, group_sizes, w_scale):
@@ -167,7 +181,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: 
     num_tiles = -(-M // bm)
     Mp = num_tiles * bm
     xp = jnp.pad(x, ((0, Mp - M), (0, 0))) if Mp != M else x
-    tile, group, starts, ends = _schedule(group_sizes, num_tiles, bm)
+    # The programs read the sizes whole (a power-of-two length for Triton): empty groups pad them.
+    sizes = jnp.pad(group_sizes.astype(jnp.int32), (0, _next_pow2(G) - G))
     if w_scale is not None and (SCALE_BLOCK % bk or SCALE_BLOCK % bn):
         raise ValueError(f"FP8 weights: block_k={bk} and block_n={bn} must divide the {SCALE_BLOCK}-wide scale blocks")
     dot_dtype = jnp.float32 if jnp.float32 in (x.dtype, w.dtype) else jnp.bfloat16
@@ -176,13 +191,13 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: 
     out = pl.pallas_call(
         functools.partial(_kernel, num_groups=G, block_m=bm, block_n=bn, block_k=bk, dot_dtype=dot_dtype),
         grid=(num_tiles + G - 1, N // bn),
-        in_specs=[any_spec] * (6 + len(scales)),
+        in_specs=[any_spec] * (3 + len(scales)),
         out_specs=any_spec,
         out_shape=jax.ShapeDtypeStruct((Mp, N), x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
         name="grouped_matmul",
-    )(tile, group, starts, ends, xp, w, *scales)
+    )(sizes, xp, w, *scales)
     return out[:M]
 
 

@@ -39,15 +39,17 @@ def test_schedule_visits_every_row_once(sizes, block_m):
     """Each row's group is visited on the row's tile exactly once; no visit lies outside its group's tiles."""
     M = sum(sizes)
     tiles = max(1, -(-M // block_m))
-    tile, group, starts, ends = (np.asarray(a) for a in _schedule(jnp.asarray(sizes, jnp.int32), tiles, block_m))
+    tile, group, start, end = (np.asarray(a) for a in _schedule(jnp.asarray(sizes, jnp.int32), tiles, block_m))
     G = len(sizes)
+    bounds = np.cumsum([0] + list(sizes))
     covered = np.zeros(M, int)
-    for t, g in zip(tile, group):
+    for t, g, s, e in zip(tile, group, start, end):
         if g == G:
             continue
-        assert sizes[g] > 0 and starts[g] // block_m <= t <= (ends[g] - 1) // block_m
+        assert sizes[g] > 0 and (s, e) == (bounds[g], bounds[g + 1])
+        assert s // block_m <= t <= (e - 1) // block_m
         rows = np.arange(t * block_m, (t + 1) * block_m)
-        covered[rows[(rows >= starts[g]) & (rows < ends[g])]] += 1
+        covered[rows[(rows >= s) & (rows < e)]] += 1
     assert np.all(covered == 1)
     assert len(tile) == tiles + G - 1
 
