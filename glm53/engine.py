@@ -141,6 +141,7 @@ class RunReport:
     step_call_s: list  # host time of each step's call (spikes show stalls)
     host_loop_s: float  # the decode loop's host time up to its last dispatch
     compile_s: float  # tracing + compilation inside this call
+    decode_compile_s: float  # of it, between the first token and the last: nonzero means decode_s timed a compiler
     bucket: int
     mtp: int
     copyback_steps: list  # steps (1-based) whose copyback wrote host pages
@@ -928,6 +929,7 @@ class _Run:
         self.steps = 0
         self.t_first = self.t_end = self.t0 = self.t_loop = 0.0
         self.compile0 = compile_seconds()
+        self.decode_compile_s = 0.0
         self.decode_tokens = 0
         self.bar = None
         self.inflight: collections.deque = collections.deque()  # dispatched steps not yet read
@@ -1012,11 +1014,13 @@ class _Run:
         try:
             self._first_tokens()
             self.t_first = time.perf_counter()
+            compile_first = compile_seconds()
             if self.mtp:
                 self._mtp_loop()
             else:
                 self._decode_loop()
             self.t_end = time.perf_counter()
+            self.decode_compile_s = compile_seconds() - compile_first
         finally:
             # If anything on the host failed mid-loop (a callback, an override), the steps already dispatched have
             # run on the device: take their tokens into the sessions, so the host table matches the cache.
@@ -1212,6 +1216,7 @@ class _Run:
             sids=[s.sid for s in self.sessions], tokens={k: list(v) for k, v in self.out.items()}, logits=logits,
             first_token_s=self.t_first - self.t0, decode_s=max(self.t_end - self.t_first, 0.0),
             decode_tokens=self.decode_tokens, steps=self.steps, step_call_s=list(self.call_s),
-            host_loop_s=self.t_loop, compile_s=compile_seconds() - self.compile0, bucket=self.bucket, mtp=self.mtp,
+            host_loop_s=self.t_loop, compile_s=compile_seconds() - self.compile0,
+            decode_compile_s=self.decode_compile_s, bucket=self.bucket, mtp=self.mtp,
             copyback_steps=list(self.copyback_steps), mtp_proposed=self.proposed[: self.mtp],
             mtp_accepted=self.accepted[: self.mtp], mtp_committed=self.committed[: self.mtp])

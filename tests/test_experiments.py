@@ -130,6 +130,8 @@ def test_sessions_ab(tmp_path):
     for s in report["settings"].values():
         assert s["summary"]["all_tokens_identical"] and s["summary"]["logits_identical"]
         assert 0 < s["summary"]["hit_rate"] <= 1 and s["summary"]["floor_pct"] is None  # no zero-copy on a CPU
+        # the warm-up compiled every step the timed runs take (rolled-back sessions' plain decode step included)
+        assert s["summary"]["timed_runs_compiled"] is False
     assert report["host_read_bandwidth"] is None and report["plot"] == str(tmp_path / "sessions.png")
     assert (tmp_path / "sessions.png").stat().st_size > 0
     s = report["settings"]["zipf1.0_mtp2_forced"]
