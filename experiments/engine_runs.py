@@ -70,5 +70,6 @@ def figures(res: dict, n_sessions: int) -> dict:
                                                     if 0 < i <= len(r.step_call_s)]),
         "other_step_call_ms_median": _median_ms([t for i, t in enumerate(r.step_call_s, 1)
                                                  if i not in set(r.copyback_steps)]),
-        "hit_rate_per_session": res.get("hit_rate_per_session"), "compile_s": r.compile_s, "decode_compile_s": r.decode_compile_s,
+        "hit_rate_per_session": res.get("hit_rate_per_session"), "compile_s": r.compile_s,
+        "decode_compile_s": r.decode_compile_s,
     }

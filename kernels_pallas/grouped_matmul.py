@@ -14,8 +14,9 @@ and stores only the rows of its group (masked store into the output, so two visi
 each other's rows). Each program works its own visit out from the group sizes (two prefix sums over G, a few
 hundred instructions). That schedule was jnp glue before the kernel, and XLA fused its prefix sums and search into
 one loop fusion that recomputed the inner prefix sums for every element of the outer ones and of the search
-(O(G^3) work per visit): 21 us a layer on the H200 at G = 16 (``profile_decode_8k.json``, 8f038d6), 3.9% of a
-batch-1 decode step, and it would have grown with GLM-5's 256 experts as 4,096x that.
+(O(G^3) work per visit): 21 us a layer on the H200 at G = 16, 3.9% of a batch-1 decode step
+(``experiments/results/profile_decode_8k_8f038d6.json``), and it would have grown with GLM-5's 256 experts as
+4,096x that.
 
 FP8 weights (``w_scale``): ``w`` in float8_e4m3fn with one f32 scale per 128 x 128 block of each group's ``[K, N]``
 matrix (the layout of published GLM-5-FP8 / DeepSeek-V3 checkpoints, transposed), dequantised inside the kernel
