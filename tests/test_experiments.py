@@ -414,3 +414,14 @@ def test_unknown_workloads_are_named():
         with pytest.raises(ValueError, match="unknown workload"):
             workloads.selection(bad, 64, 500, seed=0)
     assert workloads.selection("indexer", 64, 500, seed=0) is None
+
+
+def test_kernel_scopes_name_the_pallas_kernels():
+    """A Pallas kernel event is attributed by its own name (its HLO op may be a command buffer); an XLA kernel by
+    the op_name of its instruction."""
+    from experiments.trace_util import kernel_scope
+    ops = {"fusion_12": "jit(decode)/GLM5/layers_3/self_attn/q_b_proj/dot_general"}
+    assert kernel_scope("grouped_matmul", "command_buffer_7", "jit_decode", ops) == ("mlp", "")
+    assert kernel_scope("glm53_hot_gather", "command_buffer_7", "jit_decode", ops) == ("offload_gather", "")
+    assert kernel_scope("fusion_12", "command_buffer_7", "jit_decode", ops) == ("self_attn", ops["fusion_12"])
+    assert kernel_scope("fusion_99", "command_buffer_7", "jit_decode", ops) == ("unattributed", "")
