@@ -612,10 +612,10 @@ class Engine:
         one step of D + 1 rows; greedy output is the same as without MTP. ``temperature == 0`` is greedy;
         ``top_p`` the nucleus mass; draws depend only on ``seed`` and the token's position, so a session's
         output does not depend on which sessions decode beside it. ``on_token(sid, i, token)`` is called for every
-        new token (the host reads each step's tokens one step later, so the device never waits for it).
+        new token (the host reads each step's tokens ``_Run.LAG`` steps later, so the device never waits for it).
         ``stop_tokens`` (default: the model's eos ids) end a session's generation (the stop token is included).
         Benchmarks only: ``selection_override(step, positions [B]) -> [B, K]`` replaces the DSA selection
-        (positions may lag one step behind under MTP): host arrays are checked (range, distinct rows), a
+        (positions may lag the steps in flight under MTP): host arrays are checked (range, distinct rows), a
         ``jax.Array`` goes into the step as it is (shape and dtype checked; no host work, no sync: what
         ``experiments.workloads`` returns); ``accept_override`` accepts that many drafts per step
         whatever they are. ``trace``: a ``glm53.trace.TraceRecorder`` that records every position the steps look
