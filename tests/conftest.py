@@ -6,8 +6,24 @@ import os
 # (instead of its MLIR fusion emitters) takes a fifth off each compile of the engine's steps (12.1 -> 9.4 s for a
 # tiny offload engine's prefill, decode and MTP steps). Every comparison in the tests runs both sides under the same
 # flags, and XLA's CPU fast-math stays off.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=16 --xla_backend_optimization_level=0 "
-                                   "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
+def _xla_knows(flag: str) -> bool:
+    """Whether this jaxlib's XLA accepts ``flag`` (it aborts on a flag it does not know, and the fusion-emitter switch
+    is newer than the oldest jax setup.cfg allows): asked once, of a throwaway process, by the run's first process;
+    the workers and the processes tests start inherit the result in XLA_FLAGS."""
+    import subprocess
+    import sys
+    probe = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; jnp.zeros(1).block_until_ready()"],
+                           env={**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                           timeout=300)
+    return probe.returncode == 0
+
+
+if "XLA_FLAGS" not in os.environ:
+    _flags = ("--xla_force_host_platform_device_count=16 --xla_backend_optimization_level=0 "
+              "--xla_llvm_disable_expensive_passes=true")
+    if _xla_knows("--xla_cpu_use_fusion_emitters=false"):
+        _flags += " --xla_cpu_use_fusion_emitters=false"
+    os.environ["XLA_FLAGS"] = _flags
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # Compiled executables persist in a cache shared by the test processes (xdist workers, subprocess tests): tests of
