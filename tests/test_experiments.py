@@ -9,7 +9,10 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TINY = ["--config=configs/tiny.py", "--config.run.prompt_len=100", "--config.run.batch=1"]
+# configs/tiny.py cut to its first two layers (dense + MoE, a full and a shared indexer; MTP kept): every code path
+# of the entry points at half the layers XLA compiles, each entry point being a process of its own
+TINY = ["--config=configs/tiny.py", "--config.run.prompt_len=100", "--config.run.batch=1",
+        "--config.model.num_hidden_layers=2", "--config.model.indexer_types=('full','shared')"]
 
 
 def _run(module, *args):
@@ -269,7 +272,7 @@ def test_generate_roofline(tmp_path):
         assert r["bytes_per_step"] == b["total"] > 0 and r["ideal_step_ms"] > 0 and r["achieved_step_ms"] > 0
         assert r["ratio"] == pytest.approx(r["achieved_step_ms"] / r["ideal_step_ms"])
         assert r["tokens_per_step"] == 2 and b["inputs"]["batch"] == 2
-        assert b["routed_experts"]["source"].startswith("probe") and len(b["routed_experts"]["per_layer"]) == 3
+        assert b["routed_experts"]["source"].startswith("probe") and len(b["routed_experts"]["per_layer"]) == 1
         assert b["parts"]["kv_rows"] > 0 and b["parts"]["indexer_keys"] > 0
     assert run["routing_probe"]["tokens_identical_to_the_timed_run"]
     assert run["bytes"]["inputs"]["mode"] == "offload" and base["bytes"]["inputs"]["mode"] == "resident"
