@@ -41,6 +41,12 @@ def _pump(stream, prefix: str, sink) -> None:
         sink.flush()
 
 
+def xla_flags_with_devices(xla_flags: str, devices: int | None) -> str:
+    """``xla_flags`` (an ``XLA_FLAGS`` value) with its host device count replaced by ``devices`` (removed if None)."""
+    flags_ = [f for f in xla_flags.split() if "host_platform_device_count" not in f]
+    return " ".join(flags_ + ([f"--xla_force_host_platform_device_count={devices}"] if devices else []))
+
+
 def launch(command: list[str], processes: int, devices_per_process: int, timeout: float) -> int:
     if not command:
         raise app.UsageError("give the command after --, e.g. -- python -m experiments.generate ...")
@@ -50,8 +56,7 @@ def launch(command: list[str], processes: int, devices_per_process: int, timeout
         env = dict(os.environ, GLM53_COORDINATOR=coordinator, GLM53_NUM_PROCESSES=str(processes),
                    GLM53_PROCESS_ID=str(i), PYTHONUNBUFFERED="1")
         if devices_per_process:
-            flags_ = [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
-            env["XLA_FLAGS"] = " ".join(flags_ + [f"--xla_force_host_platform_device_count={devices_per_process}"])
+            env["XLA_FLAGS"] = xla_flags_with_devices(env.get("XLA_FLAGS", ""), devices_per_process)
         p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs.append(p)
         t = threading.Thread(target=_pump, args=(p.stdout, f"[p{i}]", sys.stdout), daemon=True)

@@ -126,18 +126,19 @@ def _kernel(
         plgpu.store(o_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], acc.astype(o_ref.dtype), mask=mine)
 
 
+def _padded_sizes(group_sizes: jax.Array) -> jax.Array:
+    """The group sizes as the programs read them: whole, at a power-of-two length (Triton), empty groups after."""
+    G = group_sizes.shape[0]
+    return jnp.pad(group_sizes.astype(jnp.int32), (0, _next_pow2(G) - G))
+
+
 def _schedule(group_sizes: jax.Array, num_tiles: int, block_m: int):
     """Every visit's row tile, group (``G``: no visit) and group row range ``[start, end)``, as the kernel's programs
-    work them out (``_visit``): for tests."""
+    work them out (``_visit``, here on the array itself instead of a ref): for tests."""
     G = group_sizes.shape[0]
-    sizes = jnp.pad(group_sizes.astype(jnp.int32), (0, _next_pow2(G) - G))
-
-    class _Ref:  # what a program reads: the whole padded sizes array
-        def __getitem__(self, idx):
-            return sizes[idx]
-
+    sizes = _padded_sizes(group_sizes)
     g, tile, start, end = (jnp.stack(parts) for parts in zip(
-        *(_visit(_Ref(), jnp.int32(v), block_m=block_m) for v in range(num_tiles + G - 1))))
+        *(_visit(sizes, jnp.int32(v), block_m=block_m) for v in range(num_tiles + G - 1))))
     return tile, jnp.minimum(g, G), start, end
 
 
@@ -182,8 +183,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: 
     num_tiles = -(-M // bm)
     Mp = num_tiles * bm
     xp = jnp.pad(x, ((0, Mp - M), (0, 0))) if Mp != M else x
-    # The programs read the sizes whole (a power-of-two length for Triton): empty groups pad them.
-    sizes = jnp.pad(group_sizes.astype(jnp.int32), (0, _next_pow2(G) - G))
+    sizes = _padded_sizes(group_sizes)
     if w_scale is not None and (SCALE_BLOCK % bk or SCALE_BLOCK % bn):
         raise ValueError(f"FP8 weights: block_k={bk} and block_n={bn} must divide the {SCALE_BLOCK}-wide scale blocks")
     dot_dtype = jnp.float32 if jnp.float32 in (x.dtype, w.dtype) else jnp.bfloat16

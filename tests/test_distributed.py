@@ -12,7 +12,7 @@ import pytest
 
 from glm53 import distributed
 from glm53.config import ConfigError
-from xla_env import xla_flags
+from experiments.launch import xla_flags_with_devices
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARGS = ["--config=configs/tiny.py", "--config.model.num_attention_heads=16", "--config.dtype=float32",
@@ -48,10 +48,14 @@ def test_save_and_restore_across_two_processes(tmp_path, mode):
     one process on one device. A save process 0 cannot write, or one a process cannot read, fails in every
     process (none is left waiting) and the engine keeps decoding."""
     script = str(ROOT / "tests" / "multiprocess_sessions.py")
-    # experiments.launch gives each process its device count
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GLM53_")}, "XLA_FLAGS": xla_flags()}
+    # The processes keep this run's XLA flags (conftest.py's cheaper compilation: at full optimisation they compiled
+    # about twice as long) with their own device counts; experiments.launch gives each launched process its count.
+    flags = os.environ.get("XLA_FLAGS", "")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GLM53_")},
+           "XLA_FLAGS": xla_flags_with_devices(flags, None)}
     one, two = tmp_path / "one.json", tmp_path / "two.json"
-    _run([sys.executable, script, str(one), str(tmp_path / "save1"), mode], {**env, "XLA_FLAGS": xla_flags(1)})
+    _run([sys.executable, script, str(one), str(tmp_path / "save1"), mode],
+         {**env, "XLA_FLAGS": xla_flags_with_devices(flags, 1)})
     p = _run([sys.executable, "-m", "experiments.launch", "--processes=2", "--devices_per_process=2", "--",
               sys.executable, script, str(two), str(tmp_path / "save2"), mode], env)
     assert "[launch] exit codes [0, 0]" in p.stdout

@@ -16,7 +16,7 @@ import glm53
 from glm53 import memory, sharding
 from glm53.config import CacheConfig
 from engine_common import MESH_CFG as CFG
-from xla_env import xla_flags
+from experiments.launch import xla_flags_with_devices
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -73,7 +73,8 @@ def test_plan_entry_point(tmp_path):
     p = subprocess.run([sys.executable, "-m", "experiments.plan", "--config=configs/tiny.py", "--machine=custom",
                         "--devices=2", "--device_gib=0.01", "--host_gib=1", "--sessions=3", "--history=100,400",
                         "--compile", f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "XLA_FLAGS": xla_flags()})  # it makes its 2 devices
+                       # this run's (cheaper) compile flags; it makes its 2 devices
+                       env={**os.environ, "XLA_FLAGS": xla_flags_with_devices(os.environ.get("XLA_FLAGS", ""), None)})
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert [q["history"] for q in r["plans"]] == [100, 400] and r["devices"] == 2
