@@ -44,8 +44,9 @@ def get_config() -> ml_collections.ConfigDict:
         policy="circular",  # offload: hot-slot replacement, circular (the Pallas fill) | lfu (jnp fill; glm53.policies)
     ))
     c.mesh = ml_collections.ConfigDict(dict(
-        stages=1,  # pipeline stages (not built yet: > 1 is refused)
+        stages=1,  # pipeline stages (glm53.pipeline): each a run of layers with its weights and cache
         tp=1,  # tensor-parallel devices (glm53.sharding: heads, MLP widths, vocab split; cache replicated)
+        microbatches=1,  # with stages: session groups a decode step splits into (1: bit-identical to one device)
     ))
     c.run = ml_collections.ConfigDict(dict(
         prompt_len=200,  # random prompt tokens per session

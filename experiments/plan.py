@@ -20,7 +20,12 @@ use for a GPU. The full GLM-5 compiles in about a minute on 2 CPU cores.
 
     python -m experiments.plan --config=configs/h200_bench.py --machine=h200 --sessions=10 --history=50000 --compile
 
-Not in it yet: pipeline stages (each stage holding only its layers' weights, keys and history).
+``--config.mesh.stages=S`` plans pipeline stages (``glm53.pipeline``): the machine's devices as S stages of
+devices / S tensor-parallel devices, each stage holding its layers' weights, cache and host pool; a device's figures
+are its stage's (the table gives the largest), a host holds the pools of its devices' stages. ``--compile`` compiles
+one program for the whole mesh and is for tensor parallelism only (a pipeline runs a program per stage).
+
+    python -m experiments.plan --config=configs/glm5.py --config.mesh.stages=16 --machine=article
 """
 
 from __future__ import annotations
@@ -72,12 +77,20 @@ def main(_):
         per_host = FLAGS.devices_per_host or devices
     else:
         devices, device_gib, host_gib, per_host = MACHINES[FLAGS.machine]
-    mesh_shape = {"stage": 1, "tp": devices}
+    stages = int(c.mesh.get("stages", 1)) if "mesh" in c else 1
+    if devices % stages:
+        raise app.UsageError(f"--config.mesh.stages={stages} does not divide the machine's {devices} devices")
+    if stages > 1 and FLAGS.compile:
+        raise app.UsageError("--compile compiles one program for the whole mesh: tensor parallelism only (a pipeline "
+                             "runs one program per stage); drop --config.mesh.stages or --compile")
+    mesh_shape = {"stage": stages, "tp": devices // stages}
     rows = []
     print(f"{cfg.num_hidden_layers} layers + {cfg.num_nextn_predict_layers} MTP, {cfg.param_count() / 1e9:.1f}B "
           f"parameters ({FLAGS.expert_weights} experts, {c.dtype}), cache {cc.mode}/{cc.kv_format}, index keys "
           f"{cc.index_keys}; machine {FLAGS.machine}: {devices} devices x {device_gib:g} GiB, {host_gib:g} GiB of host "
-          f"memory per host, {per_host} devices per host; tensor parallel over {devices}")
+          f"memory per host, {per_host} devices per host; "
+          + (f"tensor parallel over {devices}" if stages == 1 else
+             f"{stages} pipeline stages x tensor parallel over {devices // stages}"))
     head = (f"{'history':>10} {'sessions':>8} {'params/dev':>11} {'cache/dev':>10} {'transient':>10} {'total/dev':>10} "
             f"{'fits':>5} {'max by dev':>10} {'host/host':>10} {'fits':>5} {'max by host':>11}")
     print(head)
@@ -92,6 +105,12 @@ def main(_):
               f"{d['transient'] / GiB:>9.2f}G {d['total'] / GiB:>9.2f}G {str(p['fits_device']):>5} "
               f"{p['max_sessions_by_device']:>10} {p['per_host']['total'] / GiB:>9.2f}G "
               f"{str(p.get('fits_host', '-')):>5} {str(p.get('max_sessions_by_host', '-')):>11}")
+        if stages > 1:
+            worst = max(p["stages"], key=lambda st: st["total"])
+            print(f"{'':>10} stages of {min(len(st['layers']) for st in p['stages'])}-"
+                  f"{max(len(st['layers']) for st in p['stages'])} layers; the fullest holds layers "
+                  f"{worst['layers'][0]}-{worst['layers'][-1]}: params {worst['params'] / GiB:.2f}G, cache "
+                  f"{worst['cache'] / GiB:.2f}G, pool {worst['pool'] / GiB:.2f}G per device")
         big = sorted(d["cache_parts"].items(), key=lambda kv: -kv[1])[:3]
         print(f"{'':>10} largest cache parts per device: " + ", ".join(f"{k} {v / GiB:.2f}G" for k, v in big))
         if FLAGS.compile:
@@ -112,9 +131,10 @@ def main(_):
                        "devices_per_host": per_host,
                        "note": "counted from shapes; with --compile each plan's 'compiled' entry adds XLA's "
                                "memory analysis of the step compiled on that backend (a CPU's workspace is the jnp "
-                               "references', not the GPU kernels'); tensor parallel only (no pipeline stages): every "
-                               "device holds the whole cache, its host pool included, so a host holds one copy of "
-                               "every session's history per device"}, f, indent=2, default=lambda o: o.item()
+                               "references', not the GPU kernels'); with tensor parallelism every device of a stage "
+                               "holds its stage's whole cache, its host pool included (one copy per device in its "
+                               "host's memory); with pipeline stages each stage holds only its layers' weights, "
+                               "cache and pool ('stages' in each plan)"}, f, indent=2, default=lambda o: o.item()
                       if isinstance(o, np.generic) else str(o))
 
 

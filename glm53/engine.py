@@ -70,10 +70,18 @@ def _on_duration(name: str, seconds: float, **_) -> None:
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 
-def _bytes_per_device(tree) -> int:
-    """Bytes of a pytree's arrays on one device: a sharded array counts its shard, a replicated one all of it."""
-    return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-               for x in jax.tree_util.tree_leaves(tree))
+def _bytes_per_device(tree, pinned_host: bool | None = None) -> int:
+    """Bytes of a pytree's arrays on the device that holds the most of them (``pinned_host``: only arrays in /
+    outside pinned host memory; None: all): a sharded array counts its shard on each of its devices, a replicated
+    one all of it on each; pipeline stages hold different arrays on different devices."""
+    per: dict = collections.Counter()
+    for x in jax.tree_util.tree_leaves(tree):
+        if pinned_host is not None and (x.sharding.memory_kind == "pinned_host") != pinned_host:
+            continue
+        b = int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+        for d in x.sharding.device_set:
+            per[d] += b
+    return max(per.values(), default=0)
 
 
 def compile_seconds() -> float:
@@ -208,9 +216,11 @@ class Engine:
         self.kernels = kernels
         self.max_sessions = int(max_sessions)
         self.offload = cc.mode == "offload"
-        # On a mesh every array of the cache is replicated over it, the host pool included: each device holds a
-        # copy in its host memory (the owner / peer split of glm53.sharding's docstring is not built yet).
+        # On a mesh every array of the cache is replicated over its tensor-parallel devices, the host pool included:
+        # each device holds a copy in its host memory (the owner / peer split of glm53.sharding's docstring is not
+        # built yet). Pipeline stages each hold their layers' cache (glm53.pipeline).
         self.mesh = getattr(model, "mesh", None)
+        self.pipeline = getattr(model, "pipeline", None)
         if self.offload:
             offload.validate(self.cfg, cc)
         rows = cc.max_len or self.cfg.max_position_embeddings
@@ -243,7 +253,9 @@ class Engine:
         # slots (glm53.cache.addressable_planes). The host pool gets pages beyond the usable ones in that case
         # (glm53.memory.allocated_pages); nothing ever uses them.
         self.alloc_slots = self.max_sessions
-        self.alloc_pages = memory.allocated_pages(self.cfg, cc, self.pool_pages) if self.offload else 0
+        self.alloc_pages = (memory.allocated_pages(self.cfg, cc, self.pool_pages,
+                                                   self.pipeline and self.pipeline.layer_counts)
+                            if self.offload else 0)
         # The device budget is checked on the configuration, before anything is allocated.
         need = self._device_need()
         if device_budget_bytes is not None and need["total"] > device_budget_bytes:
@@ -268,6 +280,9 @@ class Engine:
     # construction and accounting
     # ------------------------------------------------------------------------------------------------------------
     def _build(self):
+        if self.pipeline is not None:
+            return self.pipeline.init_cache(self.offload, self.cache_config, self.alloc_slots, self.capacity,
+                                            self.alloc_pages)
         if self.offload:
             return offload.init_offload(self.cfg, self.cache_config, self.alloc_slots, self.capacity,
                                         self.alloc_pages, self.model.dtype, mesh=self.mesh)
@@ -275,12 +290,22 @@ class Engine:
                              mesh=self.mesh)
 
     def _device_need(self) -> dict:
-        parts = memory.cache_bytes(self.cfg, self.cache_config, self.alloc_slots, self.capacity, self.alloc_pages,
-                                   self.model.dtype)
+        if self.pipeline is not None:  # the stage with the largest cache: what one of its devices holds
+            parts = self.pipeline.cache_bytes(self.cache_config, self.alloc_slots, self.capacity, self.alloc_pages)
+        else:
+            parts = memory.cache_bytes(self.cfg, self.cache_config, self.alloc_slots, self.capacity,
+                                       self.alloc_pages, self.model.dtype)
         cache = sum(parts["device"].values())
-        params = _bytes_per_device(self.model.params)  # a mesh splits them; the cache is replicated
+        params = self._params_bytes()
         return {"cache": cache, "params": params, "transient": self.transient_bytes(),
                 "total": cache + params + self.transient_bytes()}
+
+    def _params_bytes(self) -> int:
+        """Parameter bytes of the device holding the most: tensor parallelism splits them; pipeline stages hold
+        their own (the last stage with its copy of the embedding)."""
+        if self.pipeline is not None:
+            return _bytes_per_device(self.pipeline.stage_params(self.model.params))
+        return _bytes_per_device(self.model.params)
 
     def transient_bytes(self) -> int:
         """The largest buffer a step creates beside the cache that grows with the history: offload's bulk read of
@@ -826,9 +851,9 @@ class Engine:
         the cache really holds (a session's device bytes are its slot's share of every per-slot array, allocated
         whether or not the slot is full; its host bytes are the pages it holds, a page shared by k sessions counted
         1/k to each)."""
-        leaves = jax.tree_util.tree_leaves(self.cache)
-        device = sum(int(x.nbytes) for x in leaves if x.sharding.memory_kind != "pinned_host")
-        host = sum(int(x.nbytes) for x in leaves if x.sharding.memory_kind == "pinned_host")
+        # Per device: the cache is replicated over tensor-parallel devices, and split by layer over stages.
+        device = _bytes_per_device(self.cache, pinned_host=False)
+        host = _bytes_per_device(self.cache, pinned_host=True)
         per_slot_device = device // self.alloc_slots
         sessions = {}
         for sid, s in sorted(self._sessions.items()):
@@ -845,11 +870,11 @@ class Engine:
             # On a mesh every figure is per device (the cache is replicated; parameters are this device's shards).
             "device": {"devices": 1 if self.mesh is None else int(self.mesh.size),
                        "cache_bytes": device, "per_slot_bytes": per_slot_device,
-                       "params_bytes": _bytes_per_device(self.model.params),
+                       "params_bytes": self._params_bytes(),
                        "transient_bytes": self.transient_bytes(), "budget_bytes": self.device_budget_bytes,
                        "slots": self.max_sessions, "allocated_slots": self.alloc_slots,
                        "free_slots": len(self._free_slots)},
-            "host": {"pool_bytes": host, "pool_replicas": 1 if self.mesh is None else int(self.mesh.size),
+            "host": {"pool_bytes": host, "pool_replicas": 1 if self.mesh is None else int(self.mesh.shape["tp"]),
                      "page_bytes": self.page_bytes, "pages": self.pool_pages,
                      "allocated_pages": self.alloc_pages,
                      "used_pages": used_pages, "free_pages": len(self._free_pages),

@@ -81,11 +81,13 @@ def allocated_slots(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int
     return slots
 
 
-def allocated_pages(cfg: ModelConfig, cc: CacheConfig, pages: int) -> int:
-    """Host pool pages to allocate for ``pages`` usable ones (see above)."""
-    rows_per_page = cfg.num_cache_layers * cc.copyback_every
+def allocated_pages(cfg: ModelConfig, cc: CacheConfig, pages: int, layer_counts: tuple[int, ...] | None = None
+                    ) -> int:
+    """Host pool pages to allocate for ``pages`` usable ones (see above). ``layer_counts``: the cache layers of each
+    pool sharing the page table (pipeline stages: ``Pipeline.layer_counts``); every pool must be addressable."""
+    counts = layer_counts or (cfg.num_cache_layers,)
     p = max(pages, 1)
-    while not all(_addressable(p * rows_per_page * w, b) for w, b in _narrow_planes(cc)):
+    while not all(_addressable(p * n * cc.copyback_every * w, b) for n in counts for w, b in _narrow_planes(cc)):
         p = max(p + 1, int(p * 1.01))
     return p
 
@@ -111,33 +113,63 @@ def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtyp
     ``Engine.memory_report()`` gives for the same engine (tested equal). With ``device_bytes`` / ``host_bytes``
     it says whether the plan fits and how many sessions of this history would.
 
-    The host pool is replicated over the mesh like the rest of the cache: each device keeps a copy in its host's
-    memory, so a host holds ``devices_per_host`` copies (default: every device of the mesh on one host). The
-    owner / peer split and the per-stage split by layer are not built yet."""
-    from glm53 import sharding  # glm53.sharding imports nothing of the cache; kept local to stay out of cycles
+    The host pool is replicated over tensor-parallel devices like the rest of the cache: each device keeps a copy
+    in its host's memory, so a host holds ``devices_per_host`` copies (default: every device of the mesh on one
+    host). With pipeline stages (``glm53.pipeline``) each stage holds its layers' weights, cache and pool: a
+    device's figures are its stage's (``per_device`` gives the largest, ``stages`` each), and a host holds the pools
+    of its devices' stages. The owner / peer split within a tensor-parallel group is not built yet."""
+    from glm53 import pipeline, sharding  # kept local to stay out of import cycles
     from glm53.params import param_shapes
 
     mesh_shape = dict(mesh_shape or {"stage": 1, "tp": 1})
+    stages, tp = int(mesh_shape.get("stage", 1)), int(mesh_shape.get("tp", 1))
+    devices = stages * tp
     capacity = cache.capacity_for(history, cc)
     pages_per_slot = capacity // cc.copyback_every if cc.mode == "offload" else 0
+    shapes = param_shapes(cfg, dtype, expert_weights)
+    if stages > 1:  # glm53.pipeline: each stage its layers' weights and cache, over its tp devices
+        layers = pipeline.stage_layers(cfg, stages, shapes)
+        configs = [pipeline.StageConfig(cfg, ls) for ls in layers]
+        trees = pipeline.stage_param_trees(cfg, layers, shapes)
+        counts = tuple(len(ls) for ls in layers)
+    else:
+        configs, trees, counts = [cfg], [shapes], None
 
-    def cache_at(slots: int) -> dict:
-        pages = allocated_pages(cfg, cc, slots * pages_per_slot) if cc.mode == "offload" else 0
-        return cache_bytes(cfg, cc, slots, capacity, pages, dtype)
+    def cache_at(slots: int) -> list[dict]:  # per stage
+        pages = allocated_pages(cfg, cc, slots * pages_per_slot, counts) if cc.mode == "offload" else 0
+        return [cache_bytes(c, cc, slots, capacity, pages, dtype) for c in configs]
+
+    # A host holds devices_per_host consecutive devices (default: all); device d is in stage d // tp, and keeps a
+    # copy of its stage's pool in its host's memory.
+    per_host_devices = int(devices_per_host or devices) if cc.mode == "offload" else 0
+
+    def host_total(parts: list[dict]) -> int:
+        if not per_host_devices:
+            return 0
+        pools = [sum(p["host"].values()) for p in parts]
+        return max(sum(pools[d // tp] for d in range(h, min(h + per_host_devices, devices)))
+                   for h in range(0, devices, per_host_devices))
 
     parts = cache_at(sessions)
-    params = sharding.shard_bytes(param_shapes(cfg, dtype, expert_weights), mesh_shape)
+    params = [sharding.shard_bytes(t, {"stage": 1, "tp": tp}) for t in trees]
     transient = capacity * kv_formats.get_format(cc.kv_format).bytes_per_row if cc.mode == "offload" else 0
-    device_cache = sum(parts["device"].values())
-    host_pool = sum(parts["host"].values())
-    replicas = int(devices_per_host or np.prod(list(mesh_shape.values()))) if cc.mode == "offload" else 0
+    device_cache = [sum(p["device"].values()) for p in parts]
+    totals = [pb + c + transient for pb, c in zip(params, device_cache)]
+    largest_cache = int(np.argmax(device_cache))
     out = {
         "sessions": sessions, "history": history, "capacity": capacity, "mode": cc.mode, "kv_format": cc.kv_format,
-        "index_keys": cc.index_keys, "mesh": mesh_shape, "devices": int(np.prod(list(mesh_shape.values()))),
-        "per_device": {"params": params, "cache": device_cache, "cache_parts": parts["device"],
-                       "transient": transient, "total": params + device_cache + transient},
-        "per_host": {"pool": host_pool, "pool_replicas": replicas, "total": host_pool * replicas},
+        "index_keys": cc.index_keys, "mesh": mesh_shape, "devices": devices,
+        # Per device: the largest figures of any device (with stages: of any stage's devices).
+        "per_device": {"params": max(params), "cache": max(device_cache),
+                       "cache_parts": parts[largest_cache]["device"], "transient": transient, "total": max(totals)},
+        "per_host": {"pool": max(sum(p["host"].values()) for p in parts),
+                     "pool_replicas": (per_host_devices if stages == 1 else tp) if cc.mode == "offload" else 0,
+                     "total": host_total(parts)},
     }
+    if stages > 1:
+        out["stages"] = [{"layers": list(c.layers), "params": pb, "cache": dc, "total": t,
+                          "pool": sum(p["host"].values())}
+                         for c, pb, dc, t, p in zip(configs, params, device_cache, totals, parts)]
     # Sessions that fit: searched, not divided out, since the addressing pads (glm53.cache.addressable_planes,
     # allocated_pages) make the bytes slightly non-linear in the number of slots.
     def largest(fits) -> int:
@@ -153,11 +185,12 @@ def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtyp
         out["device_bytes"] = int(device_bytes)
         out["fits_device"] = out["per_device"]["total"] <= device_bytes
         out["max_sessions_by_device"] = largest(
-            lambda n: params + transient + sum(cache_at(n)["device"].values()) <= device_bytes)
+            lambda n: max(pb + transient + sum(p["device"].values()) for pb, p in zip(params, cache_at(n)))
+            <= device_bytes)
     if host_bytes is not None and cc.mode == "offload":
         out["host_bytes"] = int(host_bytes)
-        out["fits_host"] = host_pool * replicas <= host_bytes
-        out["max_sessions_by_host"] = largest(lambda n: sum(cache_at(n)["host"].values()) * replicas <= host_bytes)
+        out["fits_host"] = out["per_host"]["total"] <= host_bytes
+        out["max_sessions_by_host"] = largest(lambda n: host_total(cache_at(n)) <= host_bytes)
     return out
 
 

@@ -143,6 +143,7 @@ class Indexer(nn.Module):
     cfg: ModelConfig
     layer: int
     dtype: Any
+    cache_layer: int | None = None  # this layer's index in its cache (None: ``layer``; see DecoderLayer)
 
     def setup(self):
         c = self.cfg
@@ -167,8 +168,9 @@ class Indexer(nn.Module):
         q = self.wq_b(q_resid).reshape(B, T, c.index_n_heads, c.index_head_dim)
         q = jnp.concatenate([apply_rope_interleaved(q[..., :r], step.cos[:, :, None], step.sin[:, :, None]),
                              q[..., r:]], axis=-1)
-        cache = cache.write_index_keys(self.layer, self.keys(x, step), step)
-        key_planes, key_scales, key_plane = cache.index_keys_for(self.layer, step)
+        at = _cache_index(self)
+        cache = cache.write_index_keys(at, self.keys(x, step), step)
+        key_planes, key_scales, key_plane = cache.index_keys_for(at, step)
         weights = jnp.dot(x.astype(F32), self.weights_proj) * (c.index_n_heads ** -0.5)
         scores = ops.indexer_scores(q, weights, key_planes, key_plane, step.positions, key_scales,
                                     softmax_scale=c.index_head_dim ** -0.5, precision=cache.indexer_precision,
@@ -187,6 +189,7 @@ class MLAttention(nn.Module):
     cfg: ModelConfig
     layer: int
     dtype: Any
+    cache_layer: int | None = None
 
     def setup(self):
         c = self.cfg
@@ -200,7 +203,8 @@ class MLAttention(nn.Module):
         self.kv_b_proj = self.param("kv_b_proj", _normal(c), (c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim)),
                                     self.dtype)
         self.o_proj = Linear(h * c.v_head_dim, c.hidden_size, c, self.dtype)
-        self.indexer = Indexer(c, self.layer, self.dtype) if c.layer_indexer_type(self.layer) == "full" else None
+        self.indexer = (Indexer(c, self.layer, self.dtype, self.cache_layer)
+                        if c.layer_indexer_type(self.layer) == "full" else None)
 
     def _kv(self, x: Array, step: Step) -> tuple[Array, Array]:
         """The row the cache stores for each token: (latent [B, T, kv_lora], rope key [B, T, rope])."""
@@ -213,9 +217,9 @@ class MLAttention(nn.Module):
         """Only store the tokens' KV rows and indexer keys (no attention): the MTP layer's rows of verified
         positions, whose outputs nobody needs."""
         latent, k_rope = self._kv(x, step)
-        cache = cache.write_rows(self.layer, latent, k_rope, step)
+        cache = cache.write_rows(_cache_index(self), latent, k_rope, step)
         if self.indexer is not None:
-            cache = cache.write_index_keys(self.layer, self.indexer.keys(x, step), step)
+            cache = cache.write_index_keys(_cache_index(self), self.indexer.keys(x, step), step)
         return cache
 
     def __call__(self, x: Array, step: Step, cache, prev_topk: Array | None):
@@ -229,7 +233,7 @@ class MLAttention(nn.Module):
         latent, k_rope = self._kv(x, step)
         # Write first, then read: the current tokens attend to themselves through the cache, so they see the same
         # (possibly quantised) bytes as every later step will.
-        cache = cache.write_rows(self.layer, latent, k_rope, step)
+        cache = cache.write_rows(_cache_index(self), latent, k_rope, step)
 
         if self.indexer is not None:
             topk, cache = self.indexer(x, q_resid, step, cache)
@@ -239,7 +243,7 @@ class MLAttention(nn.Module):
             topk = prev_topk
         attend = topk <= step.positions[..., None]  # causal; masks the "-inf" picks of rows with < K history
         valid = attend & (step.write_positions < cache.capacity)[..., None]  # ... and rows that write nothing
-        lat_sel, rope_sel, cache, round_ = cache.gather_rows(self.layer, topk, valid, step, x.dtype)
+        lat_sel, rope_sel, cache, round_ = cache.gather_rows(_cache_index(self), topk, valid, step, x.dtype)
 
         w_kv_b = self.kv_b_proj.reshape(c.kv_lora_rank, h, nope + v)
         w_uk, w_uv = w_kv_b[..., :nope].astype(x.dtype), w_kv_b[..., nope:].astype(x.dtype)
@@ -359,15 +363,20 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """``layer`` is the model's layer number (its kind: dense or MoE, own or shared indexer); ``cache_layer`` its
+    index in the cache it is given, the same unless the cache holds only some layers (a pipeline stage's cache,
+    ``glm53.pipeline``, numbers its layers from the stage's first)."""
+
     cfg: ModelConfig
     layer: int
     dtype: Any
+    cache_layer: int | None = None
 
     def setup(self):
         c = self.cfg
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
-        self.self_attn = MLAttention(c, self.layer, self.dtype)
+        self.self_attn = MLAttention(c, self.layer, self.dtype, self.cache_layer)
         self.mlp = MoE(c, self.dtype) if c.is_moe_layer(self.layer) else MLP(c, c.intermediate_size, self.dtype)
 
     def __call__(self, x, step: Step, cache, prev_topk):
@@ -406,8 +415,10 @@ class GLM5(nn.Module):
         return self.norm(x), cache, rounds
 
     def logits(self, hidden: Array) -> Array:
-        head = self.embed_tokens.T if self.cfg.tie_word_embeddings else self.lm_head
-        return jnp.dot(hidden.astype(self.dtype), head.astype(self.dtype), preferred_element_type=F32)
+        params = {"embed_tokens": self.embed_tokens}
+        if not self.cfg.tie_word_embeddings:
+            params["lm_head"] = self.lm_head
+        return head_logits(hidden, params, self.cfg, self.dtype)
 
     def mtp(self, hidden: Array, next_tokens: Array, step: Step, cache):
         """MTP module: from a final-normed hidden state at position i and the token at i + 1, the hidden state
@@ -423,6 +434,16 @@ class GLM5(nn.Module):
         return self.mtp_layer.write_kv(emb, hidden, step, cache)
 
 
+def head_logits(hidden: Array, params: dict, cfg: ModelConfig, dtype) -> Array:
+    """The LM head on final-normed hidden states (``params``: the model's ``embed_tokens`` / ``lm_head``)."""
+    head = params["embed_tokens"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.dot(hidden.astype(dtype), head.astype(dtype), preferred_element_type=F32)
+
+
+def _cache_index(module) -> int:
+    return module.layer if module.cache_layer is None else module.cache_layer
+
+
 class MTPModule(nn.Module):
     """DeepSeek-V3-style next-n prediction: eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]) -> decoder layer ->
     shared_head.norm; the embedding and the LM head are the main model's (the checkpoint's copies are identical).
@@ -432,13 +453,14 @@ class MTPModule(nn.Module):
     cfg: ModelConfig
     layer: int
     dtype: Any
+    cache_layer: int | None = None
 
     def setup(self):
         c = self.cfg
         self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
         self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
         self.eh_proj = Linear(2 * c.hidden_size, c.hidden_size, c, self.dtype)
-        self.block = DecoderLayer(c, self.layer, self.dtype)
+        self.block = DecoderLayer(c, self.layer, self.dtype, self.cache_layer)
         self.shared_head_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
 
     def _input(self, emb, hidden):

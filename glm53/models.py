@@ -38,6 +38,7 @@ class Model:
         self.module = GLM5(config, self.dtype)
         self.steps = Steps(self.module)
         self.mesh = None  # a jax.sharding.Mesh once glm53.sharding.shard_model placed the parameters on one
+        self.pipeline = None  # a glm53.pipeline.Pipeline when that mesh has stages
         self._digest: str | None = None
 
     def __repr__(self):

@@ -24,8 +24,9 @@ indexer keys, the hot caches and the history are all replicated; in offload mode
 device in its host's memory (``Engine.memory_report()["host"]["pool_replicas"]``; ``glm53.memory.plan`` counts
 them). One copy per host shared by its devices (the article's owner and peer) is not built yet.
 
-Not built yet, refused with a ``ConfigError`` naming it: pipeline stages (``stages > 1``: GLM-5's layers are
-separate Flax modules of three kinds, not a stack a ``layers`` axis could split).
+**Pipeline stages (``stages``)** are ``glm53.pipeline``'s: each stage is a ``(1, tp)`` sub-mesh holding a run of
+layers (weights split over its ``tp`` devices by the rules here) and their cache, running its own programs;
+activations pass from stage to stage. Stage-only layouts are bit-identical to one device.
 
 **Pallas kernels on a mesh.** A Pallas call reaches XLA as a custom call with no partitioning rule, whose operands
 GSPMD replicates. Where that matters, the model splits the work itself: the MoE's grouped matmul runs under
@@ -88,13 +89,16 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """``stages x tp`` devices. ``MeshConfig()`` is one device: no mesh at all."""
+    """``stages x tp`` devices. ``MeshConfig()`` is one device: no mesh at all. ``microbatches``: with stages,
+    how many groups of sessions a decode step splits into so stages work at once (``glm53.pipeline``; 1 keeps
+    every program's batch whole, which is what makes stages bit-identical to one device)."""
 
     stages: int = 1
     tp: int = 1
+    microbatches: int = 1
 
     def __post_init__(self):
-        for name in ("stages", "tp"):
+        for name in ("stages", "tp", "microbatches"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ConfigError(f"mesh.{name} must be an int >= 1, got {v!r}")
@@ -108,7 +112,7 @@ class MeshConfig:
         d = dict(d or {})
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise ConfigError(f"unknown mesh settings {sorted(unknown)}; known: stages, tp")
+            raise ConfigError(f"unknown mesh settings {sorted(unknown)}; known: stages, tp, microbatches")
         return cls(**d)
 
 
@@ -118,9 +122,6 @@ def make_mesh(mc: MeshConfig | Mapping[str, Any] | None, devices=None) -> Mesh |
     mc = mc if isinstance(mc, MeshConfig) else MeshConfig.from_config_dict(mc)
     if mc.devices == 1:
         return None
-    if mc.stages > 1:
-        raise ConfigError(f"mesh.stages={mc.stages}: pipeline stages are not built yet (GLM-5's layers are separate "
-                          "modules of three kinds, not one stack); use mesh.tp")
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) < mc.devices:
         raise ConfigError(f"mesh {mc.stages} x {mc.tp} needs {mc.devices} devices, {len(devices)} are visible (on a "
@@ -203,12 +204,25 @@ def shard_model(model, mesh: Mesh | MeshConfig | Mapping[str, Any] | None):
     """``model`` with its parameters placed on ``mesh`` by the rules (``model.mesh`` set; engines built on it put
     their cache there). A ``MeshConfig`` / dict is made into a mesh first; None or one device returns the model
     unchanged."""
+    microbatches = 1
     if mesh is not None and not isinstance(mesh, Mesh):
-        mesh = make_mesh(mesh)
+        mc = mesh if isinstance(mesh, MeshConfig) else MeshConfig.from_config_dict(mesh)
+        microbatches = mc.microbatches
+        mesh = make_mesh(mc)
     if mesh is None:
         return model
     check_model(model.config, mesh)
-    model.params = jax.device_put(model.params, param_shardings(model.params, mesh))
+    if mesh.shape["stage"] > 1:
+        from glm53 import pipeline  # pipeline imports the steps, which import the model
+        # Before placement, while every process holds every parameter (sessions' saves carry the digest; with
+        # several processes a stage's weights are then on one process only).
+        model.params_digest()
+        pipe = pipeline.Pipeline(model.config, model.dtype, mesh, model.params, microbatches=microbatches)
+        model.params = pipe.place(model.params)
+        model.steps = pipeline.PipelineSteps(pipe, model.module)
+        model.pipeline = pipe
+    else:
+        model.params = jax.device_put(model.params, param_shardings(model.params, mesh))
     model.mesh = mesh
     return model
 

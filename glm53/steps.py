@@ -44,32 +44,55 @@ def _apply(module: GLM5, params, *args, method=None):
     return module.apply({"params": params}, *args, method=method)
 
 
+class WholeModel:
+    """What the steps below ask of a model: its main layers (``forward``), its head (``logits``) and its MTP layer
+    (``mtp``, ``mtp_kv``). This one is the whole model on one device or one tensor-parallel mesh; a pipeline's last
+    stage (``glm53.pipeline``) is another, whose ``forward`` runs only its layers on the activation the stage before
+    it sent, so the steps' logic (sampling, MTP verify, drafts, commits) is written once."""
+
+    def __init__(self, module: GLM5):
+        self.module, self.cfg, self.dtype = module, module.cfg, module.dtype
+
+    def forward(self, params, tokens, step, cache):
+        """Main layers on ``tokens [B, T]``: (final-normed hidden [B, T, H], cache, rounds)."""
+        return _apply(self.module, params, tokens, step, cache)
+
+    def logits(self, params, hidden):
+        return _apply(self.module, params, hidden, method=GLM5.logits)
+
+    def mtp(self, params, hidden, next_tokens, step, cache):
+        return _apply(self.module, params, hidden, next_tokens, step, cache, method=GLM5.mtp)
+
+    def mtp_kv(self, params, hidden, next_tokens, step, cache):
+        return _apply(self.module, params, hidden, next_tokens, step, cache, method=GLM5.mtp_kv)
+
+
 def _last_valid(x: jax.Array, n: jax.Array) -> jax.Array:
     """x[b, n[b] - 1] (index 0 for lanes with nothing valid: their output is ignored)."""
     idx = jnp.maximum(n - 1, 0)
     return jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
 
 
-def _mtp_catch_up(module: GLM5, params, cache, lanes: Lanes, hidden: jax.Array, tokens: jax.Array,
+def _mtp_catch_up(net: WholeModel, params, cache, lanes: Lanes, hidden: jax.Array, tokens: jax.Array,
                   start: jax.Array, n_commit: jax.Array, kernels: str):
     """The MTP layer's rows for the pairs (hidden at i - 1, token i) of this step's committed input tokens.
     ``hidden`` is read only when T > 1: a one-token step's MTP row needs only the stored hidden state, so decode
     writes it before the main layers. Returns (cache, end of the MTP layer's final rows [B]) or (cache, None) for
     models without MTP."""
-    if not module.cfg.num_nextn_predict_layers:
+    if not net.cfg.num_nextn_predict_layers:
         return cache, None
     B, T = tokens.shape
     stored = cache.sessions.hidden[lanes.slot][:, None]
-    prev = stored.astype(module.dtype) if T == 1 else jnp.concatenate([stored.astype(hidden.dtype), hidden[:, :-1]], 1)
+    prev = stored.astype(net.dtype) if T == 1 else jnp.concatenate([stored.astype(hidden.dtype), hidden[:, :-1]], 1)
     rows = start[:, None] - 1 + jnp.arange(T, dtype=jnp.int32)[None, :]
     fresh = rows >= cache.sessions.mtp_lengths[lanes.slot][:, None]
-    step = make_step(start - 1, n_commit, T, cache.capacity, module.cfg, module.dtype, lanes, write_mask=fresh,
+    step = make_step(start - 1, n_commit, T, cache.capacity, net.cfg, net.dtype, lanes, write_mask=fresh,
                      kernels=kernels)
-    cache = _apply(module, params, prev, tokens, step, cache, method=GLM5.mtp_kv)
+    cache = net.mtp_kv(params, prev, tokens, step, cache)
     return cache, start - 1 + n_commit
 
 
-def _drafts(module: GLM5, params, cache, lanes: Lanes, hidden: jax.Array, token: jax.Array, row: jax.Array,
+def _drafts(net: WholeModel, params, cache, lanes: Lanes, hidden: jax.Array, token: jax.Array, row: jax.Array,
             depth: int, seed, temperature, top_p, *, greedy: bool, kernels: str):
     """``depth`` drafts by the MTP module applied recursively from (final-normed hidden at ``row``, the token at
     ``row + 1``). Returns (drafts [B, D], their proposal distributions [B, D, V] or None, cache, rounds)."""
@@ -77,11 +100,10 @@ def _drafts(module: GLM5, params, cache, lanes: Lanes, hidden: jax.Array, token:
     g, tok = hidden, token
     active = lanes.active.astype(jnp.int32)
     for j in range(depth):
-        step = make_step(row + j, active, 1, cache.capacity, module.cfg, module.dtype, lanes, kernels=kernels,
+        step = make_step(row + j, active, 1, cache.capacity, net.cfg, net.dtype, lanes, kernels=kernels,
                          fill=True)
-        mh, cache, round_ = _apply(module, params, g[:, None].astype(module.dtype), tok[:, None], step, cache,
-                                   method=GLM5.mtp)
-        logits = _apply(module, params, mh[:, 0], method=GLM5.logits)
+        mh, cache, round_ = net.mtp(params, g[:, None].astype(net.dtype), tok[:, None], step, cache)
+        logits = net.logits(params, mh[:, 0])
         if greedy:
             d = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         else:
@@ -94,17 +116,17 @@ def _drafts(module: GLM5, params, cache, lanes: Lanes, hidden: jax.Array, token:
     return jnp.stack(drafts, 1), (jnp.stack(dists, 1) if dists else None), cache, rounds
 
 
-def _fill_step(module: GLM5, cache, lanes: Lanes, repeats: int, kernels: str):
+def _fill_step(net: WholeModel, cache, lanes: Lanes, repeats: int, kernels: str):
     """A step context that only carries what ``finish_step`` reads."""
     z = jnp.zeros(lanes.slot.shape, jnp.int32)
-    return make_step(z, z, 1, cache.capacity, module.cfg, module.dtype, lanes, kernels=kernels, fill=True,
+    return make_step(z, z, 1, cache.capacity, net.cfg, net.dtype, lanes, kernels=kernels, fill=True,
                      repeats=repeats)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Steps
 # ----------------------------------------------------------------------------------------------------------------
-def chunk(module: GLM5, params, cache, lanes: Lanes, tokens, n_valid, *, outputs: str, kernels: str, bulk: bool,
+def chunk(net: WholeModel, params, cache, lanes: Lanes, tokens, n_valid, *, outputs: str, kernels: str, bulk: bool,
           copy_pages: int):
     """Process ``tokens [B, T]`` (``n_valid[b]`` real) at positions ``lengths + t``: prefill and append. Returns
     (cache, out): out is None, the logits ``[B, T, V]`` of every position (``outputs="logits"``) or the final-normed
@@ -112,21 +134,21 @@ def chunk(module: GLM5, params, cache, lanes: Lanes, tokens, n_valid, *, outputs
     B, T = tokens.shape
     lanes = lanes.replace(active=lanes.active & (n_valid > 0))
     start = cache.sessions.lengths[lanes.slot]
-    step = make_step(start, n_valid, T, cache.capacity, module.cfg, module.dtype, lanes, kernels=kernels, bulk=bulk,
+    step = make_step(start, n_valid, T, cache.capacity, net.cfg, net.dtype, lanes, kernels=kernels, bulk=bulk,
                      copy_pages=copy_pages)
     cache = cache.begin_step(step)
-    hidden, cache, rounds = _apply(module, params, tokens, step, cache)
+    hidden, cache, rounds = net.forward(params, tokens, step, cache)
     cache = cache.finish_step(rounds, step)
-    cache, mtp_end = _mtp_catch_up(module, params, cache, lanes, hidden, tokens, start, n_valid, kernels)
+    cache, mtp_end = _mtp_catch_up(net, params, cache, lanes, hidden, tokens, start, n_valid, kernels)
     cache = cache.advance(step, n_valid, _last_valid(hidden, n_valid), mtp_end)
     if outputs == "logits":
-        return cache, _apply(module, params, hidden, method=GLM5.logits)
+        return cache, net.logits(params, hidden)
     if outputs == "hidden":
         return cache, hidden
     return cache, None
 
 
-def decode(module: GLM5, params, cache, lanes: Lanes, tokens, remaining, seed, temperature, top_p, stop_ids,
+def decode(net: WholeModel, params, cache, lanes: Lanes, tokens, remaining, seed, temperature, top_p, stop_ids,
            selection=None, *, greedy: bool, kernels: str, copy_pages: int, trace: bool = False):
     """One token per lane: ``tokens [B]`` (each session's pending token) is processed and the next sampled.
     ``remaining [B]`` counts the tokens each lane may still emit (0: inert); a sampled stop token ends the lane.
@@ -137,16 +159,16 @@ def decode(module: GLM5, params, cache, lanes: Lanes, tokens, remaining, seed, t
     n = active.astype(jnp.int32)
     start = cache.sessions.lengths[lanes.slot]
     sel = None if selection is None else selection[:, None, :]
-    step = make_step(start, n, 1, cache.capacity, module.cfg, module.dtype, lanes, selection=sel, kernels=kernels,
+    step = make_step(start, n, 1, cache.capacity, net.cfg, net.dtype, lanes, selection=sel, kernels=kernels,
                      fill=True, copy_pages=copy_pages)
     cache = cache.begin_step(step)
     # The MTP row (the stored hidden state and this token) first: written after the main layers it would depend on
     # none of their reads of the ring / history, and XLA would keep the old buffer alive with a copy every step.
-    cache, mtp_end = _mtp_catch_up(module, params, cache, lanes, None, tokens[:, None], start, n, kernels)
-    hidden, cache, rounds = _apply(module, params, tokens[:, None], step, cache)
+    cache, mtp_end = _mtp_catch_up(net, params, cache, lanes, None, tokens[:, None], start, n, kernels)
+    hidden, cache, rounds = net.forward(params, tokens[:, None], step, cache)
     cache = cache.finish_step(rounds, step)
     h = hidden[:, 0]
-    logits = _apply(module, params, h, method=GLM5.logits)
+    logits = net.logits(params, h)
     nxt = sampling.sample(logits, sampling.position_keys(seed, start + 1, sampling.SAMPLE), temperature, top_p,
                           greedy=greedy)
     cache = cache.advance(step, n, h, mtp_end)
@@ -157,7 +179,7 @@ def decode(module: GLM5, params, cache, lanes: Lanes, tokens, remaining, seed, t
     return cache, (nxt, logits, remaining)
 
 
-def verify(module: GLM5, params, cache, lanes: Lanes, pending, drafts, draft_p, remaining, seed, temperature, top_p,
+def verify(net: WholeModel, params, cache, lanes: Lanes, pending, drafts, draft_p, remaining, seed, temperature, top_p,
            stop_ids, selection=None, *, greedy: bool, accept_override: int | None, kernels: str, copy_pages: int,
            trace: bool = False):
     """MTP speculative decoding, one round: the pending tokens ``[B]`` and ``drafts [B, D]`` go through the main
@@ -178,11 +200,11 @@ def verify(module: GLM5, params, cache, lanes: Lanes, pending, drafts, draft_p, 
     tokens = jnp.concatenate([pending[:, None], drafts], axis=1)
     start = cache.sessions.lengths[lanes.slot]
     sel = None if selection is None else jnp.broadcast_to(selection[:, None, :], (B, T, selection.shape[-1]))
-    step = make_step(start, jnp.where(active, T, 0), T, cache.capacity, module.cfg, module.dtype, lanes,
+    step = make_step(start, jnp.where(active, T, 0), T, cache.capacity, net.cfg, net.dtype, lanes,
                      selection=sel, kernels=kernels, fill=True, repeats=T, copy_pages=copy_pages)
     cache = cache.begin_step(step)
-    hidden, cache, rounds = _apply(module, params, tokens, step, cache)
-    logits = _apply(module, params, hidden, method=GLM5.logits)  # [B, T, V]
+    hidden, cache, rounds = net.forward(params, tokens, step, cache)
+    logits = net.logits(params, hidden)  # [B, T, V]
     if greedy:
         accepted, target = sampling.accept_greedy(logits, drafts)
     else:
@@ -209,11 +231,11 @@ def verify(module: GLM5, params, cache, lanes: Lanes, pending, drafts, draft_p, 
     ended = jnp.take_along_axis(is_stop, a[:, None], 1)[:, 0]
     remaining = jnp.where(active, jnp.where(ended, 0, remaining - n_emit), remaining)
     # Commit the pending token and the accepted drafts; the rest of the rows stay past the lengths.
-    cache, mtp_end = _mtp_catch_up(module, params, cache, lanes, hidden, tokens, start, n_emit, kernels)
+    cache, mtp_end = _mtp_catch_up(net, params, cache, lanes, hidden, tokens, start, n_emit, kernels)
     h_last = jnp.take_along_axis(hidden, a[:, None, None], 1)[:, 0]
     cache = cache.advance(step, n_emit, h_last, mtp_end)
     draft_lanes = lanes.replace(active=active & (remaining > 0))
-    next_drafts, next_p, cache, draft_rounds = _drafts(module, params, cache, draft_lanes, h_last, nxt, start + a, D,
+    next_drafts, next_p, cache, draft_rounds = _drafts(net, params, cache, draft_lanes, h_last, nxt, start + a, D,
                                                        seed, temperature, top_p, greedy=greedy, kernels=kernels)
     cache = cache.finish_step(list(rounds) + list(draft_rounds), step)
     out = (emitted, n_emit, logits, nxt, next_drafts, next_p, remaining, jnp.where(active, accepted, 0))
@@ -222,15 +244,15 @@ def verify(module: GLM5, params, cache, lanes: Lanes, pending, drafts, draft_p, 
     return cache, out
 
 
-def draft(module: GLM5, params, cache, lanes: Lanes, pending, seed, temperature, top_p, *, depth: int, greedy: bool,
+def draft(net: WholeModel, params, cache, lanes: Lanes, pending, seed, temperature, top_p, *, depth: int, greedy: bool,
           kernels: str, trace: bool = False):
     """The first ``depth`` drafts of a generate call, from each session's stored hidden state and pending token.
     Returns (cache, (drafts [B, D], distributions [B, D, V] or None)), and with ``trace`` the step's rounds."""
     row = cache.sessions.lengths[lanes.slot] - 1
     hidden = cache.sessions.hidden[lanes.slot]
-    drafts, dists, cache, rounds = _drafts(module, params, cache, lanes, hidden, pending, row, depth, seed,
+    drafts, dists, cache, rounds = _drafts(net, params, cache, lanes, hidden, pending, row, depth, seed,
                                            temperature, top_p, greedy=greedy, kernels=kernels)
-    fill_step = _fill_step(module, cache, lanes, depth, kernels)
+    fill_step = _fill_step(net, cache, lanes, depth, kernels)
     cache = cache.finish_step(rounds, fill_step)
     if trace:
         # the drafts' query rows start after the last committed one (the fill step's own positions are dummies)
@@ -238,26 +260,26 @@ def draft(module: GLM5, params, cache, lanes: Lanes, pending, seed, temperature,
     return cache, (drafts, dists)
 
 
-def sample_first(module: GLM5, params, cache, lanes: Lanes, seed, temperature, top_p, *, greedy: bool):
+def sample_first(net: WholeModel, params, cache, lanes: Lanes, seed, temperature, top_p, *, greedy: bool):
     """The token after each session's last processed position, from its stored hidden state (reads the cache
     only). Returns (tokens [B], logits [B, V])."""
     hidden = cache.sessions.hidden[lanes.slot]
-    logits = _apply(module, params, hidden, method=GLM5.logits)
+    logits = net.logits(params, hidden)
     positions = cache.sessions.lengths[lanes.slot]
     return sampling.sample(logits, sampling.position_keys(seed, positions, sampling.SAMPLE), temperature, top_p,
                            greedy=greedy), logits
 
 
-def mtp_forward(module: GLM5, params, cache, lanes: Lanes, hidden, next_tokens, n_valid, *, kernels: str):
+def mtp_forward(net: WholeModel, params, cache, lanes: Lanes, hidden, next_tokens, n_valid, *, kernels: str):
     """The MTP module over committed rows (``Model.draft``): rows ``0..T-1`` of the MTP layer exist already (the
     chunk steps wrote them), so this only reads. Returns (cache, logits [B, T, V])."""
     B, T = next_tokens.shape
     rows = jnp.arange(T, dtype=jnp.int32)[None, :]
     fresh = rows >= cache.sessions.mtp_lengths[lanes.slot][:, None]
-    step = make_step(jnp.zeros((B,), jnp.int32), n_valid, T, cache.capacity, module.cfg, module.dtype, lanes,
+    step = make_step(jnp.zeros((B,), jnp.int32), n_valid, T, cache.capacity, net.cfg, net.dtype, lanes,
                      write_mask=fresh, kernels=kernels)
-    mh, cache, _ = _apply(module, params, hidden, next_tokens, step, cache, method=GLM5.mtp)
-    return cache, _apply(module, params, mh, method=GLM5.logits)
+    mh, cache, _ = net.mtp(params, hidden, next_tokens, step, cache)
+    return cache, net.logits(params, mh)
 
 
 # ---- lifecycle (offload-only ones are never called on a resident cache) ----
@@ -350,8 +372,9 @@ class Steps:
     and return it with the placement it came with (``out_shardings``: the offload pool must come back in
     pinned_host memory); other outputs land on the cache's device."""
 
-    def __init__(self, module: GLM5):
+    def __init__(self, module: GLM5, net=None):
         self.module = module
+        self.net = net or WholeModel(module)  # a pipeline's last stage brings its own (glm53.pipeline.LastStage)
         self._jits: dict = {}
         self._others: dict = {}  # (name, mesh or None) -> jitted sample_first / read_slot / read_pages
 
@@ -362,7 +385,7 @@ class Steps:
         if fn is None:
             f, static, with_model = STEPS[name]
             if with_model:
-                f = functools.partial(f, self.module)
+                f = functools.partial(f, self.net)
                 donate = (1,)  # (params, cache, ...)
             else:
                 donate = (0,)
@@ -378,6 +401,9 @@ class Steps:
         there too (``Engine._put``): a jitted function compiles once per placement of its arguments, so a decode
         loop whose first call took host-built tokens (uncommitted) and later calls the previous step's outputs
         compiled the step twice."""
+        staged = getattr(cache, "outputs_placement", None)  # glm53.pipeline.StagedCache: its last stage's
+        if staged is not None:
+            return staged()
         first = jax.tree_util.tree_leaves(cache)[0].sharding
         if isinstance(first, jax.sharding.NamedSharding):  # a cache on a mesh: outputs replicated over it
             return jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
@@ -402,7 +428,7 @@ class Steps:
         mesh = first.mesh if isinstance(first, jax.sharding.NamedSharding) else None
         fn = self._others.get((name, mesh))
         if fn is None:
-            f, static = {"sample_first": (functools.partial(sample_first, self.module), ("greedy",)),
+            f, static = {"sample_first": (functools.partial(sample_first, self.net), ("greedy",)),
                          "read_slot": (read_slot, ("kernels",)), "read_pages": (read_pages, ("kernels",))}[name]
             out = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             fn = self._others[(name, mesh)] = jax.jit(f, static_argnames=static, out_shardings=out)

@@ -1,6 +1,8 @@
 """A small float32 GLM-5 with an MTP module and the cache sizes the engine tests share (few distinct shapes: the
 engine's executables are compiled once per model and shape and shared by every engine of the model)."""
 
+import dataclasses
+
 import numpy as np
 
 import glm53
@@ -24,6 +26,10 @@ MESH_CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, mo
                        index_head_dim=128, index_topk=16, indexer_types=("full", "shared", "full"),
                        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
                        max_position_embeddings=512, num_nextn_predict_layers=1, eos_token_id=None)
+
+# Sixteen layers (one per stage of a 16-stage pipeline), heads that tp = 8 divides: the pipeline layouts' tests.
+PIPE_CFG = dataclasses.replace(MESH_CFG, num_hidden_layers=16, num_attention_heads=8,
+                               indexer_types=("full", "shared") * 8, first_k_dense_replace=2)
 
 
 def make_model(seed: int = 3):

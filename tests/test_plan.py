@@ -33,27 +33,44 @@ def test_shard_bytes_by_hand():
     assert sharding.shard_bytes(params, {"stage": 1, "tp": 1}) == (64 * 256 + 64 * 64 + 64) * 4 + 8 * 32 * 64 * 2
 
 
-@pytest.mark.parametrize("mode,tp", [("resident", 1), ("resident", 2), ("offload", 1), ("offload", 2)])
-def test_plan_equals_what_the_engine_allocates(mode, tp):
+@pytest.mark.parametrize("mode,stages,tp", [("resident", 1, 1), ("resident", 1, 2), ("offload", 1, 1),
+                                           ("offload", 1, 2), ("offload", 3, 1), ("offload", 2, 2)])
+def test_plan_equals_what_the_engine_allocates(mode, stages, tp):
     cc = CacheConfig(mode=mode, kv_format="q8g64", prefill_chunk=16, copyback_every=16, hot_rows=64, max_len=200)
-    model = glm53.from_config(CFG, seed=0, dtype="float32", cache_config=cc, mesh=glm53.MeshConfig(tp=tp))
+    model = glm53.from_config(CFG, seed=0, dtype="float32", cache_config=cc,
+                              mesh=glm53.MeshConfig(stages=stages, tp=tp))
     e = glm53.Engine(model, max_sessions=3)
     report = e.memory_report()
-    p = memory.plan(CFG, cc, sessions=3, history=200, dtype=jnp.float32, mesh_shape={"stage": 1, "tp": tp})
+    p = memory.plan(CFG, cc, sessions=3, history=200, dtype=jnp.float32, mesh_shape={"stage": stages, "tp": tp})
     assert p["capacity"] == e.capacity
     assert p["per_device"]["params"] == report["device"]["params_bytes"]
     assert p["per_device"]["cache"] == report["device"]["cache_bytes"]
     assert p["per_device"]["transient"] == report["device"]["transient_bytes"]
     assert p["per_host"]["pool"] == report["host"]["pool_bytes"]
-    if mode == "offload":  # one copy of the pool per device, each in the host's memory
+    parts = e.cache.parts if stages > 1 else (e.cache,)
+    if mode == "offload":  # one copy of its stage's pool per device, each in the host's memory
         assert p["per_host"]["pool_replicas"] == report["host"]["pool_replicas"] == tp
-        pool = jax.tree_util.tree_leaves(e.cache.pool)
-        held = sum(int(s.data.nbytes) for x in pool for s in x.addressable_shards)
-        assert held == p["per_host"]["total"] == tp * p["per_host"]["pool"]
-    # and the engine's own figure is what the device holds: one device's shard of every parameter
-    held = sum(int(np.prod(s.data.shape)) * s.data.dtype.itemsize
-               for x in jax.tree_util.tree_leaves(model.params) for s in x.addressable_shards[:1])
-    assert held == p["per_device"]["params"]
+        held = sum(int(s.data.nbytes) for part in parts for x in jax.tree_util.tree_leaves(part.pool)
+                   for s in x.addressable_shards)
+        assert held == p["per_host"]["total"]
+        if stages == 1:
+            assert held == tp * p["per_host"]["pool"]
+        else:  # by hand: a page holds copyback_every rows of each of the stage's cache layers
+            from kernels_pallas import kv_formats
+
+            row = kv_formats.get_format("q8g64").bytes_per_row
+            for st, part, layers in zip(p["stages"], parts, model.pipeline.layers):
+                assert st["layers"] == list(layers)
+                assert st["pool"] == e.alloc_pages * len(st["layers"]) * 16 * row == sum(
+                    int(x.nbytes) for x in jax.tree_util.tree_leaves(part.pool))
+    # and the engine's own figure is what a device holds: its shard of every parameter it has (stages: the
+    # device holding the most, the last stage's with its copy of the embedding)
+    tree = model.pipeline.stage_params(model.params) if stages > 1 else model.params
+    per_device = {}
+    for x in jax.tree_util.tree_leaves(tree):
+        for s in x.addressable_shards:
+            per_device[s.device] = per_device.get(s.device, 0) + int(np.prod(s.data.shape)) * s.data.dtype.itemsize
+    assert max(per_device.values()) == p["per_device"]["params"]
 
 
 def test_session_counts_are_exact():

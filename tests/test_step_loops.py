@@ -41,15 +41,15 @@ def test_gpu_steps_have_no_while_loops(mode, monkeypatch):
     pages = glm53.offload.copy_pages_for(cc, 1) if mode == "offload" else 0
     monkeypatch.setattr(ops, "resolve", lambda impl: (impl != "reference", False))  # the GPU path, compiled
     calls = {
-        "decode": (functools.partial(St.decode, model.module, greedy=True, kernels="pallas", copy_pages=pages),
+        "decode": (functools.partial(St.decode, model.steps.net, greedy=True, kernels="pallas", copy_pages=pages),
                    (params, cache, lanes, i32, i32, jnp.int32(0), f32, jnp.float32(1), stop, None)),
-        "verify": (functools.partial(St.verify, model.module, greedy=True, accept_override=None, kernels="pallas",
+        "verify": (functools.partial(St.verify, model.steps.net, greedy=True, accept_override=None, kernels="pallas",
                                      copy_pages=pages),
                    (params, cache, lanes, i32, jax.ShapeDtypeStruct((B, D), jnp.int32), None, i32, jnp.int32(0), f32,
                     jnp.float32(1), stop, None)),
-        "draft": (functools.partial(St.draft, model.module, depth=D, greedy=True, kernels="pallas"),
+        "draft": (functools.partial(St.draft, model.steps.net, depth=D, greedy=True, kernels="pallas"),
                   (params, cache, lanes, i32, jnp.int32(0), f32, jnp.float32(1))),
-        "chunk": (functools.partial(St.chunk, model.module, outputs="hidden", kernels="pallas", bulk=mode == "offload",
+        "chunk": (functools.partial(St.chunk, model.steps.net, outputs="hidden", kernels="pallas", bulk=mode == "offload",
                                     copy_pages=pages),
                   (params, cache, lanes, jax.ShapeDtypeStruct((B, 16), jnp.int32), i32)),
     }

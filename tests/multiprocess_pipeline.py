@@ -1,0 +1,62 @@
+"""A session's life on pipeline stages spanning several processes (run by tests/test_distributed.py through
+experiments.launch), or on one device for the baseline: open, generate (MTP or not), a long append, fork,
+rollback, save, restore into a fresh engine, stats. Process 0 writes the tokens and the logits.
+
+    python -m experiments.launch --processes=2 --devices_per_process=8 -- \
+        python tests/multiprocess_pipeline.py OUT DIR STAGES TP MODE MTP
+"""
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # engine_common, and glm53 where it is not installed
+
+from glm53 import distributed  # noqa: E402
+
+distributed.initialize()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import glm53  # noqa: E402
+from engine_common import PIPE_CFG  # noqa: E402
+
+
+def main(out: str, directory: str, stages: str, tp: str, mode: str, mtp: str) -> None:
+    stages, tp, mtp = int(stages), int(tp), int(mtp)
+    # float32 rows where tp > 1: a split reduction's last-bit differences would become whole q8 steps
+    cc = glm53.CacheConfig(mode=mode, kv_format="q8g64" if tp == 1 else "f32", prefill_chunk=16, copyback_every=16,
+                           hot_rows=64, max_len=192)
+    mesh = None if stages * tp == 1 else glm53.MeshConfig(stages=stages, tp=tp)
+    model = glm53.from_config(PIPE_CFG, seed=0, dtype="float32", cache_config=cc, mesh=mesh)
+    rng = np.random.default_rng(0)
+    e = glm53.Engine(model, max_sessions=3)
+    a, b = e.open(rng.integers(0, 256, 37).tolist()), e.open(rng.integers(0, 256, 22).tolist())
+    outs, logits = [], []
+    outs.append(e.generate({a: 4, b: 5}, mtp=mtp, return_logits=True))
+    logits.append(e.last_run.logits)
+    e.append(a, rng.integers(0, 256, 80).tolist())  # past the hot cache
+    c = e.fork(a)
+    e.rollback(b, 2)
+    outs.append(e.generate({a: 4, b: 2, c: 3}, mtp=mtp, return_logits=True))
+    logits.append(e.last_run.logits)
+    e.save(c, directory)
+    r = glm53.Engine(model, max_sessions=1)
+    got = r.restore(directory)
+    restored = r.generate({got: 4}, mtp=mtp)[got]
+    stats = e.stats(a)
+    if distributed.is_writer():
+        arrays = {f"{i}_{sid}": np.asarray(v) for i, run in enumerate(logits) for sid, v in run.items()}
+        np.savez(out + ".npz", **arrays)
+        with open(out, "w") as f:
+            json.dump({"processes": jax.process_count(), "devices": len(jax.devices()),
+                       "outs": [{str(k): v for k, v in o.items()} for o in outs], "restored": restored,
+                       "hits": stats.get("hits"), "misses": stats.get("misses"),
+                       "layers": len(stats["per_layer"]["hits"]) if mode == "offload" else None,
+                       "memory": e.memory_report()["device"]}, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:7])
