@@ -40,7 +40,7 @@ from ml_collections import config_flags
 import glm53
 from glm53 import memory
 from glm53.params import resolve_dtype
-from glm53.provenance import git_revision
+from glm53.provenance import provenance
 
 GiB = 1 << 30
 MACHINES = memory.MACHINES
@@ -125,7 +125,7 @@ def main(_):
                   f"peak {r['peak_bytes'] / GiB:.2f}G per device, fits {r['fits_device']}")
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
-            json.dump({"config": c.to_dict(), "git": git_revision(), "machine": FLAGS.machine,
+            json.dump({"config": c.to_dict(), **provenance(), "machine": FLAGS.machine,
                        "devices": devices, "device_gib": device_gib, "host_gib": host_gib,
                        "expert_weights": FLAGS.expert_weights, "sessions": FLAGS.sessions, "plans": rows,
                        "devices_per_host": per_host,

@@ -100,6 +100,11 @@ class ModelConfig:
         return self.indexer_types[layer] if layer < self.num_hidden_layers else "full"
 
     @property
+    def cache_holds_mtp_layer(self) -> bool:
+        """Whether the last cache layer is the MTP layer (a pipeline stage's cache may hold main layers only)."""
+        return bool(self.num_nextn_predict_layers)
+
+    @property
     def full_indexer_layers(self) -> tuple[int, ...]:
         """Cache layers with an indexer of their own (these, and only these, cache indexer keys)."""
         return tuple(l for l in range(self.num_cache_layers) if self.layer_indexer_type(l) == "full")

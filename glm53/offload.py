@@ -117,6 +117,9 @@ class OffloadCache(CacheBase):
     indexer_precision: str = flax.struct.field(pytree_node=False, default="highest")
     key_slot_of_layer: tuple = flax.struct.field(pytree_node=False, default=())
     _has_mtp_layer: bool = flax.struct.field(pytree_node=False, default=False)
+    # Whether this cache's last layer is the MTP layer (a pipeline stage's cache may hold main layers only, while
+    # its sessions keep the model's MTP lag: _has_mtp_layer).
+    _holds_mtp_layer: bool = flax.struct.field(pytree_node=False, default=False)
     policy: str = flax.struct.field(pytree_node=False, default="circular")  # CacheConfig.policy
     page_rows: int = flax.struct.field(pytree_node=False, default=64)
     _ring_rows: int = flax.struct.field(pytree_node=False, default=0)  # R (the planes may hold padding rows)
@@ -482,7 +485,7 @@ class OffloadCache(CacheBase):
         pool_page = self.page_table[slot, jnp.clip(k, 0, self.page_table.shape[1] - 1)]
         l = jnp.arange(L, dtype=jnp.int32)
         final = jnp.where(l == L - 1, self.committed()[slot], self.sessions.lengths[slot]) \
-            if self._has_mtp_layer else jnp.full((L,), self.sessions.lengths[slot])
+            if self._holds_mtp_layer else jnp.full((L,), self.sessions.lengths[slot])
         count = jnp.where(pool_page >= 0, jnp.clip(final - k * P, 0, P), 0)
         src = (l * S + slot) * R + (k * P) % R
         dst = (jnp.maximum(pool_page, 0) * L + l) * P
@@ -786,7 +789,8 @@ def init_offload(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, p
         policy_state={n: jnp.zeros((L, S, H), jnp.int32) for n in POLICY_STATE[cc.policy]},
         kv_format=fmt.name, indexer_precision=cc.indexer_precision, policy=cc.policy,
         key_slot_of_layer=key_slots(cfg),
-        _has_mtp_layer=bool(cfg.num_nextn_predict_layers), page_rows=P, _ring_rows=R)
+        _has_mtp_layer=bool(cfg.num_nextn_predict_layers), _holds_mtp_layer=cfg.cache_holds_mtp_layer,
+        page_rows=P, _ring_rows=R)
     return place(cache, device, mesh)
 
 

@@ -150,6 +150,10 @@ class StageConfig:
     def full_indexer_layers(self) -> tuple[int, ...]:
         return tuple(i for i, l in enumerate(self.layers) if self._cfg.layer_indexer_type(l) == "full")
 
+    @property
+    def cache_holds_mtp_layer(self) -> bool:
+        return self._cfg.num_hidden_layers in self.layers
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # The staged cache

@@ -3,7 +3,9 @@ experiments.launch), or on one device for the baseline: open, generate (MTP or n
 rollback, save, restore into a fresh engine, stats. Process 0 writes the tokens and the logits.
 
     python -m experiments.launch --processes=2 --devices_per_process=8 -- \
-        python tests/multiprocess_pipeline.py OUT DIR STAGES TP MODE MTP
+        python tests/multiprocess_pipeline.py OUT DIR CONFIG STAGES TP MODE MTP KV_FORMAT
+
+CONFIG: "mesh" (engine_common.MESH_CFG, 3 layers) or "pipe" (PIPE_CFG, 16 layers: one a stage on 16 devices).
 """
 
 import json
@@ -21,16 +23,16 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import glm53  # noqa: E402
-from engine_common import PIPE_CFG  # noqa: E402
+from engine_common import MESH_CFG, PIPE_CFG  # noqa: E402
 
 
-def main(out: str, directory: str, stages: str, tp: str, mode: str, mtp: str) -> None:
+def main(out: str, directory: str, config: str, stages: str, tp: str, mode: str, mtp: str, kv_format: str) -> None:
     stages, tp, mtp = int(stages), int(tp), int(mtp)
-    # float32 rows where tp > 1: a split reduction's last-bit differences would become whole q8 steps
-    cc = glm53.CacheConfig(mode=mode, kv_format="q8g64" if tp == 1 else "f32", prefill_chunk=16, copyback_every=16,
-                           hot_rows=64, max_len=192)
+    cc = glm53.CacheConfig(mode=mode, kv_format=kv_format, prefill_chunk=16, copyback_every=16, hot_rows=64,
+                           max_len=192)
     mesh = None if stages * tp == 1 else glm53.MeshConfig(stages=stages, tp=tp)
-    model = glm53.from_config(PIPE_CFG, seed=0, dtype="float32", cache_config=cc, mesh=mesh)
+    model = glm53.from_config({"mesh": MESH_CFG, "pipe": PIPE_CFG}[config], seed=0, dtype="float32", cache_config=cc,
+                              mesh=mesh)
     rng = np.random.default_rng(0)
     e = glm53.Engine(model, max_sessions=3)
     a, b = e.open(rng.integers(0, 256, 37).tolist()), e.open(rng.integers(0, 256, 22).tolist())
@@ -59,4 +61,4 @@ def main(out: str, directory: str, stages: str, tp: str, mode: str, mtp: str) ->
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:7])
+    main(*sys.argv[1:9])

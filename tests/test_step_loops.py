@@ -49,8 +49,8 @@ def test_gpu_steps_have_no_while_loops(mode, monkeypatch):
                     jnp.float32(1), stop, None)),
         "draft": (functools.partial(St.draft, model.steps.net, depth=D, greedy=True, kernels="pallas"),
                   (params, cache, lanes, i32, jnp.int32(0), f32, jnp.float32(1))),
-        "chunk": (functools.partial(St.chunk, model.steps.net, outputs="hidden", kernels="pallas", bulk=mode == "offload",
-                                    copy_pages=pages),
+        "chunk": (functools.partial(St.chunk, model.steps.net, outputs="hidden", kernels="pallas",
+                                    bulk=mode == "offload", copy_pages=pages),
                   (params, cache, lanes, jax.ShapeDtypeStruct((B, 16), jnp.int32), i32)),
     }
     loops = {}
