@@ -102,6 +102,9 @@ class MeshConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ConfigError(f"mesh.{name} must be an int >= 1, got {v!r}")
+        if self.microbatches > 1 and self.stages == 1:
+            raise ConfigError(f"mesh.microbatches={self.microbatches} splits a decode step between pipeline stages; "
+                              "it needs mesh.stages > 1")
 
     @property
     def devices(self) -> int:
