@@ -22,8 +22,8 @@ use for a GPU. The full GLM-5 compiles in about a minute on 2 CPU cores.
 
 ``--config.mesh.stages=S`` plans pipeline stages (``glm53.pipeline``): the machine's devices as S stages of
 devices / S tensor-parallel devices, each stage holding its layers' weights, cache and host pool; a device's figures
-are its stage's (the table gives the largest), a host holds the pools of its devices' stages. ``--compile`` compiles
-one program for the whole mesh and is for tensor parallelism only (a pipeline runs a program per stage).
+are its stage's (the table gives the largest), a host holds the pools of its devices' stages; ``--compile`` then
+compiles each stage's programs (``glm53.memory.compiled_stage_memory``).
 
     python -m experiments.plan --config=configs/glm5.py --config.mesh.stages=16 --machine=article
 """
@@ -80,9 +80,6 @@ def main(_):
     stages = int(c.mesh.get("stages", 1)) if "mesh" in c else 1
     if devices % stages:
         raise app.UsageError(f"--config.mesh.stages={stages} does not divide the machine's {devices} devices")
-    if stages > 1 and FLAGS.compile:
-        raise app.UsageError("--compile compiles one program for the whole mesh: tensor parallelism only (a pipeline "
-                             "runs one program per stage); drop --config.mesh.stages or --compile")
     mesh_shape = {"stage": stages, "tp": devices // stages}
     rows = []
     print(f"{cfg.num_hidden_layers} layers + {cfg.num_nextn_predict_layers} MTP, {cfg.param_count() / 1e9:.1f}B "
@@ -113,7 +110,18 @@ def main(_):
                   f"{worst['cache'] / GiB:.2f}G, pool {worst['pool'] / GiB:.2f}G per device")
         big = sorted(d["cache_parts"].items(), key=lambda kv: -kv[1])[:3]
         print(f"{'':>10} largest cache parts per device: " + ", ".join(f"{k} {v / GiB:.2f}G" for k, v in big))
-        if FLAGS.compile:
+        if FLAGS.compile and stages > 1:
+            mesh = glm53.sharding.make_mesh(glm53.MeshConfig(stages=stages, tp=devices // stages))
+            r = memory.compiled_stage_memory(cfg, cc, sessions=FLAGS.sessions, history=h,
+                                             dtype=resolve_dtype(c.dtype), mesh=mesh,
+                                             expert_weights=FLAGS.expert_weights, mtp=FLAGS.mtp)
+            r["fits_device"] = r["peak_bytes"] <= device_gib * GiB
+            p["compiled"] = r
+            worst = max(r["stages"], key=lambda st: st["peak_bytes"])
+            print(f"{'':>10} compiled {r['step']} per stage ({r['backend']}, {r['compile_s']:.0f} s): largest "
+                  f"workspace {r['temp_bytes'] / GiB:.2f}G; peak {r['peak_bytes'] / GiB:.2f}G per device (the stage "
+                  f"of layers {worst['layers'][0]}-{worst['layers'][-1]}), fits {r['fits_device']}")
+        elif FLAGS.compile:
             mesh = glm53.sharding.make_mesh(glm53.MeshConfig(tp=devices))
             r = memory.compiled_step_memory(cfg, cc, sessions=FLAGS.sessions, history=h, dtype=resolve_dtype(c.dtype),
                                             mesh=mesh, expert_weights=FLAGS.expert_weights, mtp=FLAGS.mtp)

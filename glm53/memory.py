@@ -372,3 +372,106 @@ def compiled_step_memory(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, hi
     out["peak_bytes"] = (out["counted"]["params"] + out["counted"]["cache"] + small_bytes + out["temp_bytes"]
                          + out["output_bytes"] - out["alias_bytes"])
     return out
+
+
+def compiled_stage_memory(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtype, mesh,
+                          expert_weights: str = "model", mtp: int = 0, kernels: str = "auto") -> dict:
+    """``compiled_step_memory`` for pipeline stages (``glm53.pipeline``; ``mesh`` has ``stage`` > 1): each stage's
+    programs of a decode step (``mtp=0``) or an MTP verify step (with the commit an earlier stage runs after the last
+    stage's acceptance) compiled ahead of time on abstract shapes: the stage's parameters and cache placed on its
+    devices, the activation it receives. Per stage the largest workspace of its programs and the peak its devices
+    run in (what they hold, counted by ``plan``, plus workspace and outputs not written in place); ``peak_bytes``
+    the largest of them."""
+    import functools
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from glm53 import pipeline, sharding
+    from glm53.model import GLM5
+    from glm53.params import param_shapes, resolve_dtype
+
+    dtype = resolve_dtype(dtype)
+    t0 = time.perf_counter()
+    shapes = param_shapes(cfg, dtype, expert_weights)
+    pipe = pipeline.Pipeline(cfg, dtype, mesh, shapes)
+    steps = pipeline.PipelineSteps(pipe, GLM5(cfg, dtype))
+    trees = pipeline.stage_param_trees(cfg, pipe.layers, shapes)
+    capacity = cache.capacity_for(history, cc)
+    pages = (allocated_pages(cfg, cc, sessions * (capacity // cc.copyback_every), pipe.layer_counts)
+             if cc.mode == "offload" else 0)
+    counted = plan(cfg, cc, sessions=sessions, history=history, dtype=dtype, mesh_shape=dict(mesh.shape),
+                   expert_weights=expert_weights)
+    B, T = sessions, mtp + 1
+    copy_pages = offload.copy_pages_for(cc, T) if cc.mode == "offload" else 0
+    out_stages = []
+    for st, tree, count in zip(pipe.stages, trees, counted["stages"]):
+        rep = st.replicated
+
+        def arg(shape, dt, sh=rep):
+            return jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+
+        def put(keys, leaf, st=st):
+            path = sharding._path(keys)
+            spec = sharding.spec_of(sharding.logical_axes(path, leaf.ndim), leaf.shape, st.mesh.shape, path)
+            return arg(leaf.shape, leaf.dtype, NamedSharding(st.mesh, spec))
+
+        params = jax.tree_util.tree_map_with_path(put, tree)
+        if cc.mode == "offload":
+            planes = kv_formats.get_format(cc.kv_format).plane_shapes(offload.pool_rows(st.config, cc, pages))
+            pool = {n: jax.ShapeDtypeStruct(shape, dt) for n, (shape, dt) in planes.items()}
+            state = jax.eval_shape(lambda p, st=st: offload.init_offload(st.config, cc, sessions, capacity, pages,
+                                                                         dtype, pool=p), pool)
+        else:
+            state = jax.eval_shape(lambda st=st: cache.init_resident(st.config, cc, sessions, capacity, dtype))
+        state = jax.tree_util.tree_map_with_path(
+            lambda path, x: arg(x.shape, x.dtype, NamedSharding(st.mesh, P(), memory_kind=(
+                "pinned_host" if getattr(path[0], "name", None) == "pool" else "device"))), state)
+        lanes = cache.Lanes(slot=arg((B,), jnp.int32), active=arg((B,), jnp.bool_))
+        tokens, remaining = arg((B,), jnp.int32), arg((B,), jnp.int32)
+        drafts = arg((B, mtp), jnp.int32)
+        carry = None if st.first else (arg((B, T, cfg.hidden_size), dtype),
+                                       arg((B, T, min(cfg.index_topk, capacity)), jnp.int32))
+        lowered = []
+        if not st.last:
+            if mtp == 0:
+                lowered.append(steps._early("decode", st.index, state).lower(
+                    params, state, lanes, tokens, carry, remaining, None, kernels=kernels, copy_pages=copy_pages))
+            else:
+                fn = steps._early("verify", st.index, state)
+                lowered.append(fn.lower(params, state, lanes, tokens, drafts, carry, remaining, None,
+                                        kernels=kernels, copy_pages=copy_pages))
+                rounds = jax.eval_shape(functools.partial(pipeline.stage_verify, st, kernels=kernels,
+                                                          copy_pages=copy_pages),
+                                        params, state, lanes, tokens, drafts, carry, remaining)[1][1]
+                rounds = jax.tree_util.tree_map(lambda x: arg(x.shape, x.dtype), rounds)
+                lowered.append(steps._early("verify_commit", st.index, state).lower(
+                    state, lanes, remaining, rounds, tokens, T=T, kernels=kernels))
+        else:
+            scalars = (arg((), jnp.int32), arg((), jnp.float32), arg((), jnp.float32))
+            stop_ids = arg((8,), jnp.int32)
+            p = dict(params, carry=carry)
+            if mtp == 0:
+                lowered.append(steps.last.lower("decode", p, state, lanes, tokens, remaining, *scalars, stop_ids, None,
+                                                greedy=True, kernels=kernels, copy_pages=copy_pages))
+            else:
+                lowered.append(steps.last.lower("verify", p, state, lanes, tokens, drafts, None, remaining, *scalars,
+                                                stop_ids, None, greedy=True, accept_override=None, kernels=kernels,
+                                                copy_pages=copy_pages))
+        analyses = [lw.compile().memory_analysis() for lw in lowered]
+        temp = max(int(ma.temp_size_in_bytes) for ma in analyses)
+        fresh = max(int(ma.output_size_in_bytes) - int(ma.alias_size_in_bytes) for ma in analyses)
+        out_stages.append({
+            "layers": count["layers"], "programs": len(analyses),
+            "argument_bytes": max(int(ma.argument_size_in_bytes) for ma in analyses),
+            "host_argument_bytes": max(int(ma.host_argument_size_in_bytes) for ma in analyses),
+            "temp_bytes": temp, "outputs_not_in_place_bytes": fresh,
+            "counted": {"params": count["params"], "cache": count["cache"], "pool": count["pool"]},
+            "peak_bytes": count["params"] + count["cache"] + temp + fresh})
+    return {"step": "decode" if mtp == 0 else f"verify (MTP depth {mtp})", "backend": jax.default_backend(),
+            "kernels": kernels, "sessions": sessions, "history": history, "devices": int(mesh.size),
+            "compile_s": round(time.perf_counter() - t0, 2), "stages": out_stages,
+            "temp_bytes": max(s["temp_bytes"] for s in out_stages),
+            "peak_bytes": max(s["peak_bytes"] for s in out_stages)}

@@ -127,3 +127,25 @@ def test_compiled_step_checks_the_counting(mode, tp):
     assert r["peak_bytes"] == (c["params"] + c["cache"] + r["small_input_bytes"] + r["temp_bytes"]
                                + r["output_bytes"] - r["alias_bytes"])
     assert r["step"] == "verify (MTP depth 1)" and r["devices"] == tp
+
+
+@pytest.mark.parametrize("mtp", [0, 1])
+def test_compiled_stages_check_the_counting(mtp):
+    """Each stage's programs compiled from shapes (2 stages of tp=2, offload): the first stage's decode / verify
+    reads exactly what the planner counts for its devices (its parameter shards, its cache and pool) plus the lanes'
+    small inputs; a verify's earlier stage also compiles the commit it runs after the last stage's acceptance."""
+    cc = CacheConfig(mode="offload", kv_format="q8g64", prefill_chunk=16, copyback_every=16, hot_rows=64)
+    mesh = sharding.make_mesh(sharding.MeshConfig(stages=2, tp=2))
+    r = memory.compiled_stage_memory(CFG, cc, sessions=3, history=200, dtype="float32", mesh=mesh, mtp=mtp)
+    counted = memory.plan(CFG, cc, sessions=3, history=200, dtype=jnp.float32, mesh_shape={"stage": 2, "tp": 2})
+    first, last = r["stages"]
+    assert [s["layers"] for s in r["stages"]] == [s["layers"] for s in counted["stages"]]
+    c = first["counted"]
+    B = 3
+    small = B * 4 + B * 1 + B * 4 + B * 4 + (B * mtp * 4)  # lanes (slot, active), tokens, remaining, drafts
+    # a CPU has no separate host memory space: the pool is among the device arguments there
+    assert first["argument_bytes"] + first["host_argument_bytes"] == c["params"] + c["cache"] + c["pool"] + small
+    assert first["programs"] == (1 if mtp == 0 else 2) and last["programs"] == 1
+    assert all(s["temp_bytes"] > 0 and s["peak_bytes"] > s["counted"]["params"] + s["counted"]["cache"]
+               for s in r["stages"])
+    assert r["peak_bytes"] == max(s["peak_bytes"] for s in r["stages"])
