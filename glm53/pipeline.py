@@ -10,8 +10,8 @@ shared indexer, the MTP layer), separate Flax modules rather than one stack a ``
 SPMD program over the whole mesh would have to hold every layer's weights on every device or stack unlike layers.
 Here a stage is a sub-mesh ``(1, tp)`` of the mesh: its weights carry the same ``glm53.sharding`` rules over its
 ``tp`` devices, and its programs are the engine's steps restricted to its layers. JAX dispatches them
-asynchronously, so stage ``s`` works on one micro-batch while stage ``s + 1`` works on the one before
-(``PipelineSteps``: decode splits its lanes into ``stages`` micro-batches when they divide evenly).
+asynchronously, so with ``MeshConfig.microbatches = M`` (decode splits its lanes into M groups, issued in turn)
+stage ``s`` works on one group while stage ``s + 1`` works on the one before.
 
 **The cache is staged by layer** (``StagedCache``): stage ``s`` holds the cache of its layers only, numbered from its
 first (``DecoderLayer.cache_layer``), built by the ordinary cache constructors on a view of the config that holds
@@ -24,11 +24,13 @@ allocator is unchanged and each stage's history lives in the host memory of that
 also holds a copy of the embedding where the MTP layer or a tied head reads it. Layers are split where the stages'
 parameter bytes are most even (``split_layers``).
 
-**Bit-identical to one device** for stage-only layouts (``tp = 1``): every stage runs exactly the operations the
-whole model runs on its layers, in the same order, on the same bytes.
+**Bit-identical to one device** for stage-only layouts (``tp = 1``) with whole batches (``microbatches = 1``): every
+stage runs exactly the operations the whole model runs on its layers, in the same order, on the same bytes.
 
-Not built yet: stages spanning several processes (``jax.distributed``): a stage boundary between processes needs a
-cross-process transfer of the activation; refused with a ``ConfigError``.
+**Several processes** (``glm53.distributed``): each stage lies in one process, which alone runs its programs; an
+activation crossing to another process's stage goes by a collective-permute over the two stages' devices, and what
+every process's engine reads (a step's outputs, counters, a save's rows) by a collective over the whole mesh. As
+with tensor parallelism every process makes the same engine calls in the same order.
 """
 
 from __future__ import annotations
@@ -444,9 +446,10 @@ class Pipeline:
 
         return jax.tree_util.tree_map(put, tree)
 
-    def _blocks(self, mesh: Mesh, rows: dict, x, sds):
-        """This process's blocks ``[1, *shape]`` of a global array ``[rows, *shape]`` over ``mesh``'s first axis:
-        ``x``'s data on the devices of ``rows`` = {mesh row: stage holding x}, zeros elsewhere."""
+    def _blocks(self, mesh: Mesh, rows: set, x, sds):
+        """This process's blocks ``[1, *shape]`` of a global array ``[mesh rows, *shape]`` split over ``mesh``'s first
+        axis: ``x``'s data on the devices of the mesh rows in ``rows`` (those of the stage holding x), zeros on the
+        others (where the collective writes)."""
         mine = {} if x is None else {d.device: d.data for d in x.addressable_shards}
         out = []
         for i, row in enumerate(mesh.devices):
