@@ -88,11 +88,16 @@ def test_stages_place_each_layer_and_its_cache_on_its_own_devices():
 
 
 def test_three_stages_with_mtp_bit_identical_to_one_device(one_device):
+    """generate with MTP verify and drafts, Model.forward (the chunked prefill's logits) and Model.draft (the MTP
+    layer over a whole sequence) on 3 stages: bit-identical to one device."""
     ps = prompts([37, 22, 30, 12])
     base = glm53.generate(one_device, ps, max_new_tokens=7, mtp=2, return_logits=True)
-    run = glm53.generate(model(MESH_CFG, stages=3), ps, max_new_tokens=7, mtp=2, return_logits=True)
+    m = model(MESH_CFG, stages=3)
+    run = glm53.generate(m, ps, max_new_tokens=7, mtp=2, return_logits=True)
     assert run.tokens == base.tokens
     assert np.array_equal(run.logits, base.logits)
+    assert np.array_equal(m.forward(ps[0]), one_device.forward(ps[0]))
+    assert np.array_equal(m.draft(ps[1]), one_device.draft(ps[1]))
 
 
 def test_stages_of_tensor_parallel_devices_match_one_device():
