@@ -413,12 +413,8 @@ def compiled_stage_memory(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, h
         def arg(shape, dt, sh=rep):
             return jax.ShapeDtypeStruct(shape, dt, sharding=sh)
 
-        def put(keys, leaf, st=st):
-            path = sharding._path(keys)
-            spec = sharding.spec_of(sharding.logical_axes(path, leaf.ndim), leaf.shape, st.mesh.shape, path)
-            return arg(leaf.shape, leaf.dtype, NamedSharding(st.mesh, spec))
-
-        params = jax.tree_util.tree_map_with_path(put, tree)
+        params = jax.tree.map(lambda x, sh: arg(x.shape, x.dtype, sh), tree,
+                              sharding.param_shardings(tree, st.mesh))
         if cc.mode == "offload":
             planes = kv_formats.get_format(cc.kv_format).plane_shapes(offload.pool_rows(st.config, cc, pages))
             pool = {n: jax.ShapeDtypeStruct(shape, dt) for n, (shape, dt) in planes.items()}

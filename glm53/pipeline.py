@@ -47,8 +47,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from glm53 import memory
 from glm53.cache import Lanes, init_resident
 from glm53.config import CacheConfig, ConfigError, ModelConfig
-from glm53.model import F32, DecoderLayer, MTPModule, RMSNorm, head_logits, make_step
-from glm53.steps import Steps
+from glm53.model import F32, DecoderLayer, MTPModule, RMSNorm, head_logits
+from glm53.steps import Steps, chunk_context, decode_context, verify_context
 
 Array = jax.Array
 
@@ -274,11 +274,8 @@ def _commit(stage: Stage, cache, step, start, n):
 
 def stage_chunk(stage: Stage, params, cache, lanes: Lanes, tokens, carry, n_valid, *, kernels: str, bulk: bool,
                 copy_pages: int):
-    T = tokens.shape[1]
-    lanes = lanes.replace(active=lanes.active & (n_valid > 0))
-    start = cache.sessions.lengths[lanes.slot]
-    step = make_step(start, n_valid, T, cache.capacity, stage.cfg, stage.dtype, lanes, kernels=kernels, bulk=bulk,
-                     copy_pages=copy_pages)
+    lanes, start, step = chunk_context(stage, cache, lanes, n_valid, tokens.shape[1], kernels=kernels, bulk=bulk,
+                                       copy_pages=copy_pages)
     cache = cache.begin_step(step)
     x, topk, cache, rounds = stage.run(params, *stage.input(params, tokens, carry), step, cache)
     cache = cache.finish_step(rounds, step)
@@ -287,27 +284,12 @@ def stage_chunk(stage: Stage, params, cache, lanes: Lanes, tokens, carry, n_vali
 
 def stage_decode(stage: Stage, params, cache, lanes: Lanes, tokens, carry, remaining, selection=None, *,
                  kernels: str, copy_pages: int):
-    active = lanes.active & (remaining > 0)
-    lanes = lanes.replace(active=active)
-    n = active.astype(jnp.int32)
-    start = cache.sessions.lengths[lanes.slot]
-    sel = None if selection is None else selection[:, None, :]
-    step = make_step(start, n, 1, cache.capacity, stage.cfg, stage.dtype, lanes, selection=sel, kernels=kernels,
-                     fill=True, copy_pages=copy_pages)
+    lanes, n, start, step = decode_context(stage, cache, lanes, remaining, selection, kernels=kernels,
+                                           copy_pages=copy_pages)
     cache = cache.begin_step(step)
     x, topk, cache, rounds = stage.run(params, *stage.input(params, tokens[:, None], carry), step, cache)
     cache = cache.finish_step(rounds, step)
     return _commit(stage, cache, step, start, n), (x, topk)
-
-
-def _verify_step(stage: Stage, cache, lanes: Lanes, remaining, T: int, selection, kernels: str, copy_pages: int):
-    active = lanes.active & (remaining > 0)
-    lanes = lanes.replace(active=active)
-    start = cache.sessions.lengths[lanes.slot]
-    sel = None if selection is None else jnp.broadcast_to(selection[:, None, :], (lanes.slot.shape[0], T,
-                                                                                   selection.shape[-1]))
-    return start, make_step(start, jnp.where(active, T, 0), T, cache.capacity, stage.cfg, stage.dtype, lanes,
-                            selection=sel, kernels=kernels, fill=True, repeats=T, copy_pages=copy_pages)
 
 
 def stage_verify(stage: Stage, params, cache, lanes: Lanes, pending, drafts, carry, remaining, selection=None, *,
@@ -316,7 +298,8 @@ def stage_verify(stage: Stage, params, cache, lanes: Lanes, pending, drafts, car
     the rounds come back for ``stage_verify_commit``."""
     T = drafts.shape[1] + 1
     tokens = jnp.concatenate([pending[:, None], drafts], axis=1)
-    _, step = _verify_step(stage, cache, lanes, remaining, T, selection, kernels, copy_pages)
+    _, _, step = verify_context(stage, cache, lanes, remaining, T, selection, kernels=kernels,
+                                copy_pages=copy_pages)
     cache = cache.begin_step(step)
     x, topk, cache, rounds = stage.run(params, *stage.input(params, tokens, carry), step, cache)
     return cache, ((x, topk), rounds)
@@ -325,7 +308,7 @@ def stage_verify(stage: Stage, params, cache, lanes: Lanes, pending, drafts, car
 def stage_verify_commit(stage: Stage, cache, lanes: Lanes, remaining, rounds, n_emit, *, T: int, kernels: str):
     """Commit what the last stage accepted (``n_emit`` rows a lane), then fill, in the order the whole model's
     verify does (``glm53.steps.verify``: advance, then ``finish_step``)."""
-    start, step = _verify_step(stage, cache, lanes, remaining, T, None, kernels, 0)
+    _, start, step = verify_context(stage, cache, lanes, remaining, T, None, kernels=kernels, copy_pages=0)
     cache = _commit(stage, cache, step, start, n_emit)
     return cache.finish_step(rounds, step), None
 
@@ -380,15 +363,13 @@ class Pipeline:
         no part of): every process starts from the same full parameters."""
         from glm53 import sharding  # sharding imports this module
 
-        def put(keys, leaf, stage=None):
-            path = sharding._path(keys)
-            mesh = self.stages[owner(path, self.stage_of_layer, self.count) if stage is None else stage].mesh
-            spec = sharding.spec_of(sharding.logical_axes(path, leaf.ndim), leaf.shape, mesh.shape, path)
-            return jax.device_put(leaf, NamedSharding(mesh, spec))
+        def put(key, value, stage):  # one top-level entry on a stage's mesh, by the rules
+            entry = {key: value}
+            return jax.device_put(entry, sharding.param_shardings(entry, self.stages[stage].mesh))[key]
 
         if needs_embed_copy(self.cfg, self.count):
-            self._embed_copy = put((jax.tree_util.DictKey("embed_tokens"),), params["embed_tokens"], self.count - 1)
-        placed = jax.tree_util.tree_map_with_path(put, params)
+            self._embed_copy = put("embed_tokens", params["embed_tokens"], self.count - 1)
+        placed = {k: put(k, v, owner(k, self.stage_of_layer, self.count)) for k, v in params.items()}
         self._split = (placed, None)
         return placed
 

@@ -124,6 +124,40 @@ def _fill_step(net: WholeModel, cache, lanes: Lanes, repeats: int, kernels: str)
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Step contexts: how each step places its tokens (shared with glm53.pipeline's stages, which must place them the same)
+# ----------------------------------------------------------------------------------------------------------------
+def chunk_context(net, cache, lanes: Lanes, n_valid, T: int, *, kernels: str, bulk: bool, copy_pages: int):
+    """(lanes without the empty ones, start [B], Step) of a chunk of T tokens (``n_valid[b]`` real). ``net``: anything
+    with the model's ``cfg`` and ``dtype``."""
+    lanes = lanes.replace(active=lanes.active & (n_valid > 0))
+    start = cache.sessions.lengths[lanes.slot]
+    return lanes, start, make_step(start, n_valid, T, cache.capacity, net.cfg, net.dtype, lanes, kernels=kernels,
+                                   bulk=bulk, copy_pages=copy_pages)
+
+
+def decode_context(net, cache, lanes: Lanes, remaining, selection, *, kernels: str, copy_pages: int):
+    """(lanes without the finished ones, rows committed per lane [B], start [B], Step) of a one-token decode step."""
+    active = lanes.active & (remaining > 0)
+    lanes = lanes.replace(active=active)
+    n = active.astype(jnp.int32)
+    start = cache.sessions.lengths[lanes.slot]
+    sel = None if selection is None else selection[:, None, :]
+    return lanes, n, start, make_step(start, n, 1, cache.capacity, net.cfg, net.dtype, lanes, selection=sel,
+                                      kernels=kernels, fill=True, copy_pages=copy_pages)
+
+
+def verify_context(net, cache, lanes: Lanes, remaining, T: int, selection, *, kernels: str, copy_pages: int):
+    """(lanes without the finished ones, start [B], Step) of an MTP verify step of T = D + 1 rows a lane."""
+    active = lanes.active & (remaining > 0)
+    lanes = lanes.replace(active=active)
+    start = cache.sessions.lengths[lanes.slot]
+    sel = None if selection is None else jnp.broadcast_to(selection[:, None, :],
+                                                           (lanes.slot.shape[0], T, selection.shape[-1]))
+    return lanes, start, make_step(start, jnp.where(active, T, 0), T, cache.capacity, net.cfg, net.dtype, lanes,
+                                   selection=sel, kernels=kernels, fill=True, repeats=T, copy_pages=copy_pages)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Steps
 # ----------------------------------------------------------------------------------------------------------------
 def chunk(net: WholeModel, params, cache, lanes: Lanes, tokens, n_valid, *, outputs: str, kernels: str, bulk: bool,
@@ -131,11 +165,8 @@ def chunk(net: WholeModel, params, cache, lanes: Lanes, tokens, n_valid, *, outp
     """Process ``tokens [B, T]`` (``n_valid[b]`` real) at positions ``lengths + t``: prefill and append. Returns
     (cache, out): out is None, the logits ``[B, T, V]`` of every position (``outputs="logits"``) or the final-normed
     hidden states ``[B, T, H]`` (``outputs="hidden"``)."""
-    B, T = tokens.shape
-    lanes = lanes.replace(active=lanes.active & (n_valid > 0))
-    start = cache.sessions.lengths[lanes.slot]
-    step = make_step(start, n_valid, T, cache.capacity, net.cfg, net.dtype, lanes, kernels=kernels, bulk=bulk,
-                     copy_pages=copy_pages)
+    lanes, start, step = chunk_context(net, cache, lanes, n_valid, tokens.shape[1], kernels=kernels, bulk=bulk,
+                                       copy_pages=copy_pages)
     cache = cache.begin_step(step)
     hidden, cache, rounds = net.forward(params, tokens, step, cache)
     cache = cache.finish_step(rounds, step)
@@ -154,13 +185,9 @@ def decode(net: WholeModel, params, cache, lanes: Lanes, tokens, remaining, seed
     ``remaining [B]`` counts the tokens each lane may still emit (0: inert); a sampled stop token ends the lane.
     ``selection``: optional int32[B, K] DSA selection override (benchmarks). Returns (cache, (next tokens [B],
     logits [B, V], remaining [B])), and with ``trace`` the step's rounds (``glm53.offload.trace_rounds``)."""
-    active = lanes.active & (remaining > 0)
-    lanes = lanes.replace(active=active)
-    n = active.astype(jnp.int32)
-    start = cache.sessions.lengths[lanes.slot]
-    sel = None if selection is None else selection[:, None, :]
-    step = make_step(start, n, 1, cache.capacity, net.cfg, net.dtype, lanes, selection=sel, kernels=kernels,
-                     fill=True, copy_pages=copy_pages)
+    lanes, n, start, step = decode_context(net, cache, lanes, remaining, selection, kernels=kernels,
+                                           copy_pages=copy_pages)
+    active = lanes.active
     cache = cache.begin_step(step)
     # The MTP row (the stored hidden state and this token) first: written after the main layers it would depend on
     # none of their reads of the ring / history, and XLA would keep the old buffer alive with a copy every step.
@@ -195,13 +222,10 @@ def verify(net: WholeModel, params, cache, lanes: Lanes, pending, drafts, draft_
     accepted [B] before clamping)), and with ``trace`` the step's rounds (``glm53.offload.trace_rounds``)."""
     B, D = drafts.shape
     T = D + 1
-    active = lanes.active & (remaining > 0)
-    lanes = lanes.replace(active=active)
+    lanes, start, step = verify_context(net, cache, lanes, remaining, T, selection, kernels=kernels,
+                                        copy_pages=copy_pages)
+    active = lanes.active
     tokens = jnp.concatenate([pending[:, None], drafts], axis=1)
-    start = cache.sessions.lengths[lanes.slot]
-    sel = None if selection is None else jnp.broadcast_to(selection[:, None, :], (B, T, selection.shape[-1]))
-    step = make_step(start, jnp.where(active, T, 0), T, cache.capacity, net.cfg, net.dtype, lanes,
-                     selection=sel, kernels=kernels, fill=True, repeats=T, copy_pages=copy_pages)
     cache = cache.begin_step(step)
     hidden, cache, rounds = net.forward(params, tokens, step, cache)
     logits = net.logits(params, hidden)  # [B, T, V]
