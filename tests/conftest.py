@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 # Tests run on the CPU; 16 host devices exist for the sharding tests (set before jax is imported). The tests' models are
 # tiny, so compiling them costs far more than running them: LLVM's cheaper optimisation level halves the suite's
 # time (10.2 -> 6.4 minutes on 2 cores from an empty compile cache), and XLA's older CPU fusion code generation
@@ -39,3 +41,15 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # precision rounds f32 dot inputs to tf32 (test_api's cached-decode checks missed by ~6e-3 on the H200), so pin it.
 # On the CPU this is what XLA does anyway; bf16 models compute the same products either way.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+
+
+def pytest_runtest_setup(item):
+    """``@pytest.mark.devices(n)``: the test builds a mesh of ``n`` devices. On an accelerator host with fewer (one
+    H200) it is skipped, saying so; on the CPU it always runs, since the 16 host devices above exist there unless
+    XLA_FLAGS was set without them, and then the test fails naming the flag instead of skipping silently in CI."""
+    marker = item.get_closest_marker("devices")
+    if marker is None:
+        return
+    import jax
+    if jax.default_backend() != "cpu" and jax.device_count() < marker.args[0]:
+        pytest.skip(f"needs {marker.args[0]} devices, {jax.device_count()} {jax.default_backend()} device(s) visible")

@@ -94,6 +94,7 @@ def test_generate_entry_point_rejects_unknown_override():
     assert p.returncode != 0
 
 
+@pytest.mark.devices(2)
 def test_generate_entry_point_on_a_tensor_parallel_mesh(tmp_path):
     """--config.mesh.tp=2 on the CPU's host devices: the same tokens as one device."""
     outs = {}

@@ -60,6 +60,7 @@ def one_device():
     return model(MESH_CFG)
 
 
+@pytest.mark.devices(3)
 def test_stages_place_each_layer_and_its_cache_on_its_own_devices():
     m = model(MESH_CFG, stages=3)
     assert m.pipeline.layers == ((0,), (1,), (2, 3))  # the MTP layer (3) with the last
@@ -87,6 +88,7 @@ def test_stages_place_each_layer_and_its_cache_on_its_own_devices():
     assert need["cache"] == rep["device"]["cache_bytes"]
 
 
+@pytest.mark.devices(3)
 def test_three_stages_with_mtp_bit_identical_to_one_device(one_device):
     """generate with MTP verify and drafts, Model.forward (the chunked prefill's logits) and Model.draft (the MTP
     layer over a whole sequence) on 3 stages: bit-identical to one device."""
@@ -100,6 +102,7 @@ def test_three_stages_with_mtp_bit_identical_to_one_device(one_device):
     assert np.array_equal(m.draft(ps[1]), one_device.draft(ps[1]))
 
 
+@pytest.mark.devices(4)
 def test_stages_of_tensor_parallel_devices_match_one_device():
     """2 stages of tp=2 with MTP, offload: the same tokens as one device; float32 logits within 1e-5 relative (rows
     in float32: quantised rows would turn a split reduction's last-bit difference into a whole step)."""
@@ -114,6 +117,7 @@ def test_stages_of_tensor_parallel_devices_match_one_device():
     assert close(run.logits, base.logits) < 1e-5
 
 
+@pytest.mark.devices(2)
 def test_microbatched_decode_matches_one_device(one_device):
     """Four sessions on 2 stages decode as two micro-batches of two: the same tokens; logits within 1e-5 (programs
     of two lanes instead of four: XLA may round a matmul of another shape differently)."""
@@ -146,6 +150,7 @@ def _lifecycle(m, mode, mtp, tmp_path):
 
 
 # MTP with every session operation across stages runs by default in test_distributed.py (2 stages in 2 processes).
+@pytest.mark.devices(2)
 @pytest.mark.parametrize("mtp", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_offload_on_stages_bit_identical_to_resident_and_to_one_device(one_device, mtp, tmp_path):
     """Generate, a long append (past the hot cache), fork, rollback and save on 2 stages: offload bit-identical to
@@ -182,6 +187,7 @@ def test_offload_on_stages_bit_identical_to_resident_and_to_one_device(one_devic
 
 # The issue's layouts on 16 devices, grouped by MTP depth (a group shares its one-device baseline): 16 x 1
 # (stage-only: bit-identical) by default, the others slow (stages with tp > 1 by default: the 2 x 2 test below).
+@pytest.mark.devices(16)
 @pytest.mark.parametrize("mtp,layouts", [
     (0, [(16, 1, "resident")]),
     pytest.param(0, [(4, 4, "offload")], marks=pytest.mark.slow),
@@ -205,6 +211,7 @@ def test_sixteen_device_layouts_match_one_device(mtp, layouts):
             assert close(run.logits, base.logits) < 1e-5, (stages, tp, mode)
 
 
+@pytest.mark.devices(4)
 def test_pipeline_errors_name_the_problem():
     with pytest.raises(ConfigError, match="mesh.stages=4 is more than the model's 3 layers"):
         model(MESH_CFG, stages=4)

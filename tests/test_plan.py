@@ -33,6 +33,7 @@ def test_shard_bytes_by_hand():
     assert sharding.shard_bytes(params, {"stage": 1, "tp": 1}) == (64 * 256 + 64 * 64 + 64) * 4 + 8 * 32 * 64 * 2
 
 
+@pytest.mark.devices(4)
 @pytest.mark.parametrize("mode,stages,tp", [("resident", 1, 1), ("resident", 1, 2), ("offload", 1, 1),
                                            ("offload", 1, 2), ("offload", 3, 1), ("offload", 2, 2)])
 def test_plan_equals_what_the_engine_allocates(mode, stages, tp):
@@ -85,6 +86,7 @@ def test_session_counts_are_exact():
     assert q["max_sessions_by_device"] == 4 and q["max_sessions_by_host"] == 4
 
 
+@pytest.mark.devices(2)
 def test_plan_entry_point(tmp_path):
     out = tmp_path / "plan.json"
     p = subprocess.run([sys.executable, "-m", "experiments.plan", "--config=configs/tiny.py", "--machine=custom",
@@ -104,6 +106,7 @@ def test_plan_entry_point(tmp_path):
     assert "compiled decode" in p.stdout
 
 
+@pytest.mark.devices(2)
 @pytest.mark.parametrize("mode,tp", [("resident", 1), ("offload", 2)])
 def test_compiled_step_checks_the_counting(mode, tp):
     """XLA's own accounting of the MTP verify step compiled from shapes (nothing allocated) agrees with the
@@ -129,6 +132,7 @@ def test_compiled_step_checks_the_counting(mode, tp):
     assert r["step"] == "verify (MTP depth 1)" and r["devices"] == tp
 
 
+@pytest.mark.devices(4)
 @pytest.mark.parametrize("mtp", [0, 1])
 def test_compiled_stages_check_the_counting(mtp):
     """Each stage's programs compiled from shapes (2 stages of tp=2, offload): the first stage's decode / verify

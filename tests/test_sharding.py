@@ -14,6 +14,9 @@ from glm53 import sharding
 from glm53.config import CacheConfig, ConfigError
 from engine_common import MESH_CFG as CFG
 
+# Meshes of up to 4 of the CPU's host devices (tp=4 the widest; test_mesh_errors asks for more on purpose).
+pytestmark = pytest.mark.devices(4)
+
 CC = CacheConfig(kv_format="f32", prefill_chunk=16, max_len=96)
 
 
