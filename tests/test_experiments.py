@@ -46,7 +46,7 @@ def test_offload_ab(tmp_path):
 
 def test_profile_decode(tmp_path):
     out = tmp_path / "profile.json"
-    _run("experiments.profile_decode", "--config.run.max_new_tokens=6", f"--out={out}")
+    _run("experiments.profile_decode", "--config.run.max_new_tokens=6", "--workload=drift0.001", f"--out={out}")
     report = json.loads(out.read_text())
     assert report["tokens_identical"]
     off, res = report["modes"]["offload"], report["modes"]["resident"]
