@@ -31,6 +31,11 @@ stage runs exactly the operations the whole model runs on its layers, in the sam
 activation crossing to another process's stage goes by a collective-permute over the two stages' devices, and what
 every process's engine reads (a step's outputs, counters, a save's rows) by a collective over the whole mesh. As
 with tensor parallelism every process makes the same engine calls in the same order.
+
+**Selection traces** (``glm53.trace``): each stage's program returns its rounds as a trace records them, numbered in
+its cache; ``PipelineSteps`` renumbers them into the model's layers and pads them to the step's widest round, so a
+trace recorded on stages is the one a single device records (in one process: several would need each stage's
+trace sent to every process's recorder; refused).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from glm53 import memory
 from glm53.cache import Lanes, init_resident
 from glm53.config import CacheConfig, ConfigError, ModelConfig
 from glm53.model import F32, DecoderLayer, MTPModule, RMSNorm, head_logits
+from glm53.offload import trace_rounds
 from glm53.steps import Steps, chunk_context, decode_context, verify_context
 
 Array = jax.Array
@@ -196,6 +202,28 @@ class StagedCache:
     def bulk_pages(self) -> np.ndarray:
         return self._per_layer("bulk_pages")
 
+    # What a selection trace snapshots of the hot caches (glm53.trace.SNAPSHOT_FIELDS, the policy's own state).
+    @property
+    def position_of_slot(self) -> np.ndarray:
+        return self._per_layer("position_of_slot")
+
+    @property
+    def pin_round(self) -> np.ndarray:
+        return self._per_layer("pin_round")
+
+    @property
+    def rounds(self) -> np.ndarray:
+        return self._per_layer("rounds")
+
+    @property
+    def clock(self) -> np.ndarray:
+        return self._per_layer("clock")
+
+    @property
+    def policy_state(self) -> dict:
+        return {n: np.concatenate([self.pipeline.to_host(p.policy_state[n], s) for s, p in enumerate(self.parts)])
+                for n in self.parts[self.pipeline.first_local].policy_state}
+
     def outputs_placement(self) -> NamedSharding:
         """Where outputs the host reads (tokens, logits) are: the last stage's devices, or with several processes
         every device of the mesh (sent there from the last stage)."""
@@ -283,26 +311,28 @@ def stage_chunk(stage: Stage, params, cache, lanes: Lanes, tokens, carry, n_vali
 
 
 def stage_decode(stage: Stage, params, cache, lanes: Lanes, tokens, carry, remaining, selection=None, *,
-                 kernels: str, copy_pages: int):
+                 kernels: str, copy_pages: int, trace: bool = False):
+    """With ``trace``: ((x, topk), this stage's rounds as a trace records them, layers numbered in its cache)."""
     lanes, n, start, step = decode_context(stage, cache, lanes, remaining, selection, kernels=kernels,
                                            copy_pages=copy_pages)
     cache = cache.begin_step(step)
     x, topk, cache, rounds = stage.run(params, *stage.input(params, tokens[:, None], carry), step, cache)
     cache = cache.finish_step(rounds, step)
-    return _commit(stage, cache, step, start, n), (x, topk)
+    cache = _commit(stage, cache, step, start, n)
+    return cache, (((x, topk), trace_rounds(rounds, step)) if trace else (x, topk))
 
 
 def stage_verify(stage: Stage, params, cache, lanes: Lanes, pending, drafts, carry, remaining, selection=None, *,
-                 kernels: str, copy_pages: int):
+                 kernels: str, copy_pages: int, trace: bool = False):
     """An MTP verify's T = D + 1 rows through this stage's layers. What it commits is decided on the last stage:
-    the rounds come back for ``stage_verify_commit``."""
+    the rounds come back for ``stage_verify_commit`` (with ``trace``: and as a trace records them)."""
     T = drafts.shape[1] + 1
     tokens = jnp.concatenate([pending[:, None], drafts], axis=1)
     _, _, step = verify_context(stage, cache, lanes, remaining, T, selection, kernels=kernels,
                                 copy_pages=copy_pages)
     cache = cache.begin_step(step)
     x, topk, cache, rounds = stage.run(params, *stage.input(params, tokens, carry), step, cache)
-    return cache, ((x, topk), rounds)
+    return cache, ((x, topk), (rounds, trace_rounds(rounds, step)) if trace else rounds)
 
 
 def stage_verify_commit(stage: Stage, cache, lanes: Lanes, remaining, rounds, n_emit, *, T: int, kernels: str):
@@ -314,8 +344,8 @@ def stage_verify_commit(stage: Stage, cache, lanes: Lanes, remaining, rounds, n_
 
 
 EARLY = {"chunk": (stage_chunk, ("kernels", "bulk", "copy_pages")),
-         "decode": (stage_decode, ("kernels", "copy_pages")),
-         "verify": (stage_verify, ("kernels", "copy_pages")),
+         "decode": (stage_decode, ("kernels", "copy_pages", "trace")),
+         "verify": (stage_verify, ("kernels", "copy_pages", "trace")),
          "verify_commit": (stage_verify_commit, ("T", "kernels"))}
 
 
@@ -607,7 +637,10 @@ class PipelineSteps:
             return getattr(self, "_" + name)(*args, **kw)
         if name in ("draft", "mtp_forward"):  # the MTP layer's: the last stage alone
             params, cache, *rest = args
+            self._check_trace(kw.get("trace", False))
             part, out = self._run_last(name, self._last_params(params), cache.parts[-1], tuple(rest), kw)
+            if kw.get("trace"):
+                out = out[:-1] + (self._merge_traces([{}] * (len(self.stages) - 1) + [out[-1]]),)
             return cache.replace(parts=cache.parts[:-1] + (part,)), out
         cache, *rest = args
         parts = []
@@ -636,7 +669,7 @@ class PipelineSteps:
         carry, extras = None, []
         for s in range(len(parts) - 1):
             parts[s], out, shapes = self._run_early(name, s, sp[s], parts[s], args_of(s, carry), kw)
-            if name == "verify":
+            if name == "verify" or kw.get("trace"):
                 (carry, extra) = out if out is not None else (None, None)
                 carry_shapes = shapes[0] if shapes is not None else None
             else:
@@ -646,6 +679,32 @@ class PipelineSteps:
             if carry is None:
                 carry = carry_shapes
         return carry, extras
+
+    def _check_trace(self, trace: bool):
+        if trace and self.pipeline.multiprocess:
+            raise ConfigError("selection traces (Engine.generate(trace=...)) on stages in several processes are not "
+                              "built: record on one process's devices (any stages x tp there)")
+
+    def _merge_traces(self, traces: list) -> dict:
+        """One step's trace for the whole model from each stage's (``glm53.offload.trace_rounds``, layers numbered
+        in that stage's cache): layers renumbered in the model's order, every round padded to the step's widest
+        as the whole model's fill pads them (``offload.merge_rounds``: entries at position 0, not valid, served by
+        the ring), so the trace is the one a single device records."""
+        got = [(s, t) for s, t in enumerate(traces) if t]
+        if not got:
+            return {}
+        first = np.cumsum([0] + [st.config.num_cache_layers for st in self.stages])
+        M = max(int(t["pos"].shape[2]) for _, t in got)
+
+        def pad(a, value):
+            return jnp.pad(a, ((0, 0), (0, 0), (0, M - a.shape[2])), constant_values=value)
+
+        last = got[-1][1]
+        return {"layers": jnp.concatenate([jax.device_put(t["layers"], last["layers"].sharding) + int(first[s])
+                                           for s, t in got]),
+                **{k: jnp.concatenate([pad(jax.device_put(t[k], last[k].sharding), v) for _, t in got])
+                   for k, v in (("pos", 0), ("valid", False), ("in_ring", True))},
+                "active": last["active"], "start": last["start"]}
 
     # ---- model steps ----
     def _chunk(self, params, cache, lanes, tokens, n_valid, *, outputs, kernels, bulk, copy_pages):
@@ -659,10 +718,10 @@ class PipelineSteps:
 
     def _decode(self, params, cache, lanes, tokens, remaining, seed, temperature, top_p, stop_ids, selection=None,
                 *, greedy, kernels, copy_pages, trace=False):
-        if trace:
-            raise ConfigError("decode traces (experiments' --trace) are not built for pipeline stages")
+        self._check_trace(trace)
         B = int(lanes.slot.shape[0])
-        M = self.pipeline.microbatches if B % self.pipeline.microbatches == 0 else 1
+        # Traced steps run whole (a trace's rows are every lane of one step).
+        M = self.pipeline.microbatches if B % self.pipeline.microbatches == 0 and not trace else 1
         parts, outs = list(cache.parts), []
         # Micro-batches over the lanes, issued in order: JAX dispatches asynchronously, so stage s runs micro-batch
         # m + 1 while stage s + 1 runs m. Lanes are independent sessions (every cache update is per slot), but a
@@ -673,29 +732,36 @@ class PipelineSteps:
             mb_lanes, mb_tokens, mb_remaining, mb_sel = (
                 (lanes, tokens, remaining, selection) if M == 1 else
                 jax.tree_util.tree_map(lambda x: x[cut], (lanes, tokens, remaining, selection)))
-            carry, _ = self._forward("decode", params, parts,
-                                     lambda s, c: (mb_lanes, mb_tokens, c, mb_remaining, mb_sel),
-                                     dict(kernels=kernels, copy_pages=copy_pages))
+            traced = dict(trace=True) if trace else {}
+            carry, early = self._forward("decode", params, parts,
+                                         lambda s, c: (mb_lanes, mb_tokens, c, mb_remaining, mb_sel),
+                                         dict(kernels=kernels, copy_pages=copy_pages, **traced))
             parts[-1], out = self._run_last("decode", self._last_params(params, carry), parts[-1],
                                             (mb_lanes, mb_tokens, mb_remaining, seed, temperature, top_p, stop_ids,
-                                             mb_sel), dict(greedy=greedy, kernels=kernels, copy_pages=copy_pages))
+                                             mb_sel), dict(greedy=greedy, kernels=kernels, copy_pages=copy_pages,
+                                                           **traced))
+            if trace:
+                out = out[:-1] + (self._merge_traces(early + [out[-1]]),)
             outs.append(out)
         out = outs[0] if M == 1 else tuple(jnp.concatenate(xs) for xs in zip(*outs))
         return cache.replace(parts=tuple(parts)), out
 
     def _verify(self, params, cache, lanes, pending, drafts, draft_p, remaining, seed, temperature, top_p, stop_ids,
                 selection=None, *, greedy, accept_override, kernels, copy_pages, trace=False):
-        if trace:
-            raise ConfigError("verify traces (experiments' --trace) are not built for pipeline stages")
+        self._check_trace(trace)
+        traced = dict(trace=True) if trace else {}
         parts = list(cache.parts)
         carry, rounds = self._forward("verify", params, parts,
                                       lambda s, c: (lanes, pending, drafts, c, remaining, selection),
-                                      dict(kernels=kernels, copy_pages=copy_pages))
+                                      dict(kernels=kernels, copy_pages=copy_pages, **traced))
         parts[-1], out = self._run_last("verify", self._last_params(params, carry), parts[-1],
                                         (lanes, pending, drafts, draft_p, remaining, seed, temperature, top_p,
                                          stop_ids, selection),
                                         dict(greedy=greedy, accept_override=accept_override, kernels=kernels,
-                                             copy_pages=copy_pages))
+                                             copy_pages=copy_pages, **traced))
+        if trace:
+            out = out[:-1] + (self._merge_traces([tr for _, tr in rounds] + [out[-1]]),)
+            rounds = [r for r, _ in rounds]
         n_emit = out[1]  # what the last stage committed: every stage commits the same rows
         for s in range(len(parts) - 1):
             parts[s], _, _ = self._run_early("verify_commit", s, None, parts[s],
