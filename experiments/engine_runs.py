@@ -1,15 +1,9 @@
 """What the A/B entry points share: one timed ``Engine.generate`` run that leaves the sessions as it found them,
 the figures reported for it, the logits check, and the pooled loss over interleaved pairs (``offload_ab`` too)."""
 
-import jax
 import numpy as np
 
 import glm53
-
-
-def device_memory() -> dict:
-    stats = jax.devices()[0].memory_stats() or {}
-    return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats}
 
 
 def run(e: glm53.Engine, sids: list, n: int, depth: int, accept, selection, logits=False) -> dict:

@@ -24,7 +24,8 @@ from ml_collections import config_flags
 
 import glm53
 from experiments import workloads
-from experiments.engine_runs import device_memory, figures, pooled_loss_pct, run, same_logits
+from experiments.engine_runs import figures, pooled_loss_pct, run, same_logits
+from glm53.memory import device_memory
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS

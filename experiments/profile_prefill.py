@@ -45,6 +45,7 @@ import glm53
 from experiments.trace_util import (PARTS, device_events, find_xplane, kernel_op_name, op_names_from_hlo, part_of,
                                     trace_options)
 from glm53.engine import compile_seconds
+from glm53.memory import device_memory
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
@@ -200,11 +201,6 @@ def chunk_hlo(model, engine: glm53.Engine, C: int) -> str:
     return model.steps.lower("chunk", model.params, engine.cache, lanes, jnp.zeros((1, C), jnp.int32),
                              jnp.ones((1,), jnp.int32), outputs="none", kernels=engine.kernels, bulk=engine.offload,
                              copy_pages=pages).compile().as_text()
-
-
-def device_memory() -> dict:
-    stats = jax.devices()[0].memory_stats() or {}
-    return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats}
 
 
 def run_length(model, cc: glm53.CacheConfig, P: int, seed: int) -> dict:

@@ -57,6 +57,7 @@ from tqdm.auto import tqdm
 import glm53
 from experiments import workloads
 from glm53 import memory
+from glm53.memory import device_memory
 from glm53.engine import compile_seconds
 from glm53.params import param_shapes, resolve_dtype
 from glm53.provenance import provenance
@@ -111,11 +112,6 @@ def host_memory() -> dict:
         out.update(total=m.get("MemTotal"), available=m.get("MemAvailable"), rss=s.get("VmRSS"),
                    vms=s.get("VmSize"), source="/proc")
     return out
-
-
-def device_memory() -> dict:
-    stats = jax.devices()[0].memory_stats() or {}
-    return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats}
 
 
 def gib(x) -> str:

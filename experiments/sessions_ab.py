@@ -39,7 +39,8 @@ from ml_collections import config_flags
 import glm53
 import glm53.roofline
 from experiments import loss_plot, workloads
-from experiments.engine_runs import device_memory, figures, pooled_loss_pct, run, same_logits
+from experiments.engine_runs import figures, pooled_loss_pct, run, same_logits
+from glm53.memory import device_memory
 from glm53.provenance import provenance
 from kernels_pallas import kv_formats
 

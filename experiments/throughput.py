@@ -53,6 +53,7 @@ from ml_collections import config_flags
 import glm53
 from experiments import workloads
 from glm53 import memory, roofline
+from glm53.memory import device_memory
 from glm53.provenance import provenance
 from kernels_pallas import kv_formats
 
@@ -86,11 +87,6 @@ GiB = 1 << 30
 # ----------------------------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------------------------
-def device_memory() -> dict:
-    stats = jax.devices()[0].memory_stats() or {}
-    return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats}
-
-
 def write(path: str, results: dict) -> None:
     if not path:
         return

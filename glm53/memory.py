@@ -15,6 +15,28 @@ from glm53.config import CacheConfig, ModelConfig
 from kernels_pallas import kv_formats
 
 
+def device_memory() -> dict:
+    """What the allocator reports of this process's devices (``Device.memory_stats``; {} where it reports nothing, as
+    on a CPU): ``bytes_in_use`` and ``peak_bytes_in_use`` of the device holding the most, ``bytes_limit`` of the
+    smallest (a per-device budget), and with several devices ``devices`` and each one's figures (``per_device``):
+    a pipeline stage or a tensor-parallel shard fills its own device, and one device's figures would hide the
+    fullest."""
+    import jax
+
+    keys = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
+    per = []
+    for d in jax.local_devices():
+        stats = d.memory_stats() or {}
+        per.append({k: int(stats[k]) for k in keys if k in stats})
+    if not any(per):
+        return {}
+    out = {k: (min if k == "bytes_limit" else max)(p[k] for p in per if k in p)
+           for k in keys if any(k in p for p in per)}
+    if len(per) > 1:
+        out.update(devices=len(per), per_device=per)
+    return out
+
+
 def _plane_bytes(shapes: dict) -> int:
     """Bytes of ``{plane: (shape, dtype)}`` (padding rows included)."""
     return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize for shape, dt in shapes.values())

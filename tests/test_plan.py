@@ -153,3 +153,26 @@ def test_compiled_stages_check_the_counting(mtp):
     assert all(s["temp_bytes"] > 0 and s["peak_bytes"] > s["counted"]["params"] + s["counted"]["cache"]
                for s in r["stages"])
     assert r["peak_bytes"] == max(s["peak_bytes"] for s in r["stages"])
+
+
+def test_device_memory_reports_the_fullest_device(monkeypatch):
+    """Several devices (stages, tensor-parallel shards): in use and peak of the fullest, the limit of the smallest,
+    and each device's own figures; one device: its figures alone; a CPU (no allocator stats): nothing."""
+    class Dev:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    devs = [Dev({"bytes_in_use": 5, "peak_bytes_in_use": 9, "bytes_limit": 100}),
+            Dev({"bytes_in_use": 7, "peak_bytes_in_use": 8, "bytes_limit": 90, "num_allocs": 3})]
+    monkeypatch.setattr(jax, "local_devices", lambda: devs)
+    got = memory.device_memory()
+    assert {k: got[k] for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "devices")} == \
+        {"bytes_in_use": 7, "peak_bytes_in_use": 9, "bytes_limit": 90, "devices": 2}
+    assert got["per_device"][1] == {"bytes_in_use": 7, "peak_bytes_in_use": 8, "bytes_limit": 90}
+    monkeypatch.setattr(jax, "local_devices", lambda: devs[:1])
+    assert memory.device_memory() == {"bytes_in_use": 5, "peak_bytes_in_use": 9, "bytes_limit": 100}
+    monkeypatch.setattr(jax, "local_devices", lambda: [Dev(None), Dev(None)])
+    assert memory.device_memory() == {}
