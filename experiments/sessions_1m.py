@@ -34,6 +34,11 @@ the prefill); both then fork and append the same suffixes and decode in interlea
 offload first, ...; like ``experiments.sessions_ab``), rolling back after each run. An untimed ``--check_tokens`` run
 per mode compares tokens and logits bit for bit; every pair compares tokens.
 
+**Several devices** (``--config.mesh.stages=S --config.mesh.tp=T``, e.g. 8 stages on 8 H200s): the model and its
+cache spread as in ``glm53.pipeline`` / ``glm53.sharding``; the plan (``glm53.memory.plan``) counts the device
+holding the most and every device's host pool on this host (``host_pool_bytes``; ``host_pool_bytes_per_device`` is
+one device's, what ``Engine.memory_report`` gives), and device memory is reported for the fullest device and each.
+
 **Split runs** for a device-time limit per call: ``--prefill_only --save_history=DIR`` prefills (timed, TTFT) and
 saves; later calls in the same machine pass ``--load_history=DIR`` (same config: the model, its seed and
 ``config.run.prompt_len`` size and check the restore) and restore the history in seconds instead of prefilling it.
@@ -59,7 +64,7 @@ from experiments import workloads
 from glm53 import memory
 from glm53.memory import device_memory
 from glm53.engine import compile_seconds
-from glm53.params import param_shapes, resolve_dtype
+from glm53.params import resolve_dtype
 from glm53.provenance import provenance
 from kernels_pallas import kv_formats
 
@@ -156,24 +161,30 @@ def plan(cfg: glm53.ModelConfig, dtype, c, n_sessions: int, ab: bool) -> dict:
     pages_per_session = capacity // page_rows  # the engine's default pool: every slot's capacity (<= 1 page more)
     pool_pages = n_sessions * pages_per_session
     page_bytes = glm53.offload.page_bytes(cfg, cc)
-    alloc_slots = memory.allocated_slots(cfg, cc, n_sessions, capacity)
+    # The engine's allocation on this run's mesh (glm53.memory.plan, what Engine.memory_report gives): the device
+    # holding the most (with pipeline stages, its stage's weights and cache), and every device's host pool, all on
+    # this one host. The copies below (a save's rows, a fork's pages) are the whole model's: an upper bound on a stage.
+    mc = glm53.MeshConfig.from_config_dict(c.get("mesh") or {})
+    planned = memory.plan(cfg, cc, sessions=n_sessions, history=rows, dtype=dtype,
+                          mesh_shape={"stage": mc.stages, "tp": mc.tp})
+    alloc_slots = n_sessions
     alloc_pages = memory.allocated_pages(cfg, cc, pool_pages)
-    parts = memory.cache_bytes(cfg, cc, alloc_slots, capacity, alloc_pages, dtype)
-    pool = parts["host"]["pool"]
-    params = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-                 for x in jax.tree_util.tree_leaves(param_shapes(cfg, dtype)))
+    pool = planned["per_host"]["total"]
+    params = planned["per_device"]["params"]
     row_bytes = kv_formats.get_format(cc.kv_format).bytes_per_row
     session_bytes = pages_per_session * page_bytes  # one history in the pool
     keys_bytes = len(cfg.full_indexer_layers) * capacity * cfg.index_head_dim * np.dtype(dtype).itemsize
-    device_cache = sum(parts["device"].values())
-    transient = capacity * row_bytes  # one layer's bulk read (Engine.transient_bytes)
+    device_cache = planned["per_device"]["cache"]
+    transient = planned["per_device"]["transient"]  # one layer's bulk read (Engine.transient_bytes)
     fork_buffer = session_bytes if n_sessions > 1 else 0  # fork(share_pages=False) reads the pages to the device
     out = {"rows_per_session": rows, "capacity": capacity, "page_rows": page_rows, "page_bytes": page_bytes,
            "pages_per_session": pages_per_session, "pool_pages": pool_pages, "allocated_pages": alloc_pages,
            "allocated_slots": alloc_slots, "host_pool_bytes": pool, "host_budget_bytes": pool_pages * page_bytes,
            "history_bytes_per_session": session_bytes, "device_cache_bytes": device_cache,
            "device_cache_bytes_per_slot": device_cache // alloc_slots, "params_bytes": params,
-           "transient_bytes": transient, "fork_buffer_bytes": fork_buffer}
+           "transient_bytes": transient, "fork_buffer_bytes": fork_buffer,
+           "mesh": planned["mesh"], "devices": planned["devices"],
+           "host_pool_bytes_per_device": planned["per_host"]["pool"]}  # one device's pool (memory_report's)
     host_need = pool + FLAGS.host_margin_gib * GiB
     device_need = device_cache + params + transient + fork_buffer
     save = P * cfg.num_cache_layers * row_bytes + keys_bytes  # a saved history (rows + indexer keys)
@@ -185,10 +196,9 @@ def plan(cfg: glm53.ModelConfig, dtype, c, n_sessions: int, ab: bool) -> dict:
         host_need += 3 * save
         device_need += save
     if ab:
-        rcc = cc.replace(mode="resident")
-        r_slots = memory.allocated_slots(cfg, rcc, n_sessions, glm53.cache.capacity_for(rows, rcc))
-        r_parts = memory.cache_bytes(cfg, rcc, r_slots, glm53.cache.capacity_for(rows, rcc), 0, dtype)
-        out["resident_device_cache_bytes"] = sum(r_parts["device"].values())
+        out["resident_device_cache_bytes"] = memory.plan(cfg, cc.replace(mode="resident"), sessions=n_sessions,
+                                                         history=rows, dtype=dtype,
+                                                         mesh_shape=planned["mesh"])["per_device"]["cache"]
         device_need += out["resident_device_cache_bytes"]
     host = host_memory()
     out["host_need_bytes"], out["device_need_bytes"] = int(host_need), int(device_need)
@@ -588,7 +598,7 @@ def main(_):
     try:
         tm = time.perf_counter()
         model = glm53.from_config(cfg, seed=c.seed, dtype=c.dtype,
-                                  cache_config=glm53.CacheConfig.from_config_dict(c.cache))
+                                  cache_config=glm53.CacheConfig.from_config_dict(c.cache), mesh=c.get("mesh"))
         jax.block_until_ready(model.params)
         R["model"] = {"params": model.num_params(), "build_s": time.perf_counter() - tm}
         print(model, flush=True)

@@ -209,6 +209,23 @@ def test_sessions_1m_ab(tmp_path):
     assert report["summary"]["all_tokens_identical"] and report["save_restore"]["restore_s"] > 0
 
 
+@pytest.mark.devices(2)
+def test_sessions_1m_ab_on_stages(tmp_path):
+    """The same A/B on 2 pipeline stages (issue 15's capacity run spreads the layers over a machine's GPUs): outputs
+    bit-identical between the modes, and the plan per device and per host what the engines allocate."""
+    out = tmp_path / "ab2.json"
+    _run("experiments.sessions_1m", "--config.mesh.stages=2", "--config.run.max_new_tokens=5", "--sessions=1",
+         "--ab", "--pairs=1", "--check_tokens=3", f"--out={out}")
+    report = json.loads(out.read_text())
+    assert report["status"] == "done" and report["check"]["tokens_identical"] and report["check"]["logits_identical"]
+    plan, eng = report["plan"], report["build"]["offload"]["engine"]
+    assert plan["mesh"] == {"stage": 2, "tp": 1} and plan["devices"] == 2 and eng["device"]["devices"] == 2
+    assert plan["params_bytes"] == eng["device"]["params_bytes"]
+    assert plan["device_cache_bytes"] == eng["device"]["cache_bytes"]
+    assert plan["host_pool_bytes_per_device"] == eng["host"]["pool_bytes"] < plan["host_pool_bytes"]
+    assert plan["resident_device_cache_bytes"] == report["build"]["resident"]["engine"]["device"]["cache_bytes"]
+
+
 def test_sessions_1m_refuses_what_host_ram_cannot_hold(tmp_path):
     out = tmp_path / "refused.json"
     p = subprocess.run([sys.executable, "-m", "experiments.sessions_1m", *TINY, "--host_margin_gib=1e9",
