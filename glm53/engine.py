@@ -1099,10 +1099,13 @@ class _Run:
             self.trace.add_step(jax.device_get(rounds), [s.sid for s in self.sessions])
 
     def _copybacks(self, before: list, after: list) -> None:
-        """Pages that became final in a step are written at the start of the next one."""
+        """``before`` / ``after``: the lanes' processed rows around the step being read. The next step writes
+        every page those rows completed (its MTP row, one behind, goes first: ``OffloadCache.begin_step``). The
+        step being read is not the last dispatched: those still in flight came after it (``self.steps`` counts
+        them all)."""
         P = self.e.page_rows
         if any(a // P > b // P for a, b in zip(after, before)):
-            self.copyback_steps.append(self.steps + 1)
+            self.copyback_steps.append(self.steps - len(self.inflight) + 1)
 
     def _decode_loop(self) -> None:
         e = self.e
@@ -1139,7 +1142,7 @@ class _Run:
         self._record(rounds)
         tokens, remaining, remaining_in = np.asarray(tokens), np.asarray(remaining), np.asarray(remaining_in)
         logits = None if logits is None else np.asarray(logits)
-        before = [self.e._committed(s) for s in self.sessions]
+        before = [s.processed for s in self.sessions]
         for b, s in enumerate(self.sessions):
             if remaining_in[b] > 0:  # the lane was active: it processed its pending token and sampled one
                 s.processed += 1
@@ -1149,7 +1152,7 @@ class _Run:
                 self._emit(b, [tokens[b]], None if logits is None else logits[b:b + 1])
                 self.decode_tokens += 1
         self.remaining = remaining.astype(np.int64)
-        self._copybacks(before, [self.e._committed(s) for s in self.sessions])
+        self._copybacks(before, [s.processed for s in self.sessions])
         self._notify()
 
     def _mtp_loop(self) -> None:
@@ -1163,11 +1166,13 @@ class _Run:
             rem = np.zeros(self.bucket, np.int32)
             rem[stale] = self.remaining[stale]
             before = self.remaining.copy()
+            t = time.perf_counter()
             e.cache, outs = e._step("decode")(
                 e.model.params, e.cache, self.lanes, e._put(self._pending()), e._put(rem),
                 self.seed, self.temperature, self.top_p, self.stop, self._selection(0), greedy=self.greedy,
                 kernels=e.kernels, copy_pages=pages, trace=self.trace is not None)
             tok, logits, rem_after = outs[:3]
+            self.call_s.append(time.perf_counter() - t)  # a step like the others: call_s[k - 1] is step k's
             self.steps += 1
             mask = np.zeros(self.bucket, bool)
             mask[stale] = True
@@ -1211,7 +1216,7 @@ class _Run:
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
         remaining, accepted = np.asarray(remaining), np.asarray(accepted)
         logits = None if logits is None else np.asarray(logits)
-        before = [self.e._committed(s) for s in self.sessions]
+        before = [s.processed for s in self.sessions]
         for b, s in enumerate(self.sessions):
             n = int(n_emit[b])
             if n == 0:
@@ -1229,7 +1234,7 @@ class _Run:
                 s.mtp_proposed[j] += 1
                 s.mtp_accepted[j] += int(accepted[b] > j)
         self.remaining = remaining.astype(np.int64)
-        self._copybacks(before, [self.e._committed(s) for s in self.sessions])
+        self._copybacks(before, [s.processed for s in self.sessions])
         self._notify()
 
     def report(self) -> RunReport:
@@ -1243,5 +1248,6 @@ class _Run:
             decode_tokens=self.decode_tokens, steps=self.steps, step_call_s=list(self.call_s),
             host_loop_s=self.t_loop, compile_s=compile_seconds() - self.compile0,
             decode_compile_s=self.decode_compile_s, bucket=self.bucket, mtp=self.mtp,
-            copyback_steps=list(self.copyback_steps), mtp_proposed=self.proposed[: self.mtp],
+            # a page that became final in the run's last step is written by the next call's first step
+            copyback_steps=[k for k in self.copyback_steps if k <= self.steps], mtp_proposed=self.proposed[: self.mtp],
             mtp_accepted=self.accepted[: self.mtp], mtp_committed=self.committed[: self.mtp])

@@ -317,6 +317,28 @@ def test_copyback_only_writes_accepted_rows(model):
                 np.testing.assert_array_equal(hot[n][layer, h], hist[n][layer, p])
 
 
+@pytest.mark.parametrize("mtp", [0, 2])
+def test_copyback_steps_are_the_steps_that_copied(model, mtp):
+    """``RunReport.copyback_steps`` names the steps whose copyback wrote host pages, as the device counted them:
+    runs of one more step each add a copy exactly when the report names that step (two steps stay in flight, so the
+    host reads a step two steps after dispatching it; the step that copies is the one after the step it reads)."""
+    prompt = ids(20, seed=41)
+    seen, labels_before, copies_before = [], [], None
+    for n in range(2, 16 if mtp == 0 else 21):
+        e = engine(model, "offload")
+        s = e.open(prompt)
+        e.generate({s: n}, mtp=mtp, accept_override=2 if mtp else None)
+        run = e.last_run
+        copies = e.stats(s)["copybacks"]
+        assert all(1 <= k <= run.steps for k in run.copyback_steps) and len(run.step_call_s) == run.steps
+        if copies_before is not None and run.steps != seen[-1]:
+            new = [k for k in run.copyback_steps if k not in labels_before]
+            assert new == ([run.steps] if copies > copies_before else []), (n, run.copyback_steps, copies)
+        seen.append(run.steps)
+        labels_before, copies_before = run.copyback_steps, copies
+    assert labels_before, "no run copied a page back: the test saw nothing"
+
+
 def test_memory_report_matches_jax_allocations(model):
     jax.effects_barrier()
     before = {a.unsafe_buffer_pointer() if hasattr(a, "unsafe_buffer_pointer") else id(a): a
