@@ -34,8 +34,8 @@ with tensor parallelism every process makes the same engine calls in the same or
 
 **Selection traces** (``glm53.trace``): each stage's program returns its rounds as a trace records them, numbered in
 its cache; ``PipelineSteps`` renumbers them into the model's layers and pads them to the step's widest round, so a
-trace recorded on stages is the one a single device records (in one process: several would need each stage's
-trace sent to every process's recorder; refused).
+trace recorded on stages is the one a single device records. With several processes each stage's trace is sent to
+every process (every engine records, as every engine makes the same calls).
 """
 
 from __future__ import annotations
@@ -637,7 +637,6 @@ class PipelineSteps:
             return getattr(self, "_" + name)(*args, **kw)
         if name in ("draft", "mtp_forward"):  # the MTP layer's: the last stage alone
             params, cache, *rest = args
-            self._check_trace(kw.get("trace", False))
             part, out = self._run_last(name, self._last_params(params), cache.parts[-1], tuple(rest), kw)
             if kw.get("trace"):
                 out = out[:-1] + (self._merge_traces([{}] * (len(self.stages) - 1) + [out[-1]]),)
@@ -663,27 +662,29 @@ class PipelineSteps:
 
     def _forward(self, name: str, params, parts: list, args_of, kw: dict):
         """Every stage but the last runs ``name`` on what the stage before sent; returns (the carry on the last
-        stage, each stage's second output). A process that holds neither end of a hop carries the activation's
-        abstract shape instead, for the next stage's abstract evaluation."""
+        stage, each stage's second output, the trace each recorded where ``kw`` asks for traces: sent to every
+        process). A process that holds neither end of a hop carries the activation's abstract shape instead, for
+        the next stage's abstract evaluation."""
         sp = self.pipeline.stage_params(params)
-        carry, extras = None, []
+        carry, extras, traces = None, [], []
         for s in range(len(parts) - 1):
             parts[s], out, shapes = self._run_early(name, s, sp[s], parts[s], args_of(s, carry), kw)
             if name == "verify" or kw.get("trace"):
                 (carry, extra) = out if out is not None else (None, None)
-                carry_shapes = shapes[0] if shapes is not None else None
+                carry_shapes, extra_shapes = shapes if shapes is not None else (None, None)
             else:
-                carry, extra, carry_shapes = out, None, shapes
+                carry, extra, carry_shapes, extra_shapes = out, None, shapes, None
+            if kw.get("trace"):  # decode: the extra output is the trace; verify: (rounds, trace)
+                second = (lambda x: x) if name == "decode" else (lambda x: None if x is None else x[1])
+                tr, tr_shapes = second(extra), second(extra_shapes)
+                traces.append(self.pipeline.publish(tr, tr_shapes, s) if tr_shapes is not None else tr)
+                if name == "verify":
+                    extra = None if extra is None else extra[0]
             extras.append(extra)
             carry = self.pipeline.send(carry, carry_shapes, s, s + 1)
             if carry is None:
                 carry = carry_shapes
-        return carry, extras
-
-    def _check_trace(self, trace: bool):
-        if trace and self.pipeline.multiprocess:
-            raise ConfigError("selection traces (Engine.generate(trace=...)) on stages in several processes are not "
-                              "built: record on one process's devices (any stages x tp there)")
+        return carry, extras, traces
 
     def _merge_traces(self, traces: list) -> dict:
         """One step's trace for the whole model from each stage's (``glm53.offload.trace_rounds``, layers numbered
@@ -693,6 +694,16 @@ class PipelineSteps:
         got = [(s, t) for s, t in enumerate(traces) if t]
         if not got:
             return {}
+        if self.pipeline.multiprocess:  # every piece replicated over the whole mesh: merged on the host
+            got = [(s, {k: np.asarray(v) for k, v in t.items()}) for s, t in got]
+            first = np.cumsum([0] + [st.config.num_cache_layers for st in self.stages])
+            M = max(int(t["pos"].shape[2]) for _, t in got)
+            pad = lambda a, v: np.pad(a, ((0, 0), (0, 0), (0, M - a.shape[2])), constant_values=v)
+            last = got[-1][1]
+            return {"layers": np.concatenate([t["layers"] + int(first[s]) for s, t in got]),
+                    **{k: np.concatenate([pad(t[k], v) for _, t in got])
+                       for k, v in (("pos", 0), ("valid", False), ("in_ring", True))},
+                    "active": last["active"], "start": last["start"]}
         first = np.cumsum([0] + [st.config.num_cache_layers for st in self.stages])
         M = max(int(t["pos"].shape[2]) for _, t in got)
 
@@ -709,8 +720,8 @@ class PipelineSteps:
     # ---- model steps ----
     def _chunk(self, params, cache, lanes, tokens, n_valid, *, outputs, kernels, bulk, copy_pages):
         parts = list(cache.parts)
-        carry, _ = self._forward("chunk", params, parts, lambda s, c: (lanes, tokens, c, n_valid),
-                                 dict(kernels=kernels, bulk=bulk, copy_pages=copy_pages))
+        carry, _, _ = self._forward("chunk", params, parts, lambda s, c: (lanes, tokens, c, n_valid),
+                                    dict(kernels=kernels, bulk=bulk, copy_pages=copy_pages))
         parts[-1], out = self._run_last("chunk", self._last_params(params, carry), parts[-1],
                                         (lanes, tokens, n_valid),
                                         dict(outputs=outputs, kernels=kernels, bulk=bulk, copy_pages=copy_pages))
@@ -718,7 +729,6 @@ class PipelineSteps:
 
     def _decode(self, params, cache, lanes, tokens, remaining, seed, temperature, top_p, stop_ids, selection=None,
                 *, greedy, kernels, copy_pages, trace=False):
-        self._check_trace(trace)
         B = int(lanes.slot.shape[0])
         # Traced steps run whole (a trace's rows are every lane of one step).
         M = self.pipeline.microbatches if B % self.pipeline.microbatches == 0 and not trace else 1
@@ -733,9 +743,9 @@ class PipelineSteps:
                 (lanes, tokens, remaining, selection) if M == 1 else
                 jax.tree_util.tree_map(lambda x: x[cut], (lanes, tokens, remaining, selection)))
             traced = dict(trace=True) if trace else {}
-            carry, early = self._forward("decode", params, parts,
-                                         lambda s, c: (mb_lanes, mb_tokens, c, mb_remaining, mb_sel),
-                                         dict(kernels=kernels, copy_pages=copy_pages, **traced))
+            carry, _, early = self._forward("decode", params, parts,
+                                            lambda s, c: (mb_lanes, mb_tokens, c, mb_remaining, mb_sel),
+                                            dict(kernels=kernels, copy_pages=copy_pages, **traced))
             parts[-1], out = self._run_last("decode", self._last_params(params, carry), parts[-1],
                                             (mb_lanes, mb_tokens, mb_remaining, seed, temperature, top_p, stop_ids,
                                              mb_sel), dict(greedy=greedy, kernels=kernels, copy_pages=copy_pages,
@@ -748,20 +758,18 @@ class PipelineSteps:
 
     def _verify(self, params, cache, lanes, pending, drafts, draft_p, remaining, seed, temperature, top_p, stop_ids,
                 selection=None, *, greedy, accept_override, kernels, copy_pages, trace=False):
-        self._check_trace(trace)
         traced = dict(trace=True) if trace else {}
         parts = list(cache.parts)
-        carry, rounds = self._forward("verify", params, parts,
-                                      lambda s, c: (lanes, pending, drafts, c, remaining, selection),
-                                      dict(kernels=kernels, copy_pages=copy_pages, **traced))
+        carry, rounds, early = self._forward("verify", params, parts,
+                                             lambda s, c: (lanes, pending, drafts, c, remaining, selection),
+                                             dict(kernels=kernels, copy_pages=copy_pages, **traced))
         parts[-1], out = self._run_last("verify", self._last_params(params, carry), parts[-1],
                                         (lanes, pending, drafts, draft_p, remaining, seed, temperature, top_p,
                                          stop_ids, selection),
                                         dict(greedy=greedy, accept_override=accept_override, kernels=kernels,
                                              copy_pages=copy_pages, **traced))
         if trace:
-            out = out[:-1] + (self._merge_traces([tr for _, tr in rounds] + [out[-1]]),)
-            rounds = [r for r, _ in rounds]
+            out = out[:-1] + (self._merge_traces(early + [out[-1]]),)
         n_emit = out[1]  # what the last stage committed: every stage commits the same rows
         for s in range(len(parts) - 1):
             parts[s], _, _ = self._run_early("verify_commit", s, None, parts[s],

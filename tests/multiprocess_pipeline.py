@@ -1,6 +1,7 @@
 """A session's life on pipeline stages spanning several processes (run by tests/test_distributed.py through
 experiments.launch), or on one device for the baseline: open, generate (MTP or not), a long append, fork,
-rollback, save, restore into a fresh engine, stats. Process 0 writes the tokens and the logits.
+rollback, save, restore into a fresh engine, stats; in offload mode the generate calls record a selection trace.
+Process 0 writes the tokens, the logits and the trace.
 
     python -m experiments.launch --processes=2 --devices_per_process=8 -- \
         python tests/multiprocess_pipeline.py OUT DIR CONFIG STAGES TP MODE MTP KV_FORMAT
@@ -23,6 +24,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import glm53  # noqa: E402
+from glm53.trace import TraceRecorder  # noqa: E402
 from engine_common import MESH_CFG, PIPE_CFG  # noqa: E402
 
 
@@ -35,14 +37,15 @@ def main(out: str, directory: str, config: str, stages: str, tp: str, mode: str,
                               mesh=mesh)
     rng = np.random.default_rng(0)
     e = glm53.Engine(model, max_sessions=3)
+    rec = TraceRecorder() if mode == "offload" else None  # every process records (each stage's rounds sent to all)
     a, b = e.open(rng.integers(0, 256, 37).tolist()), e.open(rng.integers(0, 256, 22).tolist())
     outs, logits = [], []
-    outs.append(e.generate({a: 4, b: 5}, mtp=mtp, return_logits=True))
+    outs.append(e.generate({a: 4, b: 5}, mtp=mtp, return_logits=True, trace=rec))
     logits.append(e.last_run.logits)
     e.append(a, rng.integers(0, 256, 80).tolist())  # past the hot cache
     c = e.fork(a)
     e.rollback(b, 2)
-    outs.append(e.generate({a: 4, b: 2, c: 3}, mtp=mtp, return_logits=True))
+    outs.append(e.generate({a: 4, b: 2, c: 3}, mtp=mtp, return_logits=True, trace=rec))
     logits.append(e.last_run.logits)
     e.save(c, directory)
     r = glm53.Engine(model, max_sessions=1)
@@ -52,6 +55,8 @@ def main(out: str, directory: str, config: str, stages: str, tp: str, mode: str,
     if distributed.is_writer():
         arrays = {f"{i}_{sid}": np.asarray(v) for i, run in enumerate(logits) for sid, v in run.items()}
         np.savez(out + ".npz", **arrays)
+        if rec is not None:
+            rec.save(out + ".trace.npz")
         with open(out, "w") as f:
             json.dump({"processes": jax.process_count(), "devices": len(jax.devices()),
                        "outs": [{str(k): v for k, v in o.items()} for o in outs], "restored": restored,

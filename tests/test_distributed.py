@@ -130,6 +130,16 @@ def test_pipeline_stages_across_two_processes(tmp_path, config, devices, stages,
             assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), jax.tree_util.keystr(k)
     if mode == "offload":
         assert (two["hits"], two["misses"]) == (one["hits"], one["misses"]) and two["misses"] > 0
+        # the selection trace every process recorded: one device's, record for record
+        from glm53.trace import SelectionTrace
+
+        ta, tb = (SelectionTrace.load(str(tmp_path / f"{n}.json.trace.npz")) for n in ("one", "two"))
+        assert tb.num_records > 0
+        for f in ("step", "layer", "session", "start", "offset", "count", "positions", "valid", "in_ring"):
+            assert np.array_equal(getattr(ta, f), getattr(tb, f)), f
+        for sa, sb in zip(ta.segments, tb.segments):
+            assert np.array_equal(sa["counters_after"], sb["counters_after"])
+            assert all(np.array_equal(sa["snapshot"][k], sb["snapshot"][k]) for k in sa["snapshot"])
     # a device holds its stage's share of the weights
     assert two["memory"]["params_bytes"] < one["memory"]["params_bytes"]
 
