@@ -9,7 +9,7 @@ import json
 import os
 import re
 import struct
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -28,7 +28,7 @@ import gc
 import math
 import os
 import time
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
