@@ -694,28 +694,22 @@ class PipelineSteps:
         got = [(s, t) for s, t in enumerate(traces) if t]
         if not got:
             return {}
-        if self.pipeline.multiprocess:  # every piece replicated over the whole mesh: merged on the host
-            got = [(s, {k: np.asarray(v) for k, v in t.items()}) for s, t in got]
-            first = np.cumsum([0] + [st.config.num_cache_layers for st in self.stages])
-            M = max(int(t["pos"].shape[2]) for _, t in got)
-            pad = lambda a, v: np.pad(a, ((0, 0), (0, 0), (0, M - a.shape[2])), constant_values=v)
-            last = got[-1][1]
-            return {"layers": np.concatenate([t["layers"] + int(first[s]) for s, t in got]),
-                    **{k: np.concatenate([pad(t[k], v) for _, t in got])
-                       for k, v in (("pos", 0), ("valid", False), ("in_ring", True))},
-                    "active": last["active"], "start": last["start"]}
         first = np.cumsum([0] + [st.config.num_cache_layers for st in self.stages])
         M = max(int(t["pos"].shape[2]) for _, t in got)
+        last = got[-1][1]
+        # With several processes every piece is replicated over the whole mesh (published): merged on the host.
+        xp = np if self.pipeline.multiprocess else jnp
+
+        def put(x, k):
+            return np.asarray(x) if xp is np else jax.device_put(x, last[k].sharding)
 
         def pad(a, value):
-            return jnp.pad(a, ((0, 0), (0, 0), (0, M - a.shape[2])), constant_values=value)
+            return xp.pad(a, ((0, 0), (0, 0), (0, M - a.shape[2])), constant_values=value)
 
-        last = got[-1][1]
-        return {"layers": jnp.concatenate([jax.device_put(t["layers"], last["layers"].sharding) + int(first[s])
-                                           for s, t in got]),
-                **{k: jnp.concatenate([pad(jax.device_put(t[k], last[k].sharding), v) for _, t in got])
+        return {"layers": xp.concatenate([put(t["layers"], "layers") + int(first[s]) for s, t in got]),
+                **{k: xp.concatenate([pad(put(t[k], k), v) for _, t in got])
                    for k, v in (("pos", 0), ("valid", False), ("in_ring", True))},
-                "active": last["active"], "start": last["start"]}
+                "active": put(last["active"], "active"), "start": put(last["start"], "start")}
 
     # ---- model steps ----
     def _chunk(self, params, cache, lanes, tokens, n_valid, *, outputs, kernels, bulk, copy_pages):
