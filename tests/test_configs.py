@@ -39,6 +39,21 @@ def test_config_maps_onto_typed_configs(name):
     assert glm53.MeshConfig.from_config_dict(c.mesh) == glm53.MeshConfig()  # one device by default
 
 
+def test_h200x8_1m_plans_16_million_token_sessions_on_8_h200s():
+    """What configs/h200x8_1m.py claims, from shapes: 16 sessions of 1M tokens fit 8 x H200 (139 GiB each, 560 GiB of
+    host RAM) as 8 stages, with more layers than the one-GPU configs."""
+    from glm53 import memory
+
+    c = get("h200x8_1m")
+    cfg = glm53.ModelConfig.from_config_dict(c.model)
+    cc = glm53.CacheConfig.from_config_dict(c.cache)
+    assert cfg.num_hidden_layers > glm53.ModelConfig.from_config_dict(get("h200_1m").model).num_hidden_layers
+    p = memory.plan(cfg, cc, sessions=16, history=c.run.prompt_len, dtype=c.dtype, mesh_shape={"stage": 8, "tp": 1},
+                    device_bytes=139 << 30, host_bytes=560 << 30)
+    assert p["fits_device"] and p["fits_host"] and p["max_sessions_by_host"] >= 16
+    assert len(p["stages"]) == 8 and sum(len(s["layers"]) for s in p["stages"]) == cfg.num_cache_layers
+
+
 def test_glm5_full_size():
     c = get("glm5")
     m = glm53.ModelConfig.from_config_dict(c.model)
