@@ -38,14 +38,19 @@ _PROBE_TOKENS = flags.DEFINE_integer("probe_tokens", 4, "tokens per session of t
 _EXPERT_WEIGHTS = flags.DEFINE_enum("expert_weights", "model", ["model", "fp8"],
                                     "routed experts in the model dtype, or kept in FP8 on the device (block-scaled "
                                     "e4m3, dequantised in the grouped matmul): fewer bytes per decode step")
+_COMPARE_ONE_DEVICE = flags.DEFINE_integer(
+    "compare_one_device", 0, "with a mesh (config.mesh): also generate this many tokens with the same weights on one "
+    "device and on the mesh (an untimed run each) and compare tokens and logits: bit-identical for stage-only layouts, "
+    "within 1e-5 relative in float32 with tp > 1 (split reductions sum in another order)")
 _BANDWIDTH_MIB = flags.DEFINE_integer("bandwidth_mib", 0, "array size of the bandwidth benchmark (0: 1 GiB on "
                                       "accelerators, 64 MiB on a CPU)")
 
 
-def build_model(config, expert_weights: str = "model") -> glm53.Model:
+def build_model(config, expert_weights: str = "model", one_device: bool = False) -> glm53.Model:
     cache_config = glm53.CacheConfig.from_config_dict(config.cache)
     path = config.checkpoint
-    mesh = config.get("mesh")  # --config.mesh.tp=4: parameters split over 4 devices (glm53.sharding)
+    # --config.mesh.tp=4: parameters split over 4 devices (glm53.sharding); one_device: the config's mesh ignored
+    mesh = None if one_device else config.get("mesh")
     if not path:
         return glm53.from_config(config.model, config.seed, dtype=config.dtype, cache_config=cache_config, mesh=mesh,
                                  expert_weights=expert_weights)
@@ -65,6 +70,32 @@ def figures(result: glm53.GenerateResult) -> dict:
             "decode_tokens_per_s": result.decode_tokens_per_s,
             "decode_tokens_per_s_per_session": result.decode_tokens_per_s_per_session,
             "compile_s": result.compile_s, "mtp": result.mtp, "mtp_acceptance": result.mtp_acceptance}
+
+
+def compare_one_device(config, model, prompts, kw: dict, capacity: int, tokens: int) -> dict:
+    """``tokens`` new tokens per prompt on the model's mesh and on one device (the same weights, built again without
+    the mesh), untimed, logits returned: what a layout changes in the outputs."""
+    if jax.process_count() > 1:
+        raise app.UsageError("--compare_one_device runs in one process (the one-device model is another process's "
+                             "copy in each)")
+    mc = glm53.MeshConfig.from_config_dict(config.get("mesh"))
+    cache = model.cache_config.replace(max_len=max(capacity, max(map(len, prompts)) + tokens + kw["mtp"]))
+    on_mesh = glm53.generate(model, prompts, max_new_tokens=tokens, cache=cache, return_logits=True, **kw)
+    one = build_model(config, model.expert_weights, one_device=True)
+    base = glm53.generate(one, prompts, max_new_tokens=tokens, cache=cache, return_logits=True, **kw)
+    del one
+    exact = mc.tp == 1 and mc.microbatches == 1
+    err = float(np.abs(on_mesh.logits - base.logits).max() / max(float(np.abs(base.logits).max()), 1e-30))
+    out = {"mesh": {"stages": mc.stages, "tp": mc.tp, "microbatches": mc.microbatches}, "tokens": tokens,
+           "cache_mode": cache.mode, "tokens_identical": on_mesh.tokens == base.tokens,
+           "logits_bit_identical": bool(np.array_equal(on_mesh.logits, base.logits)), "logits_max_rel_err": err,
+           "expected": ("bit-identical (stages only)" if exact else
+                        "identical tokens; logits within 1e-5 relative in float32 (tp > 1 or micro-batches: matmuls "
+                        "of other shapes or split reductions round differently)")}
+    print(f"mesh {mc.stages} x {mc.tp} vs one device ({tokens} tokens, {cache.mode}): tokens identical "
+          f"{out['tokens_identical']}, logits bit-identical {out['logits_bit_identical']}, max relative error "
+          f"{err:.2e}; expected {out['expected']}", flush=True)
+    return out
 
 
 def print_cache_stats(stats: dict, indent: str = "  ") -> None:
@@ -208,6 +239,11 @@ def main(argv):
         out["resident_baseline"] = figures(base)
         out["comparison"] = {"tokens_identical": same_tokens, "logits_bit_identical": same_logits,
                              "decode_ratio": ratio}
+
+    if _COMPARE_ONE_DEVICE.value:
+        if model.mesh is None:
+            raise app.UsageError("--compare_one_device compares a mesh layout with one device: set config.mesh")
+        out["one_device"] = compare_one_device(config, model, prompts, kw, capacity, _COMPARE_ONE_DEVICE.value)
 
     if bandwidth is not None:
         out_roofline = {"bandwidth": bandwidth, "run": rooflines.get(mode)}

@@ -111,13 +111,16 @@ def test_generate_entry_point_rejects_unknown_override():
 
 @pytest.mark.devices(2)
 def test_generate_entry_point_on_a_tensor_parallel_mesh(tmp_path):
-    """--config.mesh.tp=2 on the CPU's host devices: the same tokens as one device."""
-    outs = {}
-    for tp in (1, 2):
-        out = tmp_path / f"tp{tp}.json"
-        p = _run_generate(f"--config.mesh.tp={tp}", "--config.dtype=float32", f"--config.run.output_json={out}")
+    """--config.mesh.tp=2 and --config.mesh.stages=2 on the CPU's host devices, each against one device in the same
+    run (--compare_one_device): stages bit-identical; tp the same tokens, float32 logits within 1e-5."""
+    for flag, exact in (("--config.mesh.tp=2", False), ("--config.mesh.stages=2", True)):
+        out = tmp_path / f"{flag[-7:]}.json"
+        p = _run_generate(flag, "--config.dtype=float32", "--compare_one_device=4", f"--config.run.output_json={out}")
         assert p.returncode == 0, p.stderr[-3000:]
-        outs[tp] = json.loads(out.read_text())["tokens"]
-    assert outs[1] == outs[2]
+        cmp = json.loads(out.read_text())["figures"]["one_device"]
+        assert cmp["tokens"] == 4 and cmp["tokens_identical"], cmp
+        assert cmp["logits_bit_identical"] if exact else cmp["logits_max_rel_err"] < 1e-5, cmp
+    p = _run_generate("--compare_one_device=4")  # nothing to compare with on one device
+    assert p.returncode != 0 and "set config.mesh" in p.stderr
     p = _run_generate("--config.mesh.stages=8")  # tiny has 4 layers
     assert p.returncode != 0 and "mesh.stages=8 is more than the model's 4 layers" in p.stderr
