@@ -1098,13 +1098,14 @@ class _Run:
         if self.trace is not None:
             self.trace.add_step(jax.device_get(rounds), [s.sid for s in self.sessions])
 
-    def _copybacks(self, before: list, after: list) -> None:
-        """``before`` / ``after``: the lanes' processed rows around the step being read. The next step writes
-        every page those rows completed (its MTP row, one behind, goes first: ``OffloadCache.begin_step``). The
-        step being read is not the last dispatched: those still in flight came after it (``self.steps`` counts
-        them all)."""
+    def _copybacks(self, before: list, after: list, active: np.ndarray) -> None:
+        """``before`` / ``after``: the lanes' committed rows (``Engine._committed``: the MTP layer's lag included,
+        as the device's ``OffloadCache.committed`` counts them) around the step being read; ``active``: which lanes
+        the next step still runs. The next step writes every page those rows completed, for its active lanes only
+        (a lane that stopped has its pages written by the settle after the run). The step being read is not the
+        last dispatched: those still in flight came after it (``self.steps`` counts them all)."""
         P = self.e.page_rows
-        if any(a // P > b // P for a, b in zip(after, before)):
+        if any(a // P > b // P and on for a, b, on in zip(after, before, active)):
             self.copyback_steps.append(self.steps - len(self.inflight) + 1)
 
     def _decode_loop(self) -> None:
@@ -1142,7 +1143,7 @@ class _Run:
         self._record(rounds)
         tokens, remaining, remaining_in = np.asarray(tokens), np.asarray(remaining), np.asarray(remaining_in)
         logits = None if logits is None else np.asarray(logits)
-        before = [s.processed for s in self.sessions]
+        before = [self.e._committed(s) for s in self.sessions]
         for b, s in enumerate(self.sessions):
             if remaining_in[b] > 0:  # the lane was active: it processed its pending token and sampled one
                 s.processed += 1
@@ -1152,7 +1153,7 @@ class _Run:
                 self._emit(b, [tokens[b]], None if logits is None else logits[b:b + 1])
                 self.decode_tokens += 1
         self.remaining = remaining.astype(np.int64)
-        self._copybacks(before, [s.processed for s in self.sessions])
+        self._copybacks(before, [self.e._committed(s) for s in self.sessions], self.remaining > 0)
         self._notify()
 
     def _mtp_loop(self) -> None:
@@ -1216,7 +1217,7 @@ class _Run:
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
         remaining, accepted = np.asarray(remaining), np.asarray(accepted)
         logits = None if logits is None else np.asarray(logits)
-        before = [s.processed for s in self.sessions]
+        before = [self.e._committed(s) for s in self.sessions]
         for b, s in enumerate(self.sessions):
             n = int(n_emit[b])
             if n == 0:
@@ -1234,7 +1235,7 @@ class _Run:
                 s.mtp_proposed[j] += 1
                 s.mtp_accepted[j] += int(accepted[b] > j)
         self.remaining = remaining.astype(np.int64)
-        self._copybacks(before, [s.processed for s in self.sessions])
+        self._copybacks(before, [self.e._committed(s) for s in self.sessions], self.remaining > 0)
         self._notify()
 
     def report(self) -> RunReport:
@@ -1248,6 +1249,6 @@ class _Run:
             decode_tokens=self.decode_tokens, steps=self.steps, step_call_s=list(self.call_s),
             host_loop_s=self.t_loop, compile_s=compile_seconds() - self.compile0,
             decode_compile_s=self.decode_compile_s, bucket=self.bucket, mtp=self.mtp,
-            # a page that became final in the run's last step is written by the next call's first step
+            # a page that became final in the run's last step is written by the settle after the run
             copyback_steps=[k for k in self.copyback_steps if k <= self.steps], mtp_proposed=self.proposed[: self.mtp],
             mtp_accepted=self.accepted[: self.mtp], mtp_committed=self.committed[: self.mtp])

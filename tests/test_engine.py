@@ -318,25 +318,34 @@ def test_copyback_only_writes_accepted_rows(model):
 
 
 @pytest.mark.parametrize("mtp", [0, 2])
-def test_copyback_steps_are_the_steps_that_copied(model, mtp):
-    """``RunReport.copyback_steps`` names the steps whose copyback wrote host pages, as the device counted them:
-    runs of one more step each add a copy exactly when the report names that step (two steps stay in flight, so the
-    host reads a step two steps after dispatching it; the step that copies is the one after the step it reads)."""
-    prompt = ids(20, seed=41)
-    seen, labels_before, copies_before = [], [], None
-    for n in range(2, 16 if mtp == 0 else 21):
-        e = engine(model, "offload")
-        s = e.open(prompt)
-        e.generate({s: n}, mtp=mtp, accept_override=2 if mtp else None)
+def test_copyback_steps_are_the_steps_that_copied(model, mtp, monkeypatch):
+    """``RunReport.copyback_steps`` names exactly the decode / verify steps whose copyback wrote host pages, as the
+    device counts them step by step (the engine reads a step two steps after dispatching it; the MTP layer's row
+    lags one; a lane that stops is not copied in-step, its page waits for the settle after the run)."""
+    e = engine(model, "offload", max_sessions=2)
+    device_steps = []
+
+    def counting(step):
+        def run(*args, **kw):
+            cache, outs = step(*args, **kw)
+            device_steps.append(int(np.asarray(cache.copybacks).sum()))  # synchronises: fine in a test
+            return cache, outs
+        return run
+
+    real = e._step
+    monkeypatch.setattr(e, "_step", lambda name: counting(real(name)) if name in ("decode", "verify") else real(name))
+    a, b = e.open(ids(25, seed=41)), e.open(ids(20, seed=42))
+    seen = 0
+    for reqs in ({a: 8, b: 30}, {a: 20, b: 3}):
+        device_steps.clear()
+        start = int(np.asarray(e.cache.copybacks).sum())
+        e.generate(reqs, mtp=mtp, accept_override=2 if mtp else None)
         run = e.last_run
-        copies = e.stats(s)["copybacks"]
-        assert all(1 <= k <= run.steps for k in run.copyback_steps) and len(run.step_call_s) == run.steps
-        if copies_before is not None and run.steps != seen[-1]:
-            new = [k for k in run.copyback_steps if k not in labels_before]
-            assert new == ([run.steps] if copies > copies_before else []), (n, run.copyback_steps, copies)
-        seen.append(run.steps)
-        labels_before, copies_before = run.copyback_steps, copies
-    assert labels_before, "no run copied a page back: the test saw nothing"
+        copied = [k + 1 for k, n in enumerate(device_steps) if n > (device_steps[k - 1] if k else start)]
+        assert len(device_steps) == run.steps == len(run.step_call_s)
+        assert run.copyback_steps == copied, (reqs, run.copyback_steps, copied)
+        seen += len(copied)
+    assert seen >= 3, "too few copybacks for the test to say anything"
 
 
 def test_memory_report_matches_jax_allocations(model):
