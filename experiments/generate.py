@@ -41,7 +41,8 @@ _EXPERT_WEIGHTS = flags.DEFINE_enum("expert_weights", "model", ["model", "fp8"],
 _COMPARE_ONE_DEVICE = flags.DEFINE_integer(
     "compare_one_device", 0, "with a mesh (config.mesh): also generate this many tokens with the same weights on one "
     "device and on the mesh (an untimed run each) and compare tokens and logits: bit-identical for stage-only layouts, "
-    "within 1e-5 relative in float32 with tp > 1 (split reductions sum in another order)")
+    "within 1e-5 relative in float32 with tp > 1 (split reductions sum in another order); the one-device copy of the "
+    "weights needs room on the first device beside its share of the mesh's")
 _BANDWIDTH_MIB = flags.DEFINE_integer("bandwidth_mib", 0, "array size of the bandwidth benchmark (0: 1 GiB on "
                                       "accelerators, 64 MiB on a CPU)")
 

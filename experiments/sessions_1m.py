@@ -186,7 +186,7 @@ def plan(cfg: glm53.ModelConfig, dtype, c, n_sessions: int, ab: bool) -> dict:
            "mesh": planned["mesh"], "devices": planned["devices"],
            "host_pool_bytes_per_device": planned["per_host"]["pool"]}  # one device's pool (memory_report's)
     host_need = pool + FLAGS.host_margin_gib * GiB
-    device_need = device_cache + params + transient + fork_buffer
+    device_need = planned["per_device"]["total"] + fork_buffer  # the fullest device's (stage's) own total
     save = P * cfg.num_cache_layers * row_bytes + keys_bytes  # a saved history (rows + indexer keys)
     out["save_bytes"] = save
     copies = bool(ab or FLAGS.load_history or FLAGS.save_history)
@@ -204,7 +204,7 @@ def plan(cfg: glm53.ModelConfig, dtype, c, n_sessions: int, ab: bool) -> dict:
     out["host_need_bytes"], out["device_need_bytes"] = int(host_need), int(device_need)
     if host.get("available") is not None and host_need > host["available"]:
         fit = int((host["available"] - FLAGS.host_margin_gib * GiB - (3 * save if copies else 0))
-                  // max(session_bytes, 1))
+                  // max(pool // n_sessions, 1))  # a session's share of every device's pool on this host
         raise CapacityError(
             f"host RAM: {n_sessions} sessions of {rows:,} rows need a {gib(pool)} pinned pool"
             + (f" + {gib(3 * save)} for the save / restore copies" if copies else "")
