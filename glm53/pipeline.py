@@ -180,44 +180,22 @@ class StagedCache:
     def mode(self) -> str:
         return self.parts[0].mode
 
+    # Per-layer arrays the engine reads (counters) and a selection trace snapshots (glm53.trace.SNAPSHOT_FIELDS):
+    # every stage's, stacked in layer order.
+    PER_LAYER = frozenset({"counters", "bulk_pages", "position_of_slot", "pin_round", "rounds", "clock"})
+
     def __getattr__(self, name):
         # kv_format, num_slots, capacity, fmt, page_rows, copybacks, unassigned, policy ...: the same on every
         # stage; read from one this process holds.
         if name.startswith("__") or name in ("parts", "pipeline"):
             raise AttributeError(name)
+        if name in StagedCache.PER_LAYER:
+            return np.concatenate([self.pipeline.to_host(getattr(p, name), s) for s, p in enumerate(self.parts)])
         return getattr(self.parts[self.pipeline.first_local], name)
 
     @property
     def num_layers(self) -> int:
         return sum(p.num_layers for p in self.parts)
-
-    def _per_layer(self, field: str) -> np.ndarray:
-        return np.concatenate([self.pipeline.to_host(getattr(p, field), s) for s, p in enumerate(self.parts)])
-
-    @property
-    def counters(self) -> np.ndarray:
-        return self._per_layer("counters")
-
-    @property
-    def bulk_pages(self) -> np.ndarray:
-        return self._per_layer("bulk_pages")
-
-    # What a selection trace snapshots of the hot caches (glm53.trace.SNAPSHOT_FIELDS, the policy's own state).
-    @property
-    def position_of_slot(self) -> np.ndarray:
-        return self._per_layer("position_of_slot")
-
-    @property
-    def pin_round(self) -> np.ndarray:
-        return self._per_layer("pin_round")
-
-    @property
-    def rounds(self) -> np.ndarray:
-        return self._per_layer("rounds")
-
-    @property
-    def clock(self) -> np.ndarray:
-        return self._per_layer("clock")
 
     @property
     def policy_state(self) -> dict:
