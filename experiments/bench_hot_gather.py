@@ -4,6 +4,9 @@ host-read bandwidth measured in the same run.
     python -m experiments.bench_hot_gather --out=experiments/results/hot_gather.json
     python -m experiments.bench_hot_gather --tiny   # CPU smoke run (interpreted kernels, timings meaningless)
 
+Times are device times from a profiler trace by default (``--timer=profile``): the kernels' own time, as a decode
+step pays it.
+
 Every timed configuration is first checked bit-for-bit against the jnp reference.
 """
 
@@ -31,18 +34,47 @@ flags.DEFINE_bool("sweep", False, "also time every (block_rows, num_warps) launc
                   "and at each --decode_cases case")
 flags.DEFINE_list("sweep_block_rows", ["4", "8", "16", "32"], "--sweep: rows per program")
 flags.DEFINE_list("sweep_num_warps", ["1", "2", "4", "8"], "--sweep: warps per program")
-flags.DEFINE_string("insitu", "10:2048:50000:32768:0.99",
+flags.DEFINE_list("insitu", ["10:2048:50000:32768:0.99"],
                     "a decode step's layer laid out as the engine lays it out, lanes:K:history:hot_rows:hits (--tiny "
                     "shrinks it): each lane selects K sorted positions of its own history (a working set, as local99); "
                     "its hot cache holds them in slots handed out as misses arrived, so slot order is random against "
                     "position order; misses read the lane's own host rows. Timed as the step orders the entries, with "
-                    "the same entries' slots sorted by position, and beside the resident gather of the same positions")
+                    "the same entries' slots sorted by position, and beside the resident gather of the same positions; "
+                    "several cases are named by their hit fraction")
+flags.DEFINE_enum("timer", "profile", ["profile", "loop"],
+                  "profile: each call's device time from a profiler trace (the kernels' own time, what the decode "
+                  "step pays); loop: wall time of calls in a jitted fori_loop (before 2026-12: an XLA while loop on "
+                  "the GPU adds a host round trip per iteration, ~20-30 us, so sub-30-us kernels all read alike)")
 flags.DEFINE_list("decode_cases", ["20480:0.99"], "more cases, rows:hit_fraction, each beside the resident gather of "
                   "as many rows: the default is a 10-session decode step's layer (10 x 2,048 rows, 1% misses); "
                   "--tiny caps the rows at half the history")
 
 
 def timeit(fn, varying, fixed, iters):
+    """Seconds per call of ``fn(*varying[i], *fixed)`` by ``--timer``."""
+    return (profile_time if FLAGS.timer == "profile" else loop_time)(fn, varying, fixed, iters)
+
+
+def profile_time(fn, varying, fixed, iters):
+    """Device seconds per call of ``fn(*varying[i], *fixed)``: the summed duration of the device events (kernels,
+    copies) of ``iters`` calls in a profiler trace, rotating through the ``varying`` index sets, over ``iters``.
+    The host's dispatch and launch gaps are not counted: this is what the kernel costs inside a decode step,
+    where the device runs its kernels back to back."""
+    import tempfile
+    from experiments import trace_util
+    jitted = jax.jit(fn)
+    jax.block_until_ready([jitted(*v, *fixed) for v in varying])
+    with tempfile.TemporaryDirectory() as logdir:
+        with jax.profiler.trace(logdir, profiler_options=trace_util.trace_options()):
+            outs = [jitted(*varying[i % len(varying)], *fixed) for i in range(iters)]
+            jax.block_until_ready(outs)
+        events = trace_util.device_events(trace_util.find_xplane(logdir))
+    if not events:
+        raise RuntimeError("the profiler trace holds no device events")
+    return sum(duration for _, _, duration, _ in events) / 1e9 / iters
+
+
+def loop_time(fn, varying, fixed, iters):
     """Seconds per call of ``fn(*varying[i], *fixed)`` on the device: ``iters`` calls run inside one jitted loop
     (so Python dispatch, ~0.05 ms a call, is not counted), rotating through the ``varying`` index sets so calls do
     not reuse a warm cache; the planes (``fixed``) are arguments, never copied. Median of 5 loops / ``iters``."""
@@ -152,16 +184,19 @@ def main(_):
         rows -= rows % max(32, hg.DEFAULT_BLOCK_ROWS)  # every swept launch shape divides it
         return f"rows{rows}_hits{frac:g}", rows, frac
 
-    def insitu_case() -> dict:
+    def insitu_case_frac(spec: str) -> float:
+        return float(spec.split(":")[-1])
+
+    def insitu_case(spec: str) -> dict:
         """``--insitu``: the kernel's inputs in the order the step builds them (lane by lane, positions sorted) and
         with each lane's slots sorted by position, a hot plane of ``lanes x hot_rows``, and the resident gather's
         positions and ``[lanes, history, W]`` planes."""
-        lanes, K, hist, hot_rows, frac = FLAGS.insitu.split(":")
+        lanes, K, hist, hot_rows, frac = spec.split(":")
         lanes, K, hist, hot_rows, frac = int(lanes), int(K), int(hist), int(hot_rows), float(frac)
         if FLAGS.tiny:
             lanes, K, hist, hot_rows = 2, 64, 1024, 256
         if lanes * hist > n_hist or K > min(hist, hot_rows) or (lanes * K) % 32:
-            raise ValueError(f"--insitu={FLAGS.insitu}: lanes x history must fit the {n_hist:,}-row host plane, K "
+            raise ValueError(f"--insitu={spec}: lanes x history must fit the {n_hist:,}-row host plane, K "
                              "the history and the hot rows, and lanes x K be a multiple of 32")
         hot_planes = {k: jnp.asarray(v) for k, v in planes(lanes * hot_rows).items()}
         sets = {"insitu_step_order": [], "insitu_slots_by_position": []}
@@ -190,14 +225,18 @@ def main(_):
         results["cases"][decode_case(case)[0]] = {
             "rows": rows, "hit_fraction": frac, "ms": t * 1e3, "bit_identical_to_reference": equal,
             "resident_gather_rows_dequant_ms": t_res * 1e3, "over_resident_ms": (t - t_res) * 1e3}
-    insitu = insitu_case()
-    for name, sets in insitu["sets"].items():
-        equal = identical(kernel(*sets[0], ring, insitu["hot"], host),
-                          reference(*sets[0], ring, insitu["hot"], host_on_device), sets[0][0])
-        t = timeit(kernel, sets, (ring, insitu["hot"], host), FLAGS.iters)
-        results["cases"][name] = {"ms": t * 1e3, "bit_identical_to_reference": equal, **insitu["shape"]}
-    t_res = timeit(resident, insitu["positions"], (insitu["resident_planes"],), FLAGS.iters)
-    results["cases"]["insitu_resident_gather_rows_dequant"] = {"ms": t_res * 1e3, **insitu["shape"]}
+    # The first --insitu case keeps the names earlier results used; the others are named by their hit fraction.
+    insitu_cases = {("" if i == 0 else f"_hits{insitu_case_frac(spec):g}"): insitu_case(spec)
+                    for i, spec in enumerate(FLAGS.insitu)}
+    for suffix, insitu in insitu_cases.items():
+        for name, sets in insitu["sets"].items():
+            equal = identical(kernel(*sets[0], ring, insitu["hot"], host),
+                              reference(*sets[0], ring, insitu["hot"], host_on_device), sets[0][0])
+            t = timeit(kernel, sets, (ring, insitu["hot"], host), FLAGS.iters)
+            results["cases"][name + suffix] = {"ms": t * 1e3, "bit_identical_to_reference": equal,
+                                               **insitu["shape"]}
+        t_res = timeit(resident, insitu["positions"], (insitu["resident_planes"],), FLAGS.iters)
+        results["cases"]["insitu_resident_gather_rows_dequant" + suffix] = {"ms": t_res * 1e3, **insitu["shape"]}
     # Device-only baselines: the same kernel with the history on the device, and the resident gather (+dequant).
     sets = inputs(0.0, M)
     t_dev = timeit(kernel, sets, (ring, hot, host_on_device), FLAGS.iters)
@@ -232,9 +271,10 @@ def main(_):
             name, rows, frac = decode_case(case)
             sets = inputs(frac, rows)
             decode_sets[name] = (sets, hot, reference(*sets[0], ring, hot, host_on_device))
-        sets = insitu["sets"]["insitu_step_order"]
-        decode_sets["insitu_step_order"] = (sets, insitu["hot"],
-                                            reference(*sets[0], ring, insitu["hot"], host_on_device))
+        for suffix, insitu in insitu_cases.items():
+            sets = insitu["sets"]["insitu_step_order"]
+            decode_sets["insitu_step_order" + suffix] = (sets, insitu["hot"],
+                                                         reference(*sets[0], ring, insitu["hot"], host_on_device))
         for block_rows in map(int, FLAGS.sweep_block_rows):
             for num_warps in map(int, FLAGS.sweep_num_warps):
                 fn = functools.partial(kernel, block_rows=block_rows, num_warps=num_warps)
