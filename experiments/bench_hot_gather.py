@@ -42,8 +42,6 @@ flags.DEFINE_list("insitu", ["10:2048:50000:32768:0.99"],
                     "position order; misses read the lane's own host rows. Timed as the step orders the entries, with "
                     "the same entries' slots sorted by position, and beside the resident gather of the same positions; "
                     "several cases are named by their hit fraction")
-flags.DEFINE_bool("host_branch", False, "the kernel's host_branch: host loads only in blocks holding a miss")
-flags.DEFINE_list("sweep_host_branch", ["0", "1"], "--sweep: host_branch values timed at every launch shape")
 flags.DEFINE_integer("host_pad_rows", 0, "zero rows appended to the host planes, never addressed: the engine's pool "
                      "at 10 x 50K (~4.5M rows) passes 2**32 bytes, where the kernel addresses the host plane in 64 bits "
                      "(kernels_pallas.hot_gather: addressing); 8000000 puts this bench's host plane there too")
@@ -141,12 +139,9 @@ def main(_):
     if not on_gpu:  # the Pallas interpreter cannot read pinned_host operands (XLA gathers): smoke-test only
         host = {k: jnp.asarray(v) for k, v in padded.items()}
 
-    def kernel(s, r, ring, hot, host, block_rows=hg.DEFAULT_BLOCK_ROWS, num_warps=hg.DEFAULT_NUM_WARPS,
-               host_branch=None):
-        host_branch = FLAGS.host_branch if host_branch is None else host_branch
+    def kernel(s, r, ring, hot, host, block_rows=hg.DEFAULT_BLOCK_ROWS, num_warps=hg.DEFAULT_NUM_WARPS):
         return hg.hot_gather(s, r, ring, hot, host, kv_format=fmt.name, out_dtype=jnp.bfloat16,
-                             block_rows=block_rows, num_warps=num_warps, host_branch=host_branch,
-                             interpret=interpret)
+                             block_rows=block_rows, num_warps=num_warps, interpret=interpret)
 
     reference = jax.jit(lambda *a: hg.hot_gather_reference(*a, kv_format=fmt.name, out_dtype=jnp.bfloat16))
 
@@ -160,7 +155,7 @@ def main(_):
         return out
 
     results = {"backend": jax.default_backend(), "device": dev.device_kind, "jax": jax.__version__,
-               "host_branch": FLAGS.host_branch, "host_plane_rows": n_hist + FLAGS.host_pad_rows,
+               "host_plane_rows": n_hist + FLAGS.host_pad_rows,
                "kv_format": fmt.name, "row_bytes": fmt.bytes_per_row, "history_rows": n_hist, "hot_rows": H,
                "rows_per_gather": M, "cases": {}}
     def identical(got, want, source) -> bool:
@@ -287,10 +282,9 @@ def main(_):
             sets = insitu["sets"]["insitu_step_order"]
             decode_sets["insitu_step_order" + suffix] = (sets, insitu["hot"],
                                                          reference(*sets[0], ring, insitu["hot"], host_on_device))
-        for block_rows, num_warps, host_branch in itertools.product(
-                map(int, FLAGS.sweep_block_rows), map(int, FLAGS.sweep_num_warps),
-                [bool(int(b)) for b in FLAGS.sweep_host_branch]):
-            fn = functools.partial(kernel, block_rows=block_rows, num_warps=num_warps, host_branch=host_branch)
+        for block_rows, num_warps in itertools.product(map(int, FLAGS.sweep_block_rows),
+                                                       map(int, FLAGS.sweep_num_warps)):
+            fn = functools.partial(kernel, block_rows=block_rows, num_warps=num_warps)
             equal = identical(fn(*miss_sets[0], ring, hot, host), want, miss_sets[0][0])
             t_miss = timeit(fn, miss_sets, (ring, hot, host), FLAGS.iters)
             t_hit = timeit(fn, hit_sets, (ring, hot, host), FLAGS.iters)
@@ -298,12 +292,10 @@ def main(_):
             for name, (sets, hot_d, want_d) in decode_sets.items():
                 equal = equal and identical(fn(*sets[0], ring, hot_d, host), want_d, sets[0][0])
                 decode_ms[name] = timeit(fn, sets, (ring, hot_d, host), FLAGS.iters) * 1e3
-            sweep.append({"block_rows": block_rows, "num_warps": num_warps, "host_branch": host_branch,
-                          "bit_identical_to_reference": equal,
+            sweep.append({"block_rows": block_rows, "num_warps": num_warps, "bit_identical_to_reference": equal,
                           "all_misses_ms": t_miss * 1e3, "all_hits_ms": t_hit * 1e3,
                           "all_misses_host_GBps": M * fmt.bytes_per_row / t_miss / 1e9, "decode_ms": decode_ms})
-            print(f"sweep block_rows={block_rows:>2} num_warps={num_warps} host_branch={host_branch:d}: "
-                  f"misses {t_miss * 1e3:.4f} ms, "
+            print(f"sweep block_rows={block_rows:>2} num_warps={num_warps}: misses {t_miss * 1e3:.4f} ms, "
                   f"hits {t_hit * 1e3:.4f} ms, decode cases {decode_ms}, identical {equal}")
         results["sweep"] = sweep
         results["sweep_default"] = {"block_rows": hg.DEFAULT_BLOCK_ROWS,

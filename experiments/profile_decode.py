@@ -21,6 +21,7 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -101,6 +102,9 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
         # One decode step in device order: which kernels ran alone (host-launched one by one) and where the device
         # waited; the runs of lone kernels show what splits the command buffers.
         "middle_step_sequence": sequence,
+        # The median step by scope (steady state) and the first step apart: read these, not the means, for what a
+        # warm decode step costs.
+        "steady_state": steady_state(events, op_names, decode_steps),
         "per_scope_us_per_step": {k: v / 1e3 / decode_steps for k, v in per_scope.most_common()},
         "top_kernels": [{"kernel": n, "scope": v[3], "op_name": v[2][-160:],
                          "calls_per_step": v[0] / decode_steps, "us_per_step": v[1] / 1e3 / decode_steps}
@@ -111,10 +115,9 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
     }
 
 
-def step_sequence(events, op_names: dict, decode_steps: int) -> list:
-    """The kernels of the middle decode step in start order: [kernel, scope, "graph" or "lone", start us (from the
-    step's first kernel), duration us, idle us before it]. Steps are told apart by their first kernel, which every
-    step runs the same number of times."""
+def decode_step_events(events, decode_steps: int) -> list:
+    """The decode module's events split into steps, each in start order (``[]`` when they cannot be told apart).
+    Steps are told apart by their first kernel, which every step runs the same number of times."""
     decode = sorted((e for e in events if str(e[3].get("hlo_module", "")).startswith(DECODE_MODULE)),
                     key=lambda e: e[1])
     if not decode or decode_steps < 1:
@@ -125,8 +128,41 @@ def step_sequence(events, op_names: dict, decode_steps: int) -> list:
     if per_step < 1 or len(starts) % decode_steps:
         return []
     bounds = starts[::per_step] + [len(decode)]
-    mid = decode_steps // 2
-    step = decode[bounds[mid]:bounds[mid + 1]]
+    return [decode[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def steady_state(events, op_names: dict, decode_steps: int) -> dict:
+    """Per-scope device time of the median step, and the first step apart. The per-step means above include the
+    first decode step, in which an offload hot cache is still cold after the prefill: every selected row is a miss
+    there (at 10 lanes x 50K its 8 hot gathers took ~0.4 ms more than a warm step's), which a mean over 47 steps
+    spreads as ~8 us over every step's gather (``profile_decode_50k_b10*.json`` read the hot gather as 20-36 us a
+    layer where a warm step's takes 12, the resident gather's 11.4)."""
+    steps = decode_step_events(events, decode_steps)
+    if not steps:
+        return {}
+    per_step = []
+    for step in steps:
+        scopes = collections.Counter()
+        for name, _, dur, stats in step:
+            scope, _ = kernel_scope(name, str(stats.get("hlo_op", "")), str(stats.get("hlo_module", "")), op_names)
+            scopes[scope] += dur / 1e3
+        scopes["busy"] = sum(dur for _, _, dur, _ in step) / 1e3
+        scopes["span"] = (max(e[1] + e[2] for e in step) - step[0][1]) / 1e3
+        per_step.append(scopes)
+    names = set().union(*per_step)
+    return {"steps": len(per_step),
+            "median_us": {n: float(np.median([s.get(n, 0.0) for s in per_step])) for n in sorted(names)},
+            "first_step_us": {n: per_step[0].get(n, 0.0) for n in sorted(names)},
+            "busy_us_by_step": [round(s["busy"], 1) for s in per_step]}
+
+
+def step_sequence(events, op_names: dict, decode_steps: int) -> list:
+    """The kernels of the middle decode step in start order: [kernel, scope, "graph" or "lone", start us (from the
+    step's first kernel), duration us, idle us before it]."""
+    steps = decode_step_events(events, decode_steps)
+    if not steps:
+        return []
+    step = steps[len(steps) // 2]
     out, frontier = [], step[0][1]
     for name, start, dur, stats in step:
         hlo_op = str(stats.get("hlo_op", ""))
@@ -201,9 +237,16 @@ def main(_):
         results["offload_minus_resident_us_per_step"]["launch_units"] = (o["launch_units_per_step"]
                                                                          - r["launch_units_per_step"])
         results["offload_minus_resident_us_per_step"]["kernels"] = o["kernels_per_step"] - r["kernels_per_step"]
-        print("offload - resident (us/step):")
+        print("offload - resident (us/step, means over the profiled steps):")
         for k, v in results["offload_minus_resident_us_per_step"].items():
             print(f"    {k:>20}: {v:+8.1f}")
+        rm, om = r["steady_state"].get("median_us", {}), o["steady_state"].get("median_us", {})
+        if rm and om:
+            med = {s: om.get(s, 0.0) - rm.get(s, 0.0) for s in set(rm) | set(om)}
+            results["offload_minus_resident_median_step_us"] = dict(sorted(med.items(), key=lambda kv: -abs(kv[1])))
+            print("offload - resident (us, median steps: the steady state):")
+            for k, v in results["offload_minus_resident_median_step_us"].items():
+                print(f"    {k:>20}: {v:+8.1f}")
     if len(tokens) > 1:
         results["tokens_identical"] = len({json.dumps(t) for t in tokens.values()}) == 1
         print("tokens identical across modes:", results["tokens_identical"])

@@ -198,10 +198,19 @@ class OffloadCache(CacheBase):
                                dst.reshape(-1).astype(jnp.int32), count.reshape(-1).astype(jnp.int32),
                                block_size=P, impl=kernels)
         ws = lanes.write_slot(S)
-        return self.replace(pool=pool, host_len=self.host_len.at[ws].add(n_written * P, mode="drop"),
-                            copybacks=self.copybacks.at[ws].add(n_written, mode="drop"),
-                            unassigned=self.unassigned.at[ws].add(jnp.sum(want & ~ok, axis=1).astype(jnp.int32),
-                                                                  mode="drop"))
+        copybacks = self.copybacks.at[ws].add(n_written, mode="drop")
+        unassigned = self.unassigned.at[ws].add(jnp.sum(want & ~ok, axis=1).astype(jnp.int32), mode="drop")
+        # host_len, and at the step's end the lengths, are updated in place. The counters above and the copy's
+        # addresses read their old values, but nothing downstream of the step reads the counters back, so no data
+        # path ordered those reads before the in-place writes and XLA kept each old value alive with two copies
+        # (host_len, lengths, mtp_lengths: six ~1 us MemcpyD2D a decode step on the H200,
+        # profile_decode_50k_b10_drift0.001_15cb82b.json). Counters and addresses are never negative, which XLA
+        # cannot know: the host_len update depends on them, and every later read of host_len (each layer's
+        # classify, hence the step's tokens and its length updates) on it.
+        read = (jnp.min(copybacks) >= 0) & (jnp.min(unassigned) >= 0) & (jnp.min(dst) >= 0)
+        return self.replace(pool=pool, host_len=self.host_len.at[ws].add(jnp.where(read, n_written * P, 0),
+                                                                         mode="drop"),
+                            copybacks=copybacks, unassigned=unassigned)
 
     @jax.named_scope("offload_ring_write")
     def write_rows(self, layer: int, latent: Array, rope: Array, step) -> "OffloadCache":

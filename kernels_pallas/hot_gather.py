@@ -55,7 +55,12 @@ from kernels_pallas.kv_formats import KVFormat
 RING, HOT, HOST = 0, 1, 2
 # Launch shape: 4 rows per program and one warp, i.e. 512 programs for a 2,048-row round, which keeps the most host
 # rows in flight over PCIe. On the H200 2,048 misses took 40.0 us against 46.6 us at 16 rows x 4 warps, hits alike
-# (experiments/results/hot_gather_sweep.json, ``experiments.bench_hot_gather --sweep``).
+# (experiments/results/hot_gather_sweep.json, ``experiments.bench_hot_gather --sweep``). Timed again by device time
+# (hot_gather_sweep_15cb82b.json): a 10-lane decode layer (20,480 rows, 99% hits, slots in fill order) 14.0 us here,
+# 13.3-14.0 at 4 rows x 4 warps, 14.4-14.7 at 8 x 4, 15.5-16.4 at 16 x 4, 33-38 at 16 x 1; the resident gather of the
+# same positions 18.1. Two things that did not help (hot_gather_branch_pad*_5471ae4.json): a host plane past 2**32
+# bytes, addressed in 64 bits, times as the 32-bit one (14.1 / 14.0 us); and loading the host source only in blocks
+# that hold a miss (a branch per block) gained nothing at 4 x 4 and lost ~1-2 us at 4 x 1.
 DEFAULT_BLOCK_ROWS = 4
 DEFAULT_NUM_WARPS = 1
 
@@ -110,8 +115,7 @@ def _store_where(ref, value, rows_mask):
     plgpu.store(ref, value, mask=jnp.broadcast_to(rows_mask, value.shape))
 
 
-def _hot_gather_kernel(source_ref, row_ref, *refs, fmt: KVFormat, names: tuple, block_rows: int,
-                       host_branch: bool):
+def _hot_gather_kernel(source_ref, row_ref, *refs, fmt: KVFormat, names: tuple, block_rows: int):
     """One program gathers ``block_rows`` entries.
 
     Refs (ANY = the whole array where it lives; flat planes, sorted by plane name):
@@ -130,54 +134,34 @@ def _hot_gather_kernel(source_ref, row_ref, *refs, fmt: KVFormat, names: tuple, 
     row = row_ref[pl.ds(i * block_rows, block_rows)]
     masks = [source == s for s in (RING, HOT, HOST)]
     cols = {n: jnp.arange(packed_out[n].shape[1], dtype=jnp.int32)[None, :] for n in names}
-    planes = ("latent", "rope", "scale") if fmt.quantised else ("latent", "rope")
-
-    def load(sources: tuple) -> dict:
-        return {p: _load3([srcs[p][s] for s in sources], [masks[s] for s in sources], row, cols[p],
-                          packed_out[p].dtype) for p in planes}
-
-    def store(rows: dict, with_packed: bool):
-        if with_packed:
-            # Packed rows only for misses: the fill installs nothing else (hits are in the hot cache already,
-            # ring rows reach the host through the copyback). Storing every entry's 656 packed bytes beside its
-            # 1,152 dequantised ones wrote 13 MB more a layer at 10 lanes x 2,048 rows; 38.3 -> 32.8 us (H200).
-            for p in planes:
-                _store_where(packed_out[p], rows[p], masks[HOST][:, None])
-        rope_out[...] = rows["rope"].astype(rope_out.dtype)
-        if fmt.quantised:
-            # Each latent column's group scale, broadcast from the [block, G] tile just loaded: the same
-            # q.astype(f32) * scale.astype(f32) as kv_formats.unpack, hence bit-identical. The scale used to be
-            # loaded a second time at latent width (column c reading scale c // group_size): 512 scalar loads a
-            # row, which Triton cannot vectorise, issued three times (one per source) where a row's latent takes 32
-            # vector loads. A decode step's layer as the engine lays it out took 31.4 us against 35.4 (H200,
-            # bench_hot_gather --insitu, hot_gather_8f038d6*.json).
-            per_group = (block_rows, fmt.scales_per_row, fmt.group_size)
-            scale_per_col = jnp.broadcast_to(rows["scale"][:, :fmt.scales_per_row, None], per_group).reshape(
-                block_rows, kv_formats.LATENT_DIM)  # [block, 512]
-            x = rows["latent"].astype(jnp.float32) * scale_per_col.astype(jnp.float32)
-            latent_out[...] = x.astype(latent_out.dtype)
-        else:
-            latent_out[...] = rows["latent"].astype(latent_out.dtype)
-
-    if not host_branch:
-        # Every load before any store: a miss is a PCIe round trip, and loads issued back to back wait for their
-        # round trips together, where a store between two loads may keep the second from issuing until the first
-        # returned.
-        store(load((RING, HOT, HOST)), with_packed=True)
-        return
-    # The host source only in the blocks that hold a miss (a few in a hundred at decode hit rates): the others
-    # never build the host plane's pointers, which are 64-bit once the pool passes 2**32 bytes (see the module doc).
-    device_rows = load((RING, HOT))
-    any_miss = jnp.max(masks[HOST].astype(jnp.int32)) > 0
-
-    @pl.when(any_miss)
-    def _():
-        host_rows = load((HOST,))
-        store({p: jnp.where(masks[HOST][:, None], host_rows[p], device_rows[p]) for p in planes}, with_packed=True)
-
-    @pl.when(jnp.logical_not(any_miss))
-    def _():
-        store(device_rows, with_packed=False)
+    # Every load before any store: a miss is a PCIe round trip, and loads issued back to back wait for their round
+    # trips together, where a store between two loads may keep the second from issuing until the first returned.
+    latent = _load3(srcs["latent"], masks, row, cols["latent"], packed_out["latent"].dtype)  # [block, 512]
+    rope = _load3(srcs["rope"], masks, row, cols["rope"], packed_out["rope"].dtype)
+    if fmt.quantised:
+        scale = _load3(srcs["scale"], masks, row, cols["scale"], packed_out["scale"].dtype)  # [block, G]
+        # Each latent column's group scale, broadcast from the [block, G] tile just loaded: the same
+        # q.astype(f32) * scale.astype(f32) as kv_formats.unpack, hence bit-identical. The scale used to be loaded
+        # a second time at latent width (column c reading scale c // group_size): 512 scalar loads a row, which
+        # Triton cannot vectorise, issued three times (one per source) where a row's latent takes 32 vector loads.
+        # A decode step's layer as the engine lays it out took 31.4 us against 35.4 (H200, bench_hot_gather
+        # --insitu, hot_gather_8f038d6*.json).
+        per_group = (block_rows, fmt.scales_per_row, fmt.group_size)
+        scale_per_col = jnp.broadcast_to(scale[:, :fmt.scales_per_row, None], per_group).reshape(
+            block_rows, kv_formats.LATENT_DIM)  # [block, 512]
+    # Packed rows only for misses: the fill installs nothing else (hits are in the hot cache already, ring rows
+    # reach the host through the copyback). Storing every entry's 656 packed bytes beside its 1,152 dequantised ones
+    # wrote 13 MB more a layer at 10 lanes x 2,048 rows; 38.3 -> 32.8 us with the load order above (H200).
+    miss = masks[HOST][:, None]
+    _store_where(packed_out["latent"], latent, miss)
+    _store_where(packed_out["rope"], rope, miss)
+    rope_out[...] = rope.astype(rope_out.dtype)
+    if fmt.quantised:
+        _store_where(packed_out["scale"], scale, miss)
+        x = latent.astype(jnp.float32) * scale_per_col.astype(jnp.float32)
+        latent_out[...] = x.astype(latent_out.dtype)
+    else:
+        latent_out[...] = latent.astype(latent_out.dtype)
 
 
 def _validate(source, row, ring, hot, host, block_rows, fmt: KVFormat, *, compiled: bool):
@@ -204,11 +188,10 @@ def _validate(source, row, ring, hot, host, block_rows, fmt: KVFormat, *, compil
         check_addressable(planes, what, compiled=compiled)
 
 
-@functools.partial(jax.jit, static_argnames=("kv_format", "out_dtype", "block_rows", "num_warps", "host_branch",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("kv_format", "out_dtype", "block_rows", "num_warps", "interpret"))
 def hot_gather(source: jax.Array, row: jax.Array, ring: dict, hot: dict, host: dict, *, kv_format: str,
                out_dtype=jnp.bfloat16, block_rows: int = DEFAULT_BLOCK_ROWS,
-               num_warps: int = DEFAULT_NUM_WARPS, host_branch: bool = False,
+               num_warps: int = DEFAULT_NUM_WARPS,
                interpret: bool = False) -> tuple[jax.Array, jax.Array, dict]:
     """Gather entries ``e`` of ``source``/``row`` (``[E]``) from the flat ``[rows, W]`` planes of the ring, the
     hot cache and host memory (all in ``kv_format``). Returns ``(latent [E, 512], rope [E, 64], packed)``:
@@ -230,8 +213,7 @@ def hot_gather(source: jax.Array, row: jax.Array, ring: dict, hot: dict, host: d
     out_specs = [pl.BlockSpec((block_rows, s.shape[1]), lambda i: (i, 0)) for s in out_shape]
     kwargs = {} if interpret else {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=1)}
     latent, rope, *packed = pl.pallas_call(
-        functools.partial(_hot_gather_kernel, fmt=fmt, names=names, block_rows=block_rows,
-                          host_branch=host_branch),
+        functools.partial(_hot_gather_kernel, fmt=fmt, names=names, block_rows=block_rows),
         out_shape=out_shape, grid=(E // block_rows,), in_specs=in_specs, out_specs=out_specs,
         interpret=interpret, name="glm53_hot_gather", **kwargs,
     )(*operands)
@@ -247,13 +229,13 @@ def packed_at_misses(packed: dict, source: jax.Array) -> dict:
 
 def hot_gather_reference(source: jax.Array, row: jax.Array, ring: dict, hot: dict, host: dict, *, kv_format: str,
                          out_dtype=jnp.bfloat16, block_rows: int = DEFAULT_BLOCK_ROWS,
-                         num_warps: int = DEFAULT_NUM_WARPS, host_branch: bool = False,
+                         num_warps: int = DEFAULT_NUM_WARPS,
                          interpret: bool = False) -> tuple[jax.Array, jax.Array, dict]:
     """Pure-jnp reference with the same signature. ``host`` planes must be readable by XLA's gather here (device
     arrays; a caller holding ``pinned_host`` planes moves them first — the CPU fallback does). Its packed rows are
     zero where the kernel's are unspecified (every entry but a miss), so a consumer that read them would change
     results on the CPU too, not only on a GPU."""
-    del num_warps, host_branch, interpret
+    del num_warps, interpret
     fmt = kv_formats.get_format(kv_format)
     _validate(source, row, ring, hot, host, block_rows, fmt, compiled=False)
     packed = {}

@@ -65,6 +65,13 @@ def test_profile_decode(tmp_path):
     assert seq[0][3] == 0 and all(a[3] <= b[3] for a, b in zip(seq, seq[1:]))
     assert len(seq) < off["kernels_per_step"] * off["decode_steps_profiled"] / 2
     assert {"busy", "idle"} <= set(report["offload_minus_resident_us_per_step"])
+    # the steady state: every profiled step, the median step's scopes and the first step apart
+    steady = off["steady_state"]
+    assert steady["steps"] == off["decode_steps_profiled"] == len(steady["busy_us_by_step"])
+    assert steady["median_us"]["offload_gather"] > 0 and steady["first_step_us"]["offload_gather"] > 0
+    assert abs(sum(steady["busy_us_by_step"]) / steady["steps"] - off["busy_us_per_step"]) < 0.01 * off[
+        "busy_us_per_step"] + 0.1
+    assert "offload_gather" in report["offload_minus_resident_median_step_us"]
     assert (tmp_path / "decode_hlo_offload.txt").read_text().startswith("HloModule")
 
 

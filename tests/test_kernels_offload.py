@@ -33,8 +33,7 @@ def _planes(fmt, n, seed):
 @pytest.mark.parametrize("fmt", list(kvf.KV_FORMATS))
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("block_rows", [4, 16])  # the model's launch shape, and one with several rows per source
-@pytest.mark.parametrize("host_branch", [False, True])
-def test_hot_gather_matches_reference(fmt, out_dtype, block_rows, host_branch):
+def test_hot_gather_matches_reference(fmt, out_dtype, block_rows):
     ring, hot, host = _planes(fmt, 16, 0), _planes(fmt, 32, 1), _planes(fmt, 96, 2)
     rng = np.random.default_rng(3)
     E = 48
@@ -44,13 +43,12 @@ def test_hot_gather_matches_reference(fmt, out_dtype, block_rows, host_branch):
     row[:4] = [0, 15, 31, 95] if fmt else row[:4]
     source[:4] = [hg.RING, hg.RING, hg.HOT, hg.HOST]
     row[5:9], source[5:9] = 7, hg.HOST  # duplicate misses
-    # Blocks without a miss (host_branch skips the host source there), one of them ring and hot rows mixed.
+    # Blocks without a miss, one of them ring and hot rows mixed.
     source[16:32] = np.where(np.arange(16) % 3 == 0, hg.RING, hg.HOT)
     row[16:32] = np.where(source[16:32] == hg.RING, np.arange(16), 2 * np.arange(16))
     assert (source[16:32] != hg.HOST).all() and (source == hg.HOST).any()
     args = (jnp.asarray(source), jnp.asarray(row), ring, hot, host)
-    got = hg.hot_gather(*args, kv_format=fmt, out_dtype=out_dtype, block_rows=block_rows, host_branch=host_branch,
-                        interpret=INTERPRET)
+    got = hg.hot_gather(*args, kv_format=fmt, out_dtype=out_dtype, block_rows=block_rows, interpret=INTERPRET)
     want = hg.hot_gather_reference(*args, kv_format=fmt, out_dtype=out_dtype, block_rows=block_rows)
     # Packed rows are defined at misses only (what the fill installs); the dequantised rows everywhere.
     got, want = got[:2] + (hg.packed_at_misses(got[2], args[0]),), want[:2] + (hg.packed_at_misses(want[2], args[0]),)

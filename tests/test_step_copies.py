@@ -11,7 +11,10 @@ layer 0's ring write (``OffloadCache.begin_step``), the fill's update depends on
 
 Chunk steps (prefill, append) copy back first and so copy the ring once per chunk (their rows would not fit the
 ring beside the rows being copied); they are not checked. Per-slot session scalars (``sessions.lengths`` and the
-like, a few bytes per slot) are left out: the CPU compiler copies them.
+like, a few bytes per slot) are left out on a CPU, whose compiler copies them even in the resident step (each read
+of them is ordered before the write there too); on a GPU no cache parameter may be copied at all: a copy is a ~1 us
+kernel, and the offload decode step had six, of ``host_len``, ``lengths`` and ``mtp_lengths``
+(``glm53.offload.OffloadCache._copyback``).
 
 The steps are compiled with this backend's kernels (references on a CPU, the Pallas kernels compiled on a GPU) and
 their HLO searched for a copy whose result has the type of a cache buffer."""
@@ -44,6 +47,8 @@ def _buffer_types(cache) -> dict:
 
 def _copied(compiled_text: str, types: dict) -> list:
     hits = []
+    if jax.default_backend() != "cpu":  # any copy of a cache parameter, whatever its size
+        hits += [m.group(1) for m in re.finditer(r"copy\(%(cache_[\w.\-]+)\)", compiled_text)]
     # A copy of a broadcast materialises a fresh buffer (the bulk read's zeroed one), not a cache buffer.
     for m in re.finditer(r"= (\w+\[[0-9,]*\])\{[^}]*\} copy\(%(\w+)", compiled_text):
         if m.group(1) in types and not re.match(r"(wrapped_)?(broadcast|constant)", m.group(2)):
