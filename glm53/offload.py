@@ -207,7 +207,7 @@ class OffloadCache(CacheBase):
         # profile_decode_50k_b10_drift0.001_15cb82b.json). Counters and addresses are never negative, which XLA
         # cannot know: the host_len update depends on them, and every later read of host_len (each layer's
         # classify, hence the step's tokens and its length updates) on it.
-        read = (jnp.min(copybacks) >= 0) & (jnp.min(unassigned) >= 0) & (jnp.min(dst) >= 0)
+        read = (jnp.min(copybacks) >= 0) & (jnp.min(unassigned) >= 0) & (jnp.min(src) >= 0) & (jnp.min(dst) >= 0)
         return self.replace(pool=pool, host_len=self.host_len.at[ws].add(jnp.where(read, n_written * P, 0),
                                                                          mode="drop"),
                             copybacks=copybacks, unassigned=unassigned)
