@@ -1184,7 +1184,7 @@ class _Run:
         pending = e._put(self._pending())
         e.cache, outs = e._step("draft")(
             e.model.params, e.cache, self.lanes, pending, self.seed, self.temperature, self.top_p,
-            depth=self.mtp, greedy=self.greedy, kernels=e.kernels, trace=self.trace is not None)
+            self._selection(0), depth=self.mtp, greedy=self.greedy, kernels=e.kernels, trace=self.trace is not None)
         drafts, draft_p = outs[:2]
         self._record(outs[2] if len(outs) > 2 else None)
         remaining = e._put(self.remaining, np.int32)

@@ -93,15 +93,22 @@ def _mtp_catch_up(net: WholeModel, params, cache, lanes: Lanes, hidden: jax.Arra
 
 
 def _drafts(net: WholeModel, params, cache, lanes: Lanes, hidden: jax.Array, token: jax.Array, row: jax.Array,
-            depth: int, seed, temperature, top_p, *, greedy: bool, kernels: str):
+            depth: int, seed, temperature, top_p, selection=None, *, greedy: bool, kernels: str):
     """``depth`` drafts by the MTP module applied recursively from (final-normed hidden at ``row``, the token at
-    ``row + 1``). Returns (drafts [B, D], their proposal distributions [B, D, V] or None, cache, rounds)."""
+    ``row + 1``). Returns (drafts [B, D], their proposal distributions [B, D, V] or None, cache, rounds).
+
+    ``selection`` (int32 [B, K], benchmarks): the DSA selection override of the step, which the drafts' MTP layer
+    takes too. Without it the drafts selected with the MTP layer's own indexer, which on random weights picks
+    nearly random rows: at MTP 3 on the H200 the MTP layer's hot cache thrashed (the 10 x 50K A/B's 96.1% hits
+    against MTP 0's 99.1%, ``sessions_ab_10x50k_mtp3_62932c1.json``; 47% of the MTP layer's lookups hit on the
+    tiny config with a history larger than its hot cache)."""
     drafts, dists, rounds = [], [], []
     g, tok = hidden, token
     active = lanes.active.astype(jnp.int32)
+    sel = None if selection is None else selection[:, None, :]
     for j in range(depth):
         step = make_step(row + j, active, 1, cache.capacity, net.cfg, net.dtype, lanes, kernels=kernels,
-                         fill=True)
+                         fill=True, selection=sel)
         mh, cache, round_ = net.mtp(params, g[:, None].astype(net.dtype), tok[:, None], step, cache)
         logits = net.logits(params, mh[:, 0])
         if greedy:
@@ -260,7 +267,8 @@ def verify(net: WholeModel, params, cache, lanes: Lanes, pending, drafts, draft_
     cache = cache.advance(step, n_emit, h_last, mtp_end)
     draft_lanes = lanes.replace(active=active & (remaining > 0))
     next_drafts, next_p, cache, draft_rounds = _drafts(net, params, cache, draft_lanes, h_last, nxt, start + a, D,
-                                                       seed, temperature, top_p, greedy=greedy, kernels=kernels)
+                                                       seed, temperature, top_p, selection, greedy=greedy,
+                                                       kernels=kernels)
     cache = cache.finish_step(list(rounds) + list(draft_rounds), step)
     out = (emitted, n_emit, logits, nxt, next_drafts, next_p, remaining, jnp.where(active, accepted, 0))
     if trace:
@@ -268,14 +276,15 @@ def verify(net: WholeModel, params, cache, lanes: Lanes, pending, drafts, draft_
     return cache, out
 
 
-def draft(net: WholeModel, params, cache, lanes: Lanes, pending, seed, temperature, top_p, *, depth: int, greedy: bool,
-          kernels: str, trace: bool = False):
-    """The first ``depth`` drafts of a generate call, from each session's stored hidden state and pending token.
-    Returns (cache, (drafts [B, D], distributions [B, D, V] or None)), and with ``trace`` the step's rounds."""
+def draft(net: WholeModel, params, cache, lanes: Lanes, pending, seed, temperature, top_p, selection=None, *,
+          depth: int, greedy: bool, kernels: str, trace: bool = False):
+    """The first ``depth`` drafts of a generate call, from each session's stored hidden state and pending token
+    (``selection``: the benchmarks' DSA override, as in ``verify``). Returns (cache, (drafts [B, D], distributions
+    [B, D, V] or None)), and with ``trace`` the step's rounds."""
     row = cache.sessions.lengths[lanes.slot] - 1
     hidden = cache.sessions.hidden[lanes.slot]
     drafts, dists, cache, rounds = _drafts(net, params, cache, lanes, hidden, pending, row, depth, seed,
-                                           temperature, top_p, greedy=greedy, kernels=kernels)
+                                           temperature, top_p, selection, greedy=greedy, kernels=kernels)
     fill_step = _fill_step(net, cache, lanes, depth, kernels)
     cache = cache.finish_step(rounds, fill_step)
     if trace:
