@@ -142,6 +142,9 @@ def test_sessions_ab(tmp_path):
         assert 0 < s["summary"]["hit_rate"] <= 1 and s["summary"]["floor_pct"] is None  # no zero-copy on a CPU
         # the warm-up compiled every step the timed runs take (rolled-back sessions' plain decode step included)
         assert s["summary"]["timed_runs_compiled"] is False
+        # one pair: nothing to tell the machine's scatter by, so never resolved
+        assert set(s["summary"]["same_mode_spread_pct"]) == {"resident", "offload"}
+        assert s["summary"]["same_mode_spread_pct"]["resident"] == 0.0 and s["summary"]["resolved"] is False
     assert report["host_read_bandwidth"] is None and report["plot"] == str(tmp_path / "sessions.png")
     assert (tmp_path / "sessions.png").stat().st_size > 0
     s = report["settings"]["zipf1.0_mtp2_forced"]
