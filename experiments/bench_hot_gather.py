@@ -43,8 +43,8 @@ flags.DEFINE_list("insitu", ["10:2048:50000:32768:0.99"],
                     "the same entries' slots sorted by position, and beside the resident gather of the same positions; "
                     "several cases are named by their hit fraction")
 flags.DEFINE_integer("host_pad_rows", 0, "zero rows appended to the host planes, never addressed: the engine's pool "
-                     "at 10 x 50K (~4.5M rows) passes 2**32 bytes, where the kernel addresses the host plane in 64 bits "
-                     "(kernels_pallas.hot_gather: addressing); 8000000 puts this bench's host plane there too")
+                     "at 10 x 50K (~4.5M rows) passes 2**32 bytes, where the kernel addresses the host plane in 64 "
+                     "bits (kernels_pallas.hot_gather: addressing); 8000000 puts this bench's host plane there too")
 flags.DEFINE_enum("timer", "profile", ["profile", "loop"],
                   "profile: each call's device time from a profiler trace (the kernels' own time, what the decode "
                   "step pays); loop: wall time of calls in a jitted fori_loop (before 2026-12: an XLA while loop on "

@@ -134,9 +134,9 @@ def decode_step_events(events, decode_steps: int) -> list:
 def steady_state(events, op_names: dict, decode_steps: int) -> dict:
     """Per-scope device time of the median step, and the first step apart. The per-step means above include the
     first decode step, in which an offload hot cache is still cold after the prefill: every selected row is a miss
-    there (at 10 lanes x 50K its 8 hot gathers took ~0.4 ms more than a warm step's), which a mean over 47 steps
-    spreads as ~8 us over every step's gather (``profile_decode_50k_b10*.json`` read the hot gather as 20-36 us a
-    layer where a warm step's takes 12, the resident gather's 11.4)."""
+    there (at 10 lanes x 50K its 8 hot gathers took 2.66 ms against a warm step's 0.11), which a mean over 47 steps
+    spreads as ~54 us over every step (``profile_decode_50k_b10*.json`` read the hot gather as 20-36 us a layer
+    where a warm step's takes 13.8 and the resident gather 11.3: ``profile_decode_50k_b10_drift0.001_7c8b9f2.json``)."""
     steps = decode_step_events(events, decode_steps)
     if not steps:
         return {}

@@ -45,16 +45,6 @@ from glm53.provenance import provenance
 from kernels_pallas import kv_formats
 
 FLAGS = flags.FLAGS
-# The most two runs of one mode may differ (max / min - 1) for a setting's loss to count as resolved, against losses
-# of ~1% being measured: fa830ed's machine repeated resident 10 x 50K within 0.1% and offload within 0.3% (62932c1's
-# six workloads: 0.01-0.58%, but resident drift0.05 1.55%, whose pairs read 1.93% and 0.39%); the host-bound machine
-# of 7f8511a 6-44%.
-SPREAD_LIMIT_PCT = 1.0
-
-
-def same_mode_spread_pct(tokens_per_s: list) -> float:
-    """How far apart runs of one mode are: ``100 * (max / min - 1)`` of their tokens/s."""
-    return 100 * (max(tokens_per_s) / min(tokens_per_s) - 1) if tokens_per_s else 0.0
 config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment config")
 flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_integer("sessions", 10, "sessions decoding together")
@@ -68,6 +58,17 @@ flags.DEFINE_integer("append", 4096, "large append measured after the decode set
 flags.DEFINE_string("prefill_once", "", "prefill the history in the resident engine only, save it to this directory "
                     "and restore it into the offload engine (a 1M-token prefill takes minutes; the restored session "
                     "continues exactly as the saved one, so both engines decode the same history)")
+
+# The most two runs of one mode may differ (max / min - 1) for a setting's loss to count as resolved, against losses
+# of ~1% being measured: fa830ed's machine repeated resident 10 x 50K within 0.1% and offload within 0.3% (62932c1's
+# six workloads: 0.01-0.58%, but resident drift0.05 1.55%, whose pairs read 1.93% and 0.39%); the host-bound machine
+# of 7f8511a 6-44%.
+SPREAD_LIMIT_PCT = 1.0
+
+
+def same_mode_spread_pct(tokens_per_s: list) -> float:
+    """How far apart runs of one mode are: ``100 * (max / min - 1)`` of their tokens/s."""
+    return 100 * (max(tokens_per_s) / min(tokens_per_s) - 1) if tokens_per_s else 0.0
 
 
 def build(model, cc, c, n_sessions: int, save_to: str = "", restore_from: str = "") -> tuple[glm53.Engine, list, dict]:
