@@ -27,7 +27,8 @@ from ml_collections import config_flags
 
 import glm53
 from experiments import workloads
-from experiments.trace_util import device_events, find_xplane, kernel_scope, op_names_from_hlo, trace_options
+from experiments.trace_util import (device_events, find_xplane, kernel_op_name, kernel_scope, op_names_from_hlo,
+                                    trace_options)
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
@@ -41,7 +42,24 @@ flags.DEFINE_integer("top", 40, "kernels listed per mode")
 DECODE_MODULE = "jit_decode"  # glm53.steps names each compiled step jit_<step>
 
 
-def summarise(events, op_names: dict, decode_steps: int) -> dict:
+def program_op_names(events, op_names_by_pages: dict) -> dict:
+    """``program_id`` -> the op_names of the decode executable it is. With two (offload: with and without the
+    copyback), the one with it runs ``copy_blocks`` at every step, a page due or not; the other never does."""
+    decode = [e for e in events if str(e[3].get("hlo_module", "")).startswith(DECODE_MODULE)]
+    programs = {str(e[3].get("program_id")) for e in decode}
+    copying = {str(e[3].get("program_id")) for e in decode if "copy_blocks" in e[0]}
+    with_copy, without = op_names_by_pages[max(op_names_by_pages)], op_names_by_pages[min(op_names_by_pages)]
+    if "None" in programs or (len(op_names_by_pages) > 1 and not copying):
+        # events that do not say their executable (a CPU's host thunks), or no copy kernel to tell them by (the
+        # reference copy on a CPU): both executables' names, the copying one's first
+        return {p: {**without, **with_copy} for p in programs}
+    return {p: with_copy if p in copying else without for p in programs}
+
+
+def summarise(events, op_names_by_pages: dict, decode_steps: int) -> dict:
+    """``op_names_by_pages``: the op_names of each decode executable, by its copyback pages (0: none)."""
+    names_of = program_op_names(events, op_names_by_pages)
+    main_names = op_names_by_pages[max(op_names_by_pages)]
     per_kernel = collections.defaultdict(lambda: [0, 0.0, "", ""])
     per_scope = collections.Counter()
     per_module = collections.Counter()
@@ -64,8 +82,12 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
         if not module.startswith(DECODE_MODULE):
             continue
         hlo_op = str(stats.get("hlo_op", ""))
+        op_names = names_of.get(str(stats.get("program_id")), main_names)
         scope, op_name = kernel_scope(name, hlo_op, module, op_names)
-        k = per_kernel[name]
+        # The two executables number their kernels apart: a name that is another kernel in the copy-free one is
+        # listed on its own.
+        key = name if op_names is main_names or main_names.get(name, op_name) == op_name else f"{name} [copy-free]"
+        k = per_kernel[key]
         k[0] += 1
         k[1] += dur
         k[2], k[3] = op_name, scope
@@ -83,7 +105,7 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
         frontier = start + dur if frontier is None else max(frontier, start + dur)
     decode_steps = max(decode_steps, 1)
     busy = sum(v[1] for v in per_kernel.values())
-    sequence = step_sequence(events, op_names, decode_steps)
+    sequence = step_sequence(events, names_of, decode_steps)
     rows = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])
     return {
         "decode_steps_profiled": decode_steps,
@@ -104,7 +126,7 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
         "middle_step_sequence": sequence,
         # The median step by scope (steady state) and the first step apart: read these, not the means, for what a
         # warm decode step costs.
-        "steady_state": steady_state(events, op_names, decode_steps),
+        "steady_state": steady_state(events, names_of, decode_steps),
         "per_scope_us_per_step": {k: v / 1e3 / decode_steps for k, v in per_scope.most_common()},
         "top_kernels": [{"kernel": n, "scope": v[3], "op_name": v[2][-160:],
                          "calls_per_step": v[0] / decode_steps, "us_per_step": v[1] / 1e3 / decode_steps}
@@ -115,36 +137,44 @@ def summarise(events, op_names: dict, decode_steps: int) -> dict:
     }
 
 
-def decode_step_events(events, decode_steps: int) -> list:
+def decode_step_events(events, names_of: dict, decode_steps: int) -> list:
     """The decode module's events split into steps, each in start order (``[]`` when they cannot be told apart).
-    Steps are told apart by their first kernel, which every step runs the same number of times."""
+    A step ends with its LM head (the ``GLM5.logits`` kernels, once a step in every decode executable) and what
+    follows it before the next step's first kernel, here counted with the next step: each piece then holds one of
+    every kernel a step runs, whichever executable ran it."""
     decode = sorted((e for e in events if str(e[3].get("hlo_module", "")).startswith(DECODE_MODULE)),
                     key=lambda e: e[1])
     if not decode or decode_steps < 1:
         return []
-    first = decode[0][0]
-    starts = [i for i, e in enumerate(decode) if e[0] == first]
-    per_step = len(starts) // decode_steps
-    if per_step < 1 or len(starts) % decode_steps:
+    ends, in_head = [], False
+    for i, (name, _, _, stats) in enumerate(decode):
+        op_name = kernel_op_name(name, str(stats.get("hlo_op", "")), names_of.get(str(stats.get("program_id")), {}))
+        head = "GLM5.logits" in op_name
+        if in_head and not head:
+            ends.append(i)
+        in_head = head
+    if in_head:
+        ends.append(len(decode))
+    if len(ends) != decode_steps:
         return []
-    bounds = starts[::per_step] + [len(decode)]
-    return [decode[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    return [decode[a:b] for a, b in zip([0] + ends[:-1], ends)]
 
 
-def steady_state(events, op_names: dict, decode_steps: int) -> dict:
+def steady_state(events, names_of: dict, decode_steps: int) -> dict:
     """Per-scope device time of the median step, and the first step apart. The per-step means above include the
     first decode step, in which an offload hot cache is still cold after the prefill: every selected row is a miss
     there (at 10 lanes x 50K its 8 hot gathers took 2.66 ms against a warm step's 0.11), which a mean over 47 steps
     spreads as ~54 us over every step (``profile_decode_50k_b10*.json`` read the hot gather as 20-36 us a layer
     where a warm step's takes 13.8 and the resident gather 11.3: ``profile_decode_50k_b10_drift0.001_7c8b9f2.json``)."""
-    steps = decode_step_events(events, decode_steps)
+    steps = decode_step_events(events, names_of, decode_steps)
     if not steps:
         return {}
     per_step = []
     for step in steps:
         scopes = collections.Counter()
         for name, _, dur, stats in step:
-            scope, _ = kernel_scope(name, str(stats.get("hlo_op", "")), str(stats.get("hlo_module", "")), op_names)
+            scope, _ = kernel_scope(name, str(stats.get("hlo_op", "")), str(stats.get("hlo_module", "")),
+                                    names_of.get(str(stats.get("program_id")), {}))
             scopes[scope] += dur / 1e3
         scopes["busy"] = sum(dur for _, _, dur, _ in step) / 1e3
         scopes["span"] = (max(e[1] + e[2] for e in step) - step[0][1]) / 1e3
@@ -156,17 +186,18 @@ def steady_state(events, op_names: dict, decode_steps: int) -> dict:
             "busy_us_by_step": [round(s["busy"], 1) for s in per_step]}
 
 
-def step_sequence(events, op_names: dict, decode_steps: int) -> list:
+def step_sequence(events, names_of: dict, decode_steps: int) -> list:
     """The kernels of the middle decode step in start order: [kernel, scope, "graph" or "lone", start us (from the
     step's first kernel), duration us, idle us before it]."""
-    steps = decode_step_events(events, decode_steps)
+    steps = decode_step_events(events, names_of, decode_steps)
     if not steps:
         return []
     step = steps[len(steps) // 2]
     out, frontier = [], step[0][1]
     for name, start, dur, stats in step:
         hlo_op = str(stats.get("hlo_op", ""))
-        scope, _ = kernel_scope(name, hlo_op, str(stats.get("hlo_module", "")), op_names)
+        scope, _ = kernel_scope(name, hlo_op, str(stats.get("hlo_module", "")),
+                                names_of.get(str(stats.get("program_id")), {}))
         unit = "graph" if hlo_op.startswith("command_buffer") else "lone"
         out.append([name[:60], scope, unit, round((start - step[0][1]) / 1e3, 2), round(dur / 1e3, 2),
                     round(max(start - frontier, 0) / 1e3, 2)])
@@ -198,10 +229,12 @@ def main(_):
         lanes, B = e._lanes(e.sessions)
         sel = None if FLAGS.workload == "indexer" else jnp.zeros((B, K), jnp.int32)
         copy_pages = glm53.offload.copy_pages_for(mc, 1) if mode == "offload" else 0
-        hlo = model.steps.lower("decode", model.params, e.cache, lanes, jnp.zeros((B,), jnp.int32),
-                                jnp.ones((B,), jnp.int32), jnp.int32(0), jnp.float32(0), jnp.float32(1),
-                                e._stop_ids(None), sel, greedy=True, kernels=e.kernels,
-                                copy_pages=copy_pages).compile().as_text()
+        # Offload decode runs as two executables: with the copyback, and without it on the steps where no page can
+        # be due (glm53.engine._Run._copy_pages). Each has its own kernel names.
+        hlos = {p: model.steps.lower("decode", model.params, e.cache, lanes, jnp.zeros((B,), jnp.int32),
+                                     jnp.ones((B,), jnp.int32), jnp.int32(0), jnp.float32(0), jnp.float32(1),
+                                     e._stop_ids(None), sel, greedy=True, kernels=e.kernels,
+                                     copy_pages=p).compile().as_text() for p in sorted({copy_pages, 0})}
         del warm, e
         logdir = tempfile.mkdtemp()
         # No Python tracer and the lightest host tracer (trace_util.trace_options): the trace's own host overhead
@@ -211,9 +244,11 @@ def main(_):
         tokens[mode] = res.tokens
         path = find_xplane(logdir)
         if FLAGS.out:
-            with open(os.path.join(os.path.dirname(FLAGS.out) or ".", f"decode_hlo_{mode}.txt"), "w") as f:
-                f.write(hlo)
-        summary = summarise(device_events(path), op_names_from_hlo(hlo), new - 1)
+            for p, hlo in hlos.items():
+                suffix = "_copy_free" if p == 0 and copy_pages else ""
+                with open(os.path.join(os.path.dirname(FLAGS.out) or ".", f"decode_hlo_{mode}{suffix}.txt"), "w") as f:
+                    f.write(hlo)
+        summary = summarise(device_events(path), {p: op_names_from_hlo(h) for p, h in hlos.items()}, new - 1)
         summary["decode_tokens_per_s_while_profiled"] = res.decode_tokens_per_s
         if res.cache_stats:
             summary["decode_hit_rate"] = res.cache_stats["decode"]["hit_rate"]

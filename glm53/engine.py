@@ -153,6 +153,8 @@ class RunReport:
     bucket: int
     mtp: int
     copyback_steps: list  # steps (1-based) whose copyback wrote host pages
+    copy_steps: list  # steps (1-based) dispatched with the copyback in them (plain decode leaves it out where no page
+    #                   can be due; a step that copies is always one of them)
     mtp_proposed: list  # per draft position: drafts verified
     mtp_accepted: list  # per draft position: drafts the verify accepted (the model's real acceptance)
     mtp_committed: list  # per draft position: drafts committed (forced ones included, after clamping to max / stop)
@@ -269,6 +271,8 @@ class Engine:
         self.cache = self._build()
         self._inputs = steps_lib.Steps.outputs_placement(self.cache)
         self._steps: dict = {}
+        self._decode_variants: set = set()  # (bucket, copy_pages) of the plain decode steps dispatched
+        self._decode_buckets: set = set()  # buckets a plain decode loop has run in
         self._free_slots = list(range(self.max_sessions))
         self._free_pages = collections.deque(range(self.pool_pages))
         self._refs = np.zeros(self.pool_pages, np.int64)
@@ -948,6 +952,7 @@ class _Run:
         self.remaining[: len(sessions)] = [reqs[s.sid] for s in sessions]
         self.call_s: list[float] = []
         self.copyback_steps: list[int] = []
+        self.copy_steps: list[int] = []
         self.proposed = [0] * MAX_MTP_DEPTH
         self.accepted = [0] * MAX_MTP_DEPTH
         self.committed = [0] * MAX_MTP_DEPTH
@@ -1108,10 +1113,37 @@ class _Run:
         if any(a // P > b // P and on for a, b, on in zip(after, before, active)):
             self.copyback_steps.append(self.steps - len(self.inflight) + 1)
 
+    def _copy_pages(self, pages: int, copied: np.ndarray, in_flight: int) -> int:
+        """The copyback pages of the next plain decode step: ``pages``, or 0 (a step compiled without the copyback)
+        when no lane can have a page due at its start. The copyback's bookkeeping runs whether a page is due or not
+        (seven small kernels, 12.3 us of a 4.9 ms 10-lane step on the H200:
+        ``profile_decode_50k_b10_drift0.001_7c8b9f2.json``), and a lane completes a page once in ``page_rows``
+        steps. A plain decode step commits at most one row a lane, so the host bounds each lane's committed rows at
+        the step's start by what it has read plus the steps in flight; ``copied`` bounds from below the rows in
+        host memory (the device's ``host_len``), raised at every step that copies. A page that can be due gets a
+        step that copies, so none waits in the ring past the step that would have written it (verify steps, which
+        commit up to D + 1 rows, always copy). The first step of a bucket copies, and the variant without the
+        copyback compiles only in the first decode loop of a bucket (at many lanes one may never come: a step is
+        free of copies only when no lane is near a page end), so neither compiles later inside a timed decode."""
+        e = self.e
+        n = len(self.sessions)
+        P = e.page_rows
+        known = np.array([e._committed(s) for s in self.sessions], np.int64)
+        live = self.remaining[:n] > 0
+        may_be_due = live & ((known + in_flight) // P > copied // P)
+        copy_free_ready = (self.bucket, 0) in e._decode_variants or self.bucket not in e._decode_buckets
+        if may_be_due.any() or (self.bucket, pages) not in e._decode_variants or not copy_free_ready:
+            e._decode_variants.add((self.bucket, pages))
+            np.maximum(copied, known // P * P, out=copied)  # the copy writes every page final at the step's start
+            return pages
+        e._decode_variants.add((self.bucket, 0))
+        return 0
+
     def _decode_loop(self) -> None:
         e = self.e
         fold = e.fold_every(0)
         pages = offload.copy_pages_for(e.cache_config, 1) if e.offload else 0
+        copied = np.array([s.host_rows for s in self.sessions], np.int64)  # rows surely in host memory, per lane
         tokens = e._put(self._pending())
         remaining = e._put(self.remaining, np.int32)
         inflight = self.inflight = collections.deque()
@@ -1119,15 +1151,18 @@ class _Run:
         t_loop0 = time.perf_counter()
         while self._dispatch_ok(inflight, self._absorb_decode, 1):
             sel = self._selection(len(inflight))
+            step_pages = self._copy_pages(pages, copied, len(inflight)) if pages else 0
             t = time.perf_counter()
             rem_in = remaining
             e.cache, outs = e._step("decode")(
                 e.model.params, e.cache, self.lanes, tokens, remaining, self.seed, self.temperature,
-                self.top_p, self.stop, sel, greedy=self.greedy, kernels=e.kernels, copy_pages=pages,
+                self.top_p, self.stop, sel, greedy=self.greedy, kernels=e.kernels, copy_pages=step_pages,
                 trace=self.trace is not None)
             tokens, logits, remaining = outs[:3]
             self.call_s.append(time.perf_counter() - t)
             self.steps += 1
+            if step_pages:
+                self.copy_steps.append(self.steps)
             if self.steps % fold == 0:
                 e._fold_counters(self.sessions)
             inflight.append((tokens, remaining, logits if self.return_logits else None, rem_in,
@@ -1135,6 +1170,7 @@ class _Run:
             if len(inflight) > self.LAG:
                 self._absorb_decode(*inflight.popleft())
         self.t_loop = time.perf_counter() - t_loop0
+        e._decode_buckets.add(self.bucket)
         while inflight:
             self._absorb_decode(*inflight.popleft())
 
@@ -1175,6 +1211,8 @@ class _Run:
             tok, logits, rem_after = outs[:3]
             self.call_s.append(time.perf_counter() - t)  # a step like the others: call_s[k - 1] is step k's
             self.steps += 1
+            if pages:
+                self.copy_steps.append(self.steps)
             mask = np.zeros(self.bucket, bool)
             mask[stale] = True
             before_rem = np.where(mask, before, 0)
@@ -1202,6 +1240,8 @@ class _Run:
             emitted, n_emit, logits, pending, drafts, draft_p, remaining, accepted = outs[:8]
             self.call_s.append(time.perf_counter() - t)
             self.steps += 1
+            if pages:
+                self.copy_steps.append(self.steps)
             if self.steps % fold == 0:
                 e._fold_counters(self.sessions)
             inflight.append((emitted, n_emit, remaining, accepted, logits if self.return_logits else None,
@@ -1250,5 +1290,6 @@ class _Run:
             host_loop_s=self.t_loop, compile_s=compile_seconds() - self.compile0,
             decode_compile_s=self.decode_compile_s, bucket=self.bucket, mtp=self.mtp,
             # a page that became final in the run's last step is written by the settle after the run
-            copyback_steps=[k for k in self.copyback_steps if k <= self.steps], mtp_proposed=self.proposed[: self.mtp],
+            copyback_steps=[k for k in self.copyback_steps if k <= self.steps], copy_steps=list(self.copy_steps),
+            mtp_proposed=self.proposed[: self.mtp],
             mtp_accepted=self.accepted[: self.mtp], mtp_committed=self.committed[: self.mtp])

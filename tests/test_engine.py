@@ -377,6 +377,12 @@ def test_copyback_steps_are_the_steps_that_copied(model, mtp, monkeypatch):
         copied = [k + 1 for k, n in enumerate(device_steps) if n > (device_steps[k - 1] if k else start)]
         assert len(device_steps) == run.steps == len(run.step_call_s)
         assert run.copyback_steps == copied, (reqs, run.copyback_steps, copied)
+        # every step that copied was dispatched with the copyback; plain decode leaves it out of the others
+        assert set(copied) <= set(run.copy_steps), (run.copy_steps, copied)
+        if mtp:
+            assert run.copy_steps == list(range(1, run.steps + 1))
+        else:
+            assert len(run.copy_steps) < run.steps, run.copy_steps
         seen += len(copied)
     assert seen >= 3, "too few copybacks for the test to say anything"
 
@@ -549,7 +555,9 @@ def test_decode_and_verify_compile_once_per_shape():
     sids = [e.open(ids(40, seed)) for seed in range(2)]
     e.generate({s: 4 for s in sids})
     e.generate({s: 5 for s in sids}, mtp=1)
-    e.generate({sids[0]: 3})  # bucket 1: one more of each
+    e.generate({sids[0]: 20})  # bucket 1: one more of each (long enough for steps with and without a copyback)
     e.generate({sids[0]: 3}, mtp=1)
-    assert {n: e._step(n)._cache_size() for n in ("decode", "verify")} == {"decode": 2, "verify": 2}
+    # plain decode has two variants per bucket, with and without the copyback (``_Run._copy_pages``)
+    assert e._decode_variants == {(b, p) for b in (1, 2) for p in (0, glm53.offload.copy_pages_for(e.cache_config, 1))}
+    assert {n: e._step(n)._cache_size() for n in ("decode", "verify")} == {"decode": 4, "verify": 2}
 

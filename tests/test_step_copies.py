@@ -70,6 +70,9 @@ def test_steps_copy_no_cache_buffer(mode):
     calls = {
         "decode": ((model.params, e.cache, lanes, i32, i32, jnp.int32(0), f0, f1, stop, None),
                    dict(greedy=True, kernels=e.kernels, copy_pages=pages)),
+        # plain decode's variant without the copyback (the engine's steps where no page can be due)
+        "decode_copy_free": ((model.params, e.cache, lanes, i32, i32, jnp.int32(0), f0, f1, stop, None),
+                             dict(greedy=True, kernels=e.kernels, copy_pages=0)),
         "verify": ((model.params, e.cache, lanes, i32, jnp.zeros((B, D), jnp.int32), None, i32, jnp.int32(0), f0, f1,
                     stop, None),
                    dict(greedy=True, accept_override=None, kernels=e.kernels, copy_pages=pages)),
