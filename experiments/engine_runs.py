@@ -56,7 +56,8 @@ def figures(res: dict, n_sessions: int) -> dict:
         "mtp_proposed": r.mtp_proposed, "mtp_accepted": r.mtp_accepted, "mtp_committed": r.mtp_committed,
         "acceptance_real": r.acceptance, "tokens_per_step_per_session": r.decode_tokens / max(r.steps, 1) / n_sessions,
         "step_call_ms": pct, "step_call_p99_over_median": pct["p99"] / pct["p50"] if pct else None,
-        "copyback_steps": r.copyback_steps, "hit_rate": res.get("hit_rate"), "misses": res.get("misses"),
+        "copyback_steps": r.copyback_steps, "copy_steps": len(r.copy_steps),  # steps dispatched with the copyback
+        "hit_rate": res.get("hit_rate"), "misses": res.get("misses"),
         # which calls are slow: the p99 target is about them (copyback steps against the others, the slowest)
         "slowest_step_calls_ms": sorted(((round(1e3 * t, 3), i + 1) for i, t in enumerate(r.step_call_s)),
                                         reverse=True)[:8],
