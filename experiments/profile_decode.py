@@ -52,7 +52,8 @@ def program_op_names(events, op_names_by_pages: dict) -> dict:
     if "None" in programs or (len(op_names_by_pages) > 1 and not copying):
         # events that do not say their executable (a CPU's host thunks), or no copy kernel to tell them by (the
         # reference copy on a CPU): both executables' names, the copying one's first
-        return {p: {**without, **with_copy} for p in programs}
+        merged = {**without, **with_copy}
+        return {p: merged for p in programs}
     return {p: with_copy if p in copying else without for p in programs}
 
 
@@ -105,7 +106,8 @@ def summarise(events, op_names_by_pages: dict, decode_steps: int) -> dict:
         frontier = start + dur if frontier is None else max(frontier, start + dur)
     decode_steps = max(decode_steps, 1)
     busy = sum(v[1] for v in per_kernel.values())
-    sequence = step_sequence(events, names_of, decode_steps)
+    steps = decode_step_events(events, names_of, decode_steps)  # split once: the steady state and the sequence
+    sequence = step_sequence(steps, names_of)
     rows = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])
     return {
         "decode_steps_profiled": decode_steps,
@@ -126,7 +128,7 @@ def summarise(events, op_names_by_pages: dict, decode_steps: int) -> dict:
         "middle_step_sequence": sequence,
         # The median step by scope (steady state) and the first step apart: read these, not the means, for what a
         # warm decode step costs.
-        "steady_state": steady_state(events, names_of, decode_steps),
+        "steady_state": steady_state(steps, names_of),
         "per_scope_us_per_step": {k: v / 1e3 / decode_steps for k, v in per_scope.most_common()},
         "top_kernels": [{"kernel": n, "scope": v[3], "op_name": v[2][-160:],
                          "calls_per_step": v[0] / decode_steps, "us_per_step": v[1] / 1e3 / decode_steps}
@@ -160,14 +162,13 @@ def decode_step_events(events, names_of: dict, decode_steps: int) -> list:
     return [decode[a:b] for a, b in zip([0] + ends[:-1], ends)]
 
 
-def steady_state(events, names_of: dict, decode_steps: int) -> dict:
+def steady_state(steps: list, names_of: dict) -> dict:
     """Per-scope device time of the median step, and the first step apart. The per-step means above include the
     first decode step, in which an offload hot cache is still cold after the prefill: every selected row is a miss
     there (at 10 lanes x 50K its 8 hot gathers took 2.66 ms against a warm step's 0.11), which a mean over 47 steps
     spreads as ~54 us over every step (``profile_decode_50k_b10*.json`` read the hot gather as 20-36 us a layer
     where a warm step's takes 13.8 and the resident gather 11.3: ``profile_decode_50k_b10_drift0.001_7c8b9f2.json``)."""
-    steps = decode_step_events(events, names_of, decode_steps)
-    if not steps:
+    if not steps:  # decode_step_events could not tell the steps apart
         return {}
     per_step = []
     for step in steps:
@@ -186,10 +187,9 @@ def steady_state(events, names_of: dict, decode_steps: int) -> dict:
             "busy_us_by_step": [round(s["busy"], 1) for s in per_step]}
 
 
-def step_sequence(events, names_of: dict, decode_steps: int) -> list:
+def step_sequence(steps: list, names_of: dict) -> list:
     """The kernels of the middle decode step in start order: [kernel, scope, "graph" or "lone", start us (from the
     step's first kernel), duration us, idle us before it]."""
-    steps = decode_step_events(events, names_of, decode_steps)
     if not steps:
         return []
     step = steps[len(steps) // 2]
