@@ -4,8 +4,15 @@ The offload fill (``fill_round``) knows, per layer and lane, how many rows it in
 entry each comes from (``entry``) and which slot it goes to (``victim``). Its size is static (up to one fill per
 gathered entry) but the real count is small at high hit rates (~20 of 2,048 rows at 99% hits). An XLA scatter
 processes every static entry and reads the whole gathered buffer per plane: about 20 us per decode step on the H200
-for 8 layers (profile_decode). Here every program first reads its layer's ``n_fill`` and returns at once when its
-block is past it, so the work follows the real fills (~3 us a decode step).
+for 8 layers (profile_decode). Here the work follows the real fills: each (layer, lane) has a few programs
+(``programs_per_lane``) that read its ``n_fill`` and copy its blocks of ``block_rows`` fills round-robin, in a loop
+whose trip count is read at run time.
+
+One program per block of the static F instead (the first version) made the work follow the fills too, but the grid
+did not: 9 layers x 10 lanes x 128 blocks = 11,520 programs, ~5 waves of the H200's resident blocks, each a memory
+round trip to read ``n_fill`` and return; 7.1 us of a 10-lane decode step (profile_decode at 7c8b9f2), nearly all of
+it launching programs that copy nothing. With 8 programs per lane the grid is one wave, and a round of up to
+8 x 16 fills (the common case; ~20 at 99% hits) is one iteration; a cold round of 2,048 fills takes 16.
 
 The gathered rows stay where the hot gather wrote them, one array per layer (``rows[i]``): stacking them would
 copy every gathered row once more. Lane b writes the hot rows of session slot ``lane_slot[b]``, read at run time.
@@ -25,45 +32,53 @@ from kernels_pallas.hot_gather import check_addressable
 
 
 def _fill_kernel(entry_ref, victim_ref, n_fill_ref, lane_slot_ref, *refs, layers: tuple, names: tuple,
-                 sessions: int, entries: int, hot_rows: int, block_rows: int):
-    """Program (i, b, j) copies fills [j * block_rows, (j + 1) * block_rows) of layer ``layers[i]``, lane b (session
-    slot ``lane_slot[b]``).
+                 sessions: int, entries: int, hot_rows: int, block_rows: int, programs_per_lane: int):
+    """Program (i, b, j) copies the fill blocks j, j + G, j + 2G, ... (G = ``programs_per_lane``, a block is
+    ``block_rows`` fills) of layer ``layers[i]``, lane b (session slot ``lane_slot[b]``), up to ``n_fill[i, b]``.
 
     Refs (all ANY):
       entry_ref, victim_ref: [Lp, B, F] int32; n_fill_ref: [Lp, B] int32; lane_slot_ref: [B] int32
       rows: per layer i, per plane: [B * entries, W] — the round's gathered packed rows
       hot (aliased inputs, unused), then hot outputs: per plane [L * sessions * hot_rows + pad, W]
-    A program reads one count and usually returns: one grid axis per layer keeps that a single memory round trip
-    (looping over the layers inside a program chained one per layer: 13 us for 8 layers, measured).
+    One grid axis per layer keeps reading the count a single memory round trip (looping over the layers inside a
+    program chained one per layer: 13 us for 8 layers, measured).
     """
     n_planes = len(names)
     row_refs = refs[: len(layers) * n_planes]
     hot_out = refs[len(layers) * n_planes + n_planes:]
     li, b, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n = n_fill_ref[li, b]
-    k = j * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+    stride = programs_per_lane * block_rows
+    trips = jnp.maximum(n - j * block_rows + stride - 1, 0) // stride  # blocks of this program below n
     for i, layer in enumerate(layers):
         # The rows of each layer are a separate operand, so the layer is dispatched statically.
-        @pl.when((li == i) & (j * block_rows < n))
+        @pl.when((li == i) & (trips > 0))
         def _copy():
-            mask = k < n
-            entry = entry_ref[i, b, pl.ds(j * block_rows, block_rows)]
-            victim = victim_ref[i, b, pl.ds(j * block_rows, block_rows)]
-            src = b * entries + jnp.where(mask, entry, 0)
-            # Masked-off rows point past the end: GPUs skip them anyway, but the Pallas interpreter writes every
-            # row (the old value where masked), which at an in-range dummy row could undo a real fill of it.
+            ref_rows = [row_refs[i * n_planes + p] for p in range(n_planes)]
             first_row = (layer * sessions + lane_slot_ref[b]) * hot_rows
-            for p in range(n_planes):
-                # Past the end of this plane (planes may differ in padding rows: glm53.cache.addressable_planes).
-                dst = jnp.where(mask, first_row + victim, hot_out[p].shape[0])
-                width = hot_out[p].shape[1]
-                cols = jnp.arange(width, dtype=jnp.int32)[None, :]
-                ref = row_refs[i * n_planes + p]
-                # Masked-off rows are never stored, so they need no fill value; the Triton lowering has no constant
-                # of an fp8 type to fill them with (fp8g128 failed to compile on the H200).
-                fp8 = jnp.issubdtype(ref.dtype, jnp.floating) and jnp.finfo(ref.dtype).bits == 8
-                val = plgpu.load(ref.at[src[:, None], cols], mask=mask[:, None], other=None if fp8 else 0)
-                plgpu.store(hot_out[p].at[dst[:, None], cols], val, mask=mask[:, None])
+
+            def copy_block(t, carry):
+                start = (j + t * programs_per_lane) * block_rows
+                k = start + jnp.arange(block_rows, dtype=jnp.int32)
+                mask = k < n
+                entry = entry_ref[i, b, pl.ds(start, block_rows)]
+                victim = victim_ref[i, b, pl.ds(start, block_rows)]
+                src = b * entries + jnp.where(mask, entry, 0)
+                for p in range(n_planes):
+                    # Masked-off rows point past the end (planes may differ in padding rows:
+                    # glm53.cache.addressable_planes). GPUs skip them anyway, but the Pallas interpreter writes
+                    # every row (the old value where masked), which at an in-range dummy row could undo a real fill.
+                    dst = jnp.where(mask, first_row + victim, hot_out[p].shape[0])
+                    cols = jnp.arange(hot_out[p].shape[1], dtype=jnp.int32)[None, :]
+                    ref = ref_rows[p]
+                    # Masked-off rows are never stored, so they need no fill value; the Triton lowering has no
+                    # constant of an fp8 type to fill them with (fp8g128 failed to compile on the H200).
+                    fp8 = jnp.issubdtype(ref.dtype, jnp.floating) and jnp.finfo(ref.dtype).bits == 8
+                    val = plgpu.load(ref.at[src[:, None], cols], mask=mask[:, None], other=None if fp8 else 0)
+                    plgpu.store(hot_out[p].at[dst[:, None], cols], val, mask=mask[:, None])
+                return carry
+
+            jax.lax.fori_loop(0, trips, copy_block, jnp.int32(0))
 
 
 def _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot_rows, block_rows, *,
@@ -100,11 +115,11 @@ def _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot
         check_addressable(r, "rows", compiled=compiled)
 
 
-@functools.partial(jax.jit, static_argnames=("layers", "sessions", "hot_rows", "block_rows", "num_warps",
-                                             "interpret"), donate_argnames=("hot",))
+@functools.partial(jax.jit, static_argnames=("layers", "sessions", "hot_rows", "block_rows", "programs_per_lane",
+                                             "num_warps", "interpret"), donate_argnames=("hot",))
 def fill_rows(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Array, n_fill: jax.Array, lane_slot: jax.Array,
-              *, layers: tuple, sessions: int, hot_rows: int, block_rows: int = 16, num_warps: int = 4,
-              interpret: bool = False) -> dict:
+              *, layers: tuple, sessions: int, hot_rows: int, block_rows: int = 16, programs_per_lane: int = 8,
+              num_warps: int = 4, interpret: bool = False) -> dict:
     """``hot[plane][(layers[i] * sessions + lane_slot[b]) * hot_rows + victim[i, b, f]] = rows[i][plane][b * E +
     entry[i, b, f]]`` for ``f < n_fill[i, b]``. ``hot``: flat ``[L * sessions * hot_rows + pad, W]`` planes
     (``sessions`` is the number of session slots S; ``pad`` rows, never written, may differ per plane); ``rows[i]``:
@@ -112,10 +127,13 @@ def fill_rows(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Array, n_fil
     nothing. Returns the updated hot planes (in place)."""
     _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot_rows, block_rows,
               compiled=not interpret)
+    if programs_per_lane < 1:
+        raise ValueError(f"programs_per_lane must be positive, got {programs_per_lane}")
     names = tuple(sorted(hot))
     B = lane_slot.shape[0]
     E = rows[0][names[0]].shape[0] // B
     F = entry.shape[2]
+    G = min(programs_per_lane, F // block_rows)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     operands = [entry.astype(jnp.int32), victim.astype(jnp.int32), n_fill.astype(jnp.int32),
                 lane_slot.astype(jnp.int32)]
@@ -126,9 +144,9 @@ def fill_rows(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Array, n_fil
     kwargs = {} if interpret else {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=1)}
     out = pl.pallas_call(
         functools.partial(_fill_kernel, layers=layers, names=names, sessions=sessions, entries=E,
-                          hot_rows=hot_rows, block_rows=block_rows),
+                          hot_rows=hot_rows, block_rows=block_rows, programs_per_lane=G),
         out_shape=[jax.ShapeDtypeStruct(hot[n].shape, hot[n].dtype) for n in names],
-        grid=(len(layers), B, F // block_rows),
+        grid=(len(layers), B, G),
         in_specs=[any_spec] * len(operands), out_specs=[any_spec] * len(names),
         input_output_aliases={first_hot + p: p for p in range(len(names))},
         interpret=interpret, name="glm53_fill_rows", **kwargs,
@@ -136,13 +154,13 @@ def fill_rows(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Array, n_fil
     return dict(zip(names, out))
 
 
-@functools.partial(jax.jit, static_argnames=("layers", "sessions", "hot_rows", "block_rows", "num_warps",
-                                             "interpret"), donate_argnames=("hot",))
+@functools.partial(jax.jit, static_argnames=("layers", "sessions", "hot_rows", "block_rows", "programs_per_lane",
+                                             "num_warps", "interpret"), donate_argnames=("hot",))
 def fill_rows_reference(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Array, n_fill: jax.Array,
                         lane_slot: jax.Array, *, layers: tuple, sessions: int, hot_rows: int, block_rows: int = 16,
-                        num_warps: int = 4, interpret: bool = False) -> dict:
+                        programs_per_lane: int = 8, num_warps: int = 4, interpret: bool = False) -> dict:
     """Pure-jnp ``fill_rows``: one scatter per plane over every static fill (the ones past n_fill dropped)."""
-    del num_warps, interpret
+    del num_warps, interpret, programs_per_lane
     _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot_rows, block_rows, compiled=False)
     Lp, B, F = entry.shape
     E = next(iter(rows[0].values())).shape[0] // B

@@ -96,11 +96,12 @@ def _fill_case(seed, layers, lane_slot=(2, 0, 0), S=3, E=24, F=32, H=40, L=4, fm
     return hot, rows, jnp.asarray(entry), jnp.asarray(victim), jnp.asarray(n_fill), jnp.asarray(lane_slot, jnp.int32)
 
 
-@pytest.mark.parametrize("layers", [(0, 1, 2), (1, 3)])
-def test_fill_rows_matches_reference(layers):
+@pytest.mark.parametrize("layers,programs_per_lane", [((0, 1, 2), 8), ((1, 3), 1)])
+def test_fill_rows_matches_reference(layers, programs_per_lane):
+    """programs_per_lane 8 > the 4 blocks of F: one block a program; 1: a program loops over up to 3 blocks."""
     S, E, F, H, L = 3, 24, 32, 40, 4
     hot, rows, entry, victim, n_fill, lane_slot = _fill_case(0, layers, S=S, E=E, F=F, H=H, L=L)
-    kw = dict(layers=layers, sessions=S, hot_rows=H, block_rows=8)
+    kw = dict(layers=layers, sessions=S, hot_rows=H, block_rows=8, programs_per_lane=programs_per_lane)
     before = {n: np.asarray(v) for n, v in hot.items()}
     fresh = lambda: {n: jnp.array(v) for n, v in before.items()}
     got = fr.fill_rows(fresh(), tuple(rows), entry, victim, n_fill, lane_slot, interpret=INTERPRET, **kw)
