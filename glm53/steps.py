@@ -205,7 +205,15 @@ def decode(net: WholeModel, params, cache, lanes: Lanes, tokens, remaining, seed
     logits = net.logits(params, h)
     nxt = sampling.sample(logits, sampling.position_keys(seed, start + 1, sampling.SAMPLE), temperature, top_p,
                           greedy=greedy)
-    cache = cache.advance(step, n, h, mtp_end)
+    # The lengths are updated in place, and every layer (the MTP row first) reads their old values. Nothing but
+    # ``active`` decides a decode step's commits, so without a data path from those reads XLA updated the lengths
+    # early and kept the old values alive with two copies each of ``lengths`` and ``mtp_lengths`` (four ~1.1 us
+    # MemcpyD2D a step at 10 x 50K on the H200, decode_hlo_offload_copy_free.txt of
+    # profile_decode_50k_b10_drift0.001_fc98c9a). A sampled token is never negative, which XLA cannot know, and it
+    # depends on every read: the update waits for them instead.
+    after_reads = nxt >= 0
+    cache = cache.advance(step, jnp.where(after_reads, n, 0), h,
+                          None if mtp_end is None else jnp.where(after_reads, mtp_end, 0))
     stop = jnp.isin(nxt, stop_ids)
     remaining = jnp.where(active, jnp.where(stop, 0, remaining - 1), remaining)
     if trace:

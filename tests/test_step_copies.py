@@ -14,7 +14,9 @@ ring beside the rows being copied); they are not checked. Per-slot session scala
 like, a few bytes per slot) are left out on a CPU, whose compiler copies them even in the resident step (each read
 of them is ordered before the write there too); on a GPU no cache parameter may be copied at all: a copy is a ~1 us
 kernel, and the offload decode step had six, of ``host_len``, ``lengths`` and ``mtp_lengths``
-(``glm53.offload.OffloadCache._copyback``).
+(``glm53.offload.OffloadCache._copyback``, ``glm53.steps.decode``). This tiny config did not show the four of
+``lengths`` and ``mtp_lengths`` that the 10-lane ``configs/h200_bench.py`` step kept (XLA scheduled it otherwise);
+the profile's HLO did (``experiments.profile_decode`` writes it beside its JSON).
 
 The steps are compiled with this backend's kernels (references on a CPU, the Pallas kernels compiled on a GPU) and
 their HLO searched for a copy whose result has the type of a cache buffer."""
@@ -73,6 +75,10 @@ def test_steps_copy_no_cache_buffer(mode):
         # plain decode's variant without the copyback (the engine's steps where no page can be due)
         "decode_copy_free": ((model.params, e.cache, lanes, i32, i32, jnp.int32(0), f0, f1, stop, None),
                              dict(greedy=True, kernels=e.kernels, copy_pages=0)),
+        # the benchmarks' selection override (experiments.workloads), as profile_decode compiles it
+        "decode_selected": ((model.params, e.cache, lanes, i32, i32, jnp.int32(0), f0, f1, stop,
+                             jnp.zeros((B, CFG.index_topk), jnp.int32)),
+                            dict(greedy=True, kernels=e.kernels, copy_pages=0)),
         "verify": ((model.params, e.cache, lanes, i32, jnp.zeros((B, D), jnp.int32), None, i32, jnp.int32(0), f0, f1,
                     stop, None),
                    dict(greedy=True, accept_override=None, kernels=e.kernels, copy_pages=pages)),
