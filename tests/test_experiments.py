@@ -81,6 +81,29 @@ def _bench(module, *args):
     assert p.returncode == 0, p.stderr[-3000:]
 
 
+def test_step_copies_names_a_copied_cache_parameter():
+    """``experiments.step_copies`` finds a copy of a donated cache parameter in a compiled program, and none in one
+    that updates it in place."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from experiments.step_copies import copied_cache_params
+
+    @functools.partial(jax.jit, donate_argnames=("cache",))
+    def keeps_old(cache, y):  # returns the old contents beside the updated ones: XLA must copy
+        return {"a": cache["a"].at[0].set(y), "b": cache["b"] + 1}, cache["a"] * 1
+
+    @functools.partial(jax.jit, donate_argnames=("cache",))
+    def in_place(cache, y):
+        return {"a": cache["a"].at[0].set(y), "b": cache["b"] + 1}
+
+    cache = {"a": jnp.zeros((64,)), "b": jnp.zeros((8,))}
+    assert copied_cache_params(keeps_old.lower(cache, 1.0).compile().as_text()) == ["cache__a__.1"]
+    assert copied_cache_params(in_place.lower(cache, 1.0).compile().as_text()) == []
+
+
 def test_bench_hot_gather(tmp_path):
     out = tmp_path / "hg.json"
     _bench("experiments.bench_hot_gather", "--iters=1", "--sweep", "--sweep_block_rows=8", "--sweep_num_warps=2",

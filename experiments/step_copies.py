@@ -1,0 +1,66 @@
+"""Which cache parameters the compiled decode steps copy, at a real config and lane count.
+
+    python -m experiments.step_copies --config=configs/h200_bench.py --config.run.prompt_len=50000 \
+        --config.run.batch=10 --out=$OUT/step_copies.json
+
+A step donates the cache and updates it in place; where XLA cannot order a read of a buffer before its in-place
+write it copies the buffer first (a ~1 us kernel for a session scalar, ~90 us for a 10-lane ring). On a GPU
+``tests/test_step_copies.py`` checks the tiny config, but the schedule, and with it the copies, depends on the
+config: the four copies of ``lengths`` and ``mtp_lengths`` of the 10-lane ``configs/h200_bench.py`` step (until
+abf301d) never showed at the tiny one. This compiles the plain decode step of ``run.batch`` lanes for each cache
+mode, with and without the copyback (offload) and with the benchmarks' selection override, and lists the copied
+cache parameters (``copy(%cache_...)`` in the compiled HLO). Only compiling: no prefill, nothing decoded. The
+schedule differs by backend, so the figure that matters is the accelerator's.
+"""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from ml_collections import config_flags
+
+import glm53
+from experiments import workloads
+from glm53.provenance import provenance
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment config")
+flags.DEFINE_string("out", "", "write the results JSON here")
+flags.DEFINE_list("modes", ["resident", "offload"], "cache modes")
+
+
+def copied_cache_params(hlo_text: str) -> list:
+    """The cache parameters a compiled step copies (its parameters are named ``cache_...`` after the pytree)."""
+    return sorted(set(re.findall(r"copy\(%(cache_[\w.\-]+)\)", hlo_text)))
+
+
+def main(_):
+    c = FLAGS.config
+    model, _, cc, K = workloads.setup(c)
+    B = c.run.batch
+    results = {"config": c.to_dict(), **provenance(), "lanes": B, "steps": {}}
+    for mode in FLAGS.modes:
+        mc = cc.replace(mode=mode)
+        e = glm53.Engine(model, cache=mc, max_sessions=B)
+        lanes, bucket = e._lanes(list(range(B)))
+        pages = glm53.offload.copy_pages_for(mc, 1) if mode == "offload" else 0
+        for p in sorted({pages, 0}):
+            for sel in (None, jnp.zeros((bucket, K), jnp.int32)):
+                hlo = model.steps.lower("decode", model.params, e.cache, lanes, jnp.zeros((bucket,), jnp.int32),
+                                        jnp.ones((bucket,), jnp.int32), jnp.int32(0), jnp.float32(0),
+                                        jnp.float32(1), e._stop_ids(None), sel, greedy=True, kernels=e.kernels,
+                                        copy_pages=p).compile().as_text()
+                name = f"{mode} decode, copy_pages={p}, selection override {'yes' if sel is not None else 'no'}"
+                results["steps"][name] = copied_cache_params(hlo)
+                print(f"{name}: copies {results['steps'][name] or 'nothing'}", flush=True)
+        del e
+    results["no_copies"] = not any(results["steps"].values())
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    app.run(main)
