@@ -34,6 +34,37 @@ def pooled_loss_pct(base_tokens_per_s: list, other_tokens_per_s: list) -> float:
     return 100 * (1 - sum(1 / x for x in base_tokens_per_s) / sum(1 / x for x in other_tokens_per_s))
 
 
+# Two-sided 95% quantiles of Student's t for 1-30 degrees of freedom (then the normal's 1.96 is within 2%).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def loss_interval_pct(losses_pct: list) -> dict:
+    """A 95% confidence interval of the loss from its interleaved pairs' losses: their mean plus or minus t times
+    their standard error (Student's t, n - 1 degrees of freedom). Each pair's loss compares two runs that ran
+    back to back, so a machine's slow drift cancels within a pair and shows only as scatter between pairs, which
+    the interval then carries; a host that jitters run by run widens it instead of moving the figure. ``lo`` /
+    ``hi`` are None with fewer than two pairs."""
+    x = np.asarray(losses_pct, float)
+    n = len(x)
+    mean = float(x.mean()) if n else None
+    if n < 2:
+        return {"pairs": n, "mean": mean, "half_width": None, "lo": None, "hi": None}
+    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
+    half = float(t * x.std(ddof=1) / np.sqrt(n))
+    return {"pairs": n, "mean": mean, "half_width": half, "lo": mean - half, "hi": mean + half}
+
+
+def target_verdict(interval: dict, target_pct: float) -> str:
+    """``met`` when the whole interval lies at or below ``target_pct``, ``missed`` when above it, else
+    ``undecided`` (too few pairs or too much scatter to tell)."""
+    if interval["hi"] is None:
+        return "undecided"
+    if interval["hi"] <= target_pct:
+        return "met"
+    return "missed" if interval["lo"] > target_pct else "undecided"
+
+
 def same_logits(a: dict, sids_a: list, b: dict, sids_b: list) -> bool:
     """Whether two ``run(..., logits=True)`` results hold bit-identical logits, session by session."""
     return all(np.array_equal(a["report"].logits[x], b["report"].logits[y]) for x, y in zip(sids_a, sids_b))

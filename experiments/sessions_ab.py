@@ -24,6 +24,11 @@ allocated; per setting the physical floor (misses per step x row bytes over the 
 run, GPU only); with several workloads, the loss against hit rate drawn next to ``--out`` (``.png``). Tokens must
 be identical between modes in every pair; a short run per depth also compares the logits bit for bit.
 
+Each setting's summary holds the pooled loss, a 95% interval over its pairs' losses (``loss_interval_pct``) and
+its verdict against ``--target_pct`` (``target``: met / missed / undecided), and whether runs of one mode agreed
+within 1% (``resolved``). ``--max_pairs=N`` keeps adding pairs past ``--pairs`` until the interval's half width is
+at most ``--half_width_pct`` (a 10 x 50K pair takes ~6 s of decode on the H200, so a jittery host can be outlasted).
+
 Last, ``--append`` tokens are appended to one session of each engine in interleaved pairs (``append_ab``): the time
 of a large append to a long offloaded history against resident, outputs compared after it.
 """
@@ -39,7 +44,7 @@ from ml_collections import config_flags
 import glm53
 import glm53.roofline
 from experiments import loss_plot, workloads
-from experiments.engine_runs import figures, pooled_loss_pct, run, same_logits
+from experiments.engine_runs import figures, loss_interval_pct, pooled_loss_pct, run, same_logits, target_verdict
 from glm53.memory import device_memory
 from glm53.provenance import provenance
 from kernels_pallas import kv_formats
@@ -49,6 +54,11 @@ config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment c
 flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_integer("sessions", 10, "sessions decoding together")
 flags.DEFINE_integer("pairs", 2, "interleaved resident/offload pairs per setting")
+flags.DEFINE_integer("max_pairs", 0, "after --pairs, keep adding pairs while the loss's 95% interval is wider than "
+                     "--half_width_pct, up to this many (0: --pairs only)")
+flags.DEFINE_float("half_width_pct", 0.25, "the 95% interval half width (percentage points) --max_pairs aims for")
+flags.DEFINE_float("target_pct", 1.0, "the loss target each setting's interval is judged against (met / missed / "
+                   "undecided)")
 flags.DEFINE_list("mtp", ["0", "3"], "MTP depths")
 flags.DEFINE_list("workload", ["local99"], f"DSA selections, each session its own; several: each depth is run "
                   f"with each: {workloads.WORKLOADS}")
@@ -162,7 +172,16 @@ def main(_):
         r, o = check["resident"], check["offload"]
         entry["check_tokens_identical"] = r["tokens"] == o["tokens"]
         entry["check_logits_identical"] = same_logits(r, engines["resident"][1], o, engines["offload"][1])
-        for p in range(FLAGS.pairs):
+        def more_pairs(done: int) -> bool:
+            if done < FLAGS.pairs:
+                return True
+            if done >= FLAGS.max_pairs:
+                return False
+            interval = loss_interval_pct([q["offload_loss_pct"] for q in entry["pairs"]])
+            return interval["half_width"] is None or interval["half_width"] > FLAGS.half_width_pct
+
+        p = 0
+        while more_pairs(p):
             order = ("resident", "offload") if p % 2 == 0 else ("offload", "resident")
             runs = {}
             for mode in order:
@@ -181,6 +200,7 @@ def main(_):
                   f"committed {fo['mtp_committed']}/{fo['mtp_proposed']}; step call p99/p50 resident "
                   f"{fr['step_call_p99_over_median']:.2f}, offload {fo['step_call_p99_over_median']:.2f} "
                   f"(ms {fo['step_call_ms']}); copyback steps {fo['copyback_steps'][:8]}", flush=True)
+            p += 1
         floors = [loss_plot.floor_pct(q["offload"]["misses"] / max(q["offload"]["steps"], 1), row_bytes, host_bw,
                                       q["resident"]["decode_s"] / max(q["resident"]["steps"], 1))
                   for q in entry["pairs"]]
@@ -203,6 +223,13 @@ def main(_):
                   for m in ("resident", "offload")}
         entry["summary"]["same_mode_spread_pct"] = spread
         entry["summary"]["resolved"] = len(entry["pairs"]) > 1 and max(spread.values()) <= SPREAD_LIMIT_PCT
+        # The pairs' losses as an interval: on a host that jitters run by run (no setting of
+        # sessions_ab_10x50k_abf301d.json was resolved by the spread rule), the interval says what the pairs do
+        # establish, and --max_pairs adds pairs until it is narrow enough.
+        interval = loss_interval_pct(entry["summary"]["losses_pct"])
+        entry["summary"]["loss_interval_pct"] = interval
+        entry["summary"]["target_pct"] = FLAGS.target_pct
+        entry["summary"]["target"] = target_verdict(interval, FLAGS.target_pct)
         print(f"[{name}] {entry['summary']}", flush=True)
         if len(entry["pairs"]) > 1 and not entry["summary"]["resolved"]:
             print(f"[{name}] WARNING: runs of one mode scatter by {max(spread.values()):.1f}% (over "

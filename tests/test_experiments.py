@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -81,6 +82,22 @@ def _bench(module, *args):
     assert p.returncode == 0, p.stderr[-3000:]
 
 
+def test_loss_interval_and_target_verdict():
+    from experiments.engine_runs import loss_interval_pct, target_verdict
+
+    # abf301d's 10 x 50K local99 MTP 3 pairs: mean 1.3425, sample sd 0.61169, t(3) = 3.182
+    iv = loss_interval_pct([0.52, 1.43, 2.00, 1.42])
+    assert iv["pairs"] == 4 and abs(iv["mean"] - 1.3425) < 1e-9
+    assert abs(iv["half_width"] - 3.182 * 0.61169 / 2) < 1e-4 and abs(iv["lo"] + iv["hi"] - 2 * iv["mean"]) < 1e-9
+    assert target_verdict(iv, 1.0) == "undecided" and target_verdict(iv, 5.0) == "met"
+    assert target_verdict(iv, 0.2) == "missed"
+    one = loss_interval_pct([0.4])
+    assert one["mean"] == 0.4 and one["hi"] is None and target_verdict(one, 1.0) == "undecided"
+    # many pairs: the normal quantile
+    many = loss_interval_pct([0.0, 1.0] * 20)
+    assert abs(many["half_width"] - 1.96 * np.std([0.0, 1.0] * 20, ddof=1) / np.sqrt(40)) < 1e-9
+
+
 def test_step_copies_names_a_copied_cache_parameter():
     """``experiments.step_copies`` finds a copy of a donated cache parameter in a compiled program, and none in one
     that updates it in place."""
@@ -152,9 +169,10 @@ def test_live_history_ab(tmp_path):
 
 def test_sessions_ab(tmp_path):
     out = tmp_path / "sessions.json"
-    _run("experiments.sessions_ab", "--config.run.max_new_tokens=10", "--sessions=2", "--pairs=1", "--mtp=2",
-         "--suffix=4", "--check_tokens=4", "--append=40", "--workload=zipf1.0,local99",
-         f"--prefill_once={tmp_path / 'history'}", f"--out={out}")
+    # --max_pairs with a half width nothing reaches: every setting runs to 2 pairs
+    _run("experiments.sessions_ab", "--config.run.max_new_tokens=10", "--sessions=2", "--pairs=1", "--max_pairs=2",
+         "--half_width_pct=0", "--mtp=2", "--suffix=4", "--check_tokens=4", "--append=40",
+         "--workload=zipf1.0,local99", f"--prefill_once={tmp_path / 'history'}", f"--out={out}")
     report = json.loads(out.read_text())
     # one prefill: the resident engine's, saved; the offload engine restored it and decodes the same tokens
     assert "save_s" in report["build"]["resident"] and "restore_s" in report["build"]["offload"]
@@ -165,13 +183,18 @@ def test_sessions_ab(tmp_path):
         assert 0 < s["summary"]["hit_rate"] <= 1 and s["summary"]["floor_pct"] is None  # no zero-copy on a CPU
         # the warm-up compiled every step the timed runs take (rolled-back sessions' plain decode step included)
         assert s["summary"]["timed_runs_compiled"] is False
-        # one pair: nothing to tell the machine's scatter by, so never resolved
+        assert len(s["pairs"]) == 2 and [q["order"][0] for q in s["pairs"]] == ["resident", "offload"]
         assert set(s["summary"]["same_mode_spread_pct"]) == {"resident", "offload"}
-        assert s["summary"]["same_mode_spread_pct"]["resident"] == 0.0 and s["summary"]["resolved"] is False
+        spread = max(s["summary"]["same_mode_spread_pct"].values())
+        assert s["summary"]["resolved"] is (spread <= 1.0)
+        iv = s["summary"]["loss_interval_pct"]
+        assert iv["pairs"] == 2 and iv["lo"] <= iv["mean"] <= iv["hi"]
+        assert abs(iv["mean"] - sum(s["summary"]["losses_pct"]) / 2) < 1e-9
+        assert s["summary"]["target"] in ("met", "missed", "undecided") and s["summary"]["target_pct"] == 1.0
     assert report["host_read_bandwidth"] is None and report["plot"] == str(tmp_path / "sessions.png")
     assert (tmp_path / "sessions.png").stat().st_size > 0
     s = report["settings"]["zipf1.0_mtp2_forced"]
-    (pair,) = s["pairs"]
+    pair = s["pairs"][0]
     for mode in ("resident", "offload"):
         f = pair[mode]
         assert f["aggregate_tokens_per_s"] > 0 and len(f["per_session_tokens_per_s"]) == 2
