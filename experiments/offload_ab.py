@@ -30,7 +30,7 @@ import glm53
 import glm53.roofline
 import kernels_pallas.kv_formats
 from experiments import loss_plot, workloads
-from experiments.engine_runs import pooled_loss_pct
+from experiments.engine_runs import loss_interval_pct, pooled_loss_pct
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
@@ -71,6 +71,7 @@ def summarise(pairs: list) -> dict:
     return {"pairs": len(pairs), "pooled_loss_pct": pooled_loss_pct([p["resident_decode_tok_s"] for p in pairs],
                                                                     [p["offload_decode_tok_s"] for p in pairs]),
             "loss_pct_min": min(losses), "loss_pct_median": float(np.median(losses)), "loss_pct_max": max(losses),
+            "loss_interval_pct": loss_interval_pct(losses),
             "all_identical": all(p["tokens_identical"] and p["logits_identical"] for p in pairs)}
 
 

@@ -39,6 +39,7 @@ def test_offload_ab(tmp_path):
     summary = report["summary"]["local99"]
     assert summary["pairs"] == 1 and summary["all_identical"]
     assert summary["loss_pct_min"] == summary["loss_pct_median"] == summary["loss_pct_max"]
+    assert summary["loss_interval_pct"]["pairs"] == 1 and summary["loss_interval_pct"]["hi"] is None
     assert abs(summary["pooled_loss_pct"] - pair["offload_loss_pct"]) < 1e-9
     # the decode's copybacks are accounted to steps (tiny: copyback_every=16; one step may copy a page per session)
     assert 0 < len(pair["offload_copyback_step_call_ms"]) <= pair["cache_stats"]["decode"]["copybacks"]
