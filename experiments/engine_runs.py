@@ -96,6 +96,13 @@ def figures(res: dict, n_sessions: int) -> dict:
                                                     if 0 < i <= len(r.step_call_s)]),
         "other_step_call_ms_median": _median_ms([t for i, t in enumerate(r.step_call_s, 1)
                                                  if i not in set(r.copyback_steps)]),
+        # Plain offload decode runs two executables, with and without the copyback (glm53.engine._Run._copy_pages):
+        # at abf301d the copying one's host calls were the slow ones (4.1-4.8 ms against 2.5-3.1 ms).
+        "copy_step_numbers": list(r.copy_steps),
+        "copy_step_call_ms_median": _median_ms([r.step_call_s[i - 1] for i in r.copy_steps
+                                                if 0 < i <= len(r.step_call_s)]),
+        "copy_free_step_call_ms_median": _median_ms([t for i, t in enumerate(r.step_call_s, 1)
+                                                     if i not in set(r.copy_steps)]),
         "hit_rate_per_session": res.get("hit_rate_per_session"), "compile_s": r.compile_s,
         "decode_compile_s": r.decode_compile_s,
     }

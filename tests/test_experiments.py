@@ -204,6 +204,12 @@ def test_sessions_ab(tmp_path):
         assert 0 < f["mtp_committed"][0] <= f["mtp_proposed"][0]
         assert all(a <= p for a, p in zip(f["mtp_accepted"], f["mtp_proposed"]))
         assert 0 < len(f["slowest_step_calls_ms"]) <= 8 and f["other_step_call_ms_median"] > 0
+        # which steps ran the copying executable: offload MTP verify steps always copy; resident has no copyback
+        assert len(f["copy_step_numbers"]) == f["copy_steps"]
+        if mode == "offload":
+            assert f["copy_steps"] > 0 and f["copy_step_call_ms_median"] > 0
+        else:
+            assert f["copy_steps"] == 0 and f["copy_step_call_ms_median"] is None
     assert 0 < pair["offload"]["hit_rate"] <= 1 and len(pair["offload"]["hit_rate_per_session"]) == 2
     assert report["build"]["offload"]["host_used_bytes"] > 0
     app = report["append"]
