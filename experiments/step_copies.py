@@ -7,9 +7,10 @@ A step donates the cache and updates it in place; where XLA cannot order a read 
 write it copies the buffer first (a ~1 us kernel for a session scalar, ~90 us for a 10-lane ring). On a GPU
 ``tests/test_step_copies.py`` checks the tiny config, but the schedule, and with it the copies, depends on the
 config: the four copies of ``lengths`` and ``mtp_lengths`` of the 10-lane ``configs/h200_bench.py`` step (until
-abf301d) never showed at the tiny one. This compiles the plain decode step of ``run.batch`` lanes for each cache
-mode, with and without the copyback (offload) and with the benchmarks' selection override, and lists the copied
-cache parameters (``copy(%cache_...)`` in the compiled HLO). Only compiling: no prefill, nothing decoded. The
+abf301d) never showed at the tiny one. This compiles the steps of ``run.batch`` lanes for each cache mode (plain
+decode with and without the copyback (offload) and with and without the benchmarks' selection override; with
+``--mtp=D`` also the verify step of D drafts and the drafting step) and lists the copied cache parameters
+(``copy(%cache_...)`` in the compiled HLO). Only compiling: no prefill, nothing decoded. The
 schedule differs by backend, so the figure that matters is the accelerator's.
 """
 
@@ -29,6 +30,7 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment config")
 flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_list("modes", ["resident", "offload"], "cache modes")
+flags.DEFINE_integer("mtp", 0, "also compile the MTP verify and draft steps of this depth (0: plain decode only)")
 
 
 def copied_cache_params(hlo_text: str) -> list:
@@ -53,6 +55,24 @@ def main(_):
                                         jnp.float32(1), e._stop_ids(None), sel, greedy=True, kernels=e.kernels,
                                         copy_pages=p).compile().as_text()
                 name = f"{mode} decode, copy_pages={p}, selection override {'yes' if sel is not None else 'no'}"
+                results["steps"][name] = copied_cache_params(hlo)
+                print(f"{name}: copies {results['steps'][name] or 'nothing'}", flush=True)
+        D = FLAGS.mtp
+        if D:
+            i32 = jnp.zeros((bucket,), jnp.int32)
+            f0, f1 = jnp.float32(0), jnp.float32(1)
+            sel = jnp.zeros((bucket, K), jnp.int32)
+            verify_pages = glm53.offload.copy_pages_for(mc, D + 1) if mode == "offload" else 0
+            calls = {
+                f"{mode} verify, depth {D}": ("verify", (model.params, e.cache, lanes, i32, jnp.zeros((bucket, D), jnp.int32),
+                                                          None, i32, jnp.int32(0), f0, f1, e._stop_ids(None), sel),
+                                              dict(greedy=True, accept_override=D, kernels=e.kernels,
+                                                   copy_pages=verify_pages)),
+                f"{mode} draft, depth {D}": ("draft", (model.params, e.cache, lanes, i32, jnp.int32(0), f0, f1, sel),
+                                             dict(depth=D, greedy=True, kernels=e.kernels)),
+            }
+            for name, (step, args, kw) in calls.items():
+                hlo = model.steps.lower(step, *args, **kw).compile().as_text()
                 results["steps"][name] = copied_cache_params(hlo)
                 print(f"{name}: copies {results['steps'][name] or 'nothing'}", flush=True)
         del e

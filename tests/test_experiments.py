@@ -122,6 +122,22 @@ def test_step_copies_names_a_copied_cache_parameter():
     assert copied_cache_params(in_place.lower(cache, 1.0).compile().as_text()) == []
 
 
+def test_step_copies(tmp_path):
+    out = tmp_path / "copies.json"
+    _run("experiments.step_copies", "--modes=offload", "--mtp=1", f"--out={out}")
+    report = json.loads(out.read_text())
+    assert report["lanes"] == 1
+    assert sorted(report["steps"]) == sorted(
+        [f"offload decode, copy_pages={p}, selection override {s}" for p in (0, 2) for s in ("yes", "no")]
+        + ["offload verify, depth 1", "offload draft, depth 1"])
+    # No step copies a row plane or a slot map. The CPU's compiler copies some per-slot scalars (lengths, host_len,
+    # the fill's round counters) that a GPU's does not (tests/test_step_copies); this run names them all the same.
+    big = ("ring", "hot", "pool", "history", "index_key", "slot_of_position", "position_of_slot", "pin_round")
+    copied = [n for names in report["steps"].values() for n in names]
+    assert not [n for n in copied if any(b in n for b in big)], report["steps"]
+    assert report["no_copies"] == (not any(report["steps"].values()))
+
+
 def test_bench_hot_gather(tmp_path):
     out = tmp_path / "hg.json"
     _bench("experiments.bench_hot_gather", "--iters=1", "--sweep", "--sweep_block_rows=8", "--sweep_num_warps=2",
