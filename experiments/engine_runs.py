@@ -65,6 +65,24 @@ def target_verdict(interval: dict, target_pct: float) -> str:
     return "missed" if interval["lo"] > target_pct else "undecided"
 
 
+def more_pairs(losses_pct: list, *, pairs: int, max_pairs: int, half_width_pct: float, elapsed_s: float,
+               budget_s: float) -> tuple[bool, bool]:
+    """Whether an A/B setting runs another pair, and whether the time budget is what stopped it: always up to
+    ``pairs``; then, up to ``max_pairs``, while the losses' 95% interval is wider than ``half_width_pct`` and
+    ``elapsed_s`` has not passed ``budget_s`` (0: no budget)."""
+    done = len(losses_pct)
+    if done < pairs:
+        return True, False
+    if done >= max_pairs:
+        return False, False
+    interval = loss_interval_pct(losses_pct)
+    if interval["half_width"] is not None and interval["half_width"] <= half_width_pct:
+        return False, False
+    if budget_s and elapsed_s > budget_s:
+        return False, True
+    return True, False
+
+
 def same_logits(a: dict, sids_a: list, b: dict, sids_b: list) -> bool:
     """Whether two ``run(..., logits=True)`` results hold bit-identical logits, session by session."""
     return all(np.array_equal(a["report"].logits[x], b["report"].logits[y]) for x, y in zip(sids_a, sids_b))

@@ -27,7 +27,8 @@ be identical between modes in every pair; a short run per depth also compares th
 Each setting's summary holds the pooled loss, a 95% interval over its pairs' losses (``loss_interval_pct``) and
 its verdict against ``--target_pct`` (``target``: met / missed / undecided), and whether runs of one mode agreed
 within 1% (``resolved``). ``--max_pairs=N`` keeps adding pairs past ``--pairs`` until the interval's half width is
-at most ``--half_width_pct`` (a 10 x 50K pair takes ~6 s of decode on the H200, so a jittery host can be outlasted).
+at most ``--half_width_pct`` (a 10 x 50K pair takes ~6 s of decode on the H200, so a jittery host can be outlasted);
+``--budget_s`` stops adding them once that many seconds have passed since the start.
 
 Last, ``--append`` tokens are appended to one session of each engine in interleaved pairs (``append_ab``): the time
 of a large append to a long offloaded history against resident, outputs compared after it.
@@ -44,7 +45,8 @@ from ml_collections import config_flags
 import glm53
 import glm53.roofline
 from experiments import loss_plot, workloads
-from experiments.engine_runs import figures, loss_interval_pct, pooled_loss_pct, run, same_logits, target_verdict
+from experiments.engine_runs import (figures, loss_interval_pct, more_pairs, pooled_loss_pct, run, same_logits,
+                                     target_verdict)
 from glm53.memory import device_memory
 from glm53.provenance import provenance
 from kernels_pallas import kv_formats
@@ -57,6 +59,8 @@ flags.DEFINE_integer("pairs", 2, "interleaved resident/offload pairs per setting
 flags.DEFINE_integer("max_pairs", 0, "after --pairs, keep adding pairs while the loss's 95% interval is wider than "
                      "--half_width_pct, up to this many (0: --pairs only)")
 flags.DEFINE_float("half_width_pct", 0.25, "the 95% interval half width (percentage points) --max_pairs aims for")
+flags.DEFINE_float("budget_s", 0.0, "no pairs beyond --pairs once this many seconds have passed since the start, so a "
+                   "run fits a machine's time limit (0: none); settings cut short say so (stopped_by_budget)")
 flags.DEFINE_float("target_pct", 1.0, "the loss target each setting's interval is judged against (met / missed / "
                    "undecided)")
 flags.DEFINE_list("mtp", ["0", "3"], "MTP depths")
@@ -111,6 +115,7 @@ def build(model, cc, c, n_sessions: int, save_to: str = "", restore_from: str = 
 
 
 def main(_):
+    t_start = time.perf_counter()
     c = FLAGS.config
     cc = glm53.CacheConfig.from_config_dict(c.cache)
     model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
@@ -157,7 +162,7 @@ def main(_):
         name = f"mtp{depth}" + ("" if not depth else ("_forced" if accept is not None else "_real"))
         if len(FLAGS.workload) > 1:
             name = f"{workload}_{name}"
-        entry = {"mtp": depth, "accept_override": accept, "workload": workload, "pairs": []}
+        entry = {"mtp": depth, "accept_override": accept, "workload": workload, "pairs": [], "stopped_by_budget": False}
         # The warm-up (it compiles every shape of the setting) is also the logits check: offload == resident bit
         # for bit.
         check = {}
@@ -172,16 +177,15 @@ def main(_):
         r, o = check["resident"], check["offload"]
         entry["check_tokens_identical"] = r["tokens"] == o["tokens"]
         entry["check_logits_identical"] = same_logits(r, engines["resident"][1], o, engines["offload"][1])
-        def more_pairs(done: int) -> bool:
-            if done < FLAGS.pairs:
-                return True
-            if done >= FLAGS.max_pairs:
-                return False
-            interval = loss_interval_pct([q["offload_loss_pct"] for q in entry["pairs"]])
-            return interval["half_width"] is None or interval["half_width"] > FLAGS.half_width_pct
+        def another_pair() -> bool:
+            go, by_budget = more_pairs([q["offload_loss_pct"] for q in entry["pairs"]], pairs=FLAGS.pairs,
+                                       max_pairs=FLAGS.max_pairs, half_width_pct=FLAGS.half_width_pct,
+                                       elapsed_s=time.perf_counter() - t_start, budget_s=FLAGS.budget_s)
+            entry["stopped_by_budget"] = by_budget
+            return go
 
         p = 0
-        while more_pairs(p):
+        while another_pair():
             order = ("resident", "offload") if p % 2 == 0 else ("offload", "resident")
             runs = {}
             for mode in order:

@@ -99,6 +99,19 @@ def test_loss_interval_and_target_verdict():
     assert abs(many["half_width"] - 1.96 * np.std([0.0, 1.0] * 20, ddof=1) / np.sqrt(40)) < 1e-9
 
 
+def test_more_pairs_until_the_interval_is_narrow_or_the_budget_is_spent():
+    from experiments.engine_runs import more_pairs
+
+    kw = dict(pairs=2, max_pairs=6, half_width_pct=0.5, elapsed_s=10.0, budget_s=100.0)
+    assert more_pairs([], **kw) == (True, False) and more_pairs([3.0], **kw) == (True, False)  # up to --pairs
+    assert more_pairs([3.0, -1.0], **kw) == (True, False)  # wide: one more
+    assert more_pairs([1.0, 1.01], **kw) == (False, False)  # narrow enough
+    assert more_pairs([3.0, -1.0, 2.0, 0.0, 1.0, 2.0], **kw) == (False, False)  # max_pairs
+    assert more_pairs([3.0, -1.0], **{**kw, "elapsed_s": 101.0}) == (False, True)  # the budget stops it
+    assert more_pairs([3.0], **{**kw, "elapsed_s": 101.0}) == (True, False)  # but never below --pairs
+    assert more_pairs([3.0, -1.0], **{**kw, "max_pairs": 0}) == (False, False)  # no --max_pairs: --pairs only
+
+
 def test_step_copies_names_a_copied_cache_parameter():
     """``experiments.step_copies`` finds a copy of a donated cache parameter in a compiled program, and none in one
     that updates it in place."""
@@ -208,6 +221,7 @@ def test_sessions_ab(tmp_path):
         assert iv["pairs"] == 2 and iv["lo"] <= iv["mean"] <= iv["hi"]
         assert abs(iv["mean"] - sum(s["summary"]["losses_pct"]) / 2) < 1e-9
         assert s["summary"]["target"] in ("met", "missed", "undecided") and s["summary"]["target_pct"] == 1.0
+        assert s["stopped_by_budget"] is False
     assert report["host_read_bandwidth"] is None and report["plot"] == str(tmp_path / "sessions.png")
     assert (tmp_path / "sessions.png").stat().st_size > 0
     s = report["settings"]["zipf1.0_mtp2_forced"]
