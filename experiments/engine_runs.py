@@ -97,6 +97,7 @@ def figures(res: dict, n_sessions: int) -> dict:
     r = res["report"]
     pct = r.step_call_ms
     total = sum(len(t) for t in res["tokens"])
+    copyback, copying = set(r.copyback_steps), set(r.copy_steps)
     return {
         # every session's tokens after its first (the first is the previous token's, sampled before the loop)
         "aggregate_tokens_per_s": r.decode_tokens / r.decode_s,
@@ -113,14 +114,14 @@ def figures(res: dict, n_sessions: int) -> dict:
         "copyback_step_call_ms_median": _median_ms([r.step_call_s[i - 1] for i in r.copyback_steps
                                                     if 0 < i <= len(r.step_call_s)]),
         "other_step_call_ms_median": _median_ms([t for i, t in enumerate(r.step_call_s, 1)
-                                                 if i not in set(r.copyback_steps)]),
+                                                 if i not in copyback]),
         # Plain offload decode runs two executables, with and without the copyback (glm53.engine._Run._copy_pages):
         # at abf301d the copying one's host calls were the slow ones (4.1-4.8 ms against 2.5-3.1 ms).
         "copy_step_numbers": list(r.copy_steps),
         "copy_step_call_ms_median": _median_ms([r.step_call_s[i - 1] for i in r.copy_steps
                                                 if 0 < i <= len(r.step_call_s)]),
         "copy_free_step_call_ms_median": _median_ms([t for i, t in enumerate(r.step_call_s, 1)
-                                                     if i not in set(r.copy_steps)]),
+                                                     if i not in copying]),
         "hit_rate_per_session": res.get("hit_rate_per_session"), "compile_s": r.compile_s,
         "decode_compile_s": r.decode_compile_s,
     }

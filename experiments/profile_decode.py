@@ -27,8 +27,8 @@ from ml_collections import config_flags
 
 import glm53
 from experiments import workloads
-from experiments.trace_util import (device_events, find_xplane, kernel_op_name, kernel_scope, op_names_from_hlo,
-                                    trace_options)
+from experiments.trace_util import (compiled_decode_hlo, device_events, find_xplane, kernel_op_name, kernel_scope,
+                                    op_names_from_hlo, trace_options)
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
@@ -231,10 +231,7 @@ def main(_):
         copy_pages = glm53.offload.copy_pages_for(mc, 1) if mode == "offload" else 0
         # Offload decode runs as two executables: with the copyback, and without it on the steps where no page can
         # be due (glm53.engine._Run._copy_pages). Each has its own kernel names.
-        hlos = {p: model.steps.lower("decode", model.params, e.cache, lanes, jnp.zeros((B,), jnp.int32),
-                                     jnp.ones((B,), jnp.int32), jnp.int32(0), jnp.float32(0), jnp.float32(1),
-                                     e._stop_ids(None), sel, greedy=True, kernels=e.kernels,
-                                     copy_pages=p).compile().as_text() for p in sorted({copy_pages, 0})}
+        hlos = {p: compiled_decode_hlo(model, e, lanes, B, sel, p) for p in sorted({copy_pages, 0})}
         del warm, e
         logdir = tempfile.mkdtemp()
         # No Python tracer and the lightest host tracer (trace_util.trace_options): the trace's own host overhead

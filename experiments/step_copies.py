@@ -15,7 +15,6 @@ schedule differs by backend, so the figure that matters is the accelerator's.
 """
 
 import json
-import re
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +23,7 @@ from ml_collections import config_flags
 
 import glm53
 from experiments import workloads
+from experiments.trace_util import compiled_decode_hlo, copied_cache_params
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
@@ -31,11 +31,6 @@ config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment c
 flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_list("modes", ["resident", "offload"], "cache modes")
 flags.DEFINE_integer("mtp", 0, "also compile the MTP verify and draft steps of this depth (0: plain decode only)")
-
-
-def copied_cache_params(hlo_text: str) -> list:
-    """The cache parameters a compiled step copies (its parameters are named ``cache_...`` after the pytree)."""
-    return sorted(set(re.findall(r"copy\(%(cache_[\w.\-]+)\)", hlo_text)))
 
 
 def main(_):
@@ -50,10 +45,7 @@ def main(_):
         pages = glm53.offload.copy_pages_for(mc, 1) if mode == "offload" else 0
         for p in sorted({pages, 0}):
             for sel in (None, jnp.zeros((bucket, K), jnp.int32)):
-                hlo = model.steps.lower("decode", model.params, e.cache, lanes, jnp.zeros((bucket,), jnp.int32),
-                                        jnp.ones((bucket,), jnp.int32), jnp.int32(0), jnp.float32(0),
-                                        jnp.float32(1), e._stop_ids(None), sel, greedy=True, kernels=e.kernels,
-                                        copy_pages=p).compile().as_text()
+                hlo = compiled_decode_hlo(model, e, lanes, bucket, sel, p)
                 name = f"{mode} decode, copy_pages={p}, selection override {'yes' if sel is not None else 'no'}"
                 results["steps"][name] = copied_cache_params(hlo)
                 print(f"{name}: copies {results['steps'][name] or 'nothing'}", flush=True)
@@ -63,9 +55,10 @@ def main(_):
             f0, f1 = jnp.float32(0), jnp.float32(1)
             sel = jnp.zeros((bucket, K), jnp.int32)
             verify_pages = glm53.offload.copy_pages_for(mc, D + 1) if mode == "offload" else 0
+            drafts = jnp.zeros((bucket, D), jnp.int32)
             calls = {
-                f"{mode} verify, depth {D}": ("verify", (model.params, e.cache, lanes, i32, jnp.zeros((bucket, D), jnp.int32),
-                                                          None, i32, jnp.int32(0), f0, f1, e._stop_ids(None), sel),
+                f"{mode} verify, depth {D}": ("verify", (model.params, e.cache, lanes, i32, drafts, None, i32,
+                                                          jnp.int32(0), f0, f1, e._stop_ids(None), sel),
                                               dict(greedy=True, accept_override=D, kernels=e.kernels,
                                                    copy_pages=verify_pages)),
                 f"{mode} draft, depth {D}": ("draft", (model.params, e.cache, lanes, i32, jnp.int32(0), f0, f1, sel),

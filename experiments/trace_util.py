@@ -23,6 +23,7 @@ import os
 import re
 
 import jax
+import jax.numpy as jnp
 
 # The cache's own scopes (glm53.cache / glm53.offload) name a kernel first; otherwise the Flax module path does.
 CACHE_SCOPES = ("offload_copyback", "offload_classify", "offload_gather", "offload_bulk_read", "offload_ring_write",
@@ -248,3 +249,20 @@ def part_of(name: str, op_name: str, *, first_moe_layer: int | None = None) -> s
     if "layernorm" in o or "/norm/" in o or re.search(r"GLM5/layers_\d+/add", o) or "GLM5/norm" in o:
         return "norms_residual"
     return "other"
+
+
+def compiled_decode_hlo(model, engine, lanes, bucket: int, selection, copy_pages: int) -> str:
+    """The compiled HLO text of an engine's plain decode step for ``bucket`` lanes (greedy, as the benchmarks run
+    it; ``selection``: the override array or None; ``copy_pages``: 0 for the variant without the copyback), from
+    arguments shaped like a decode call's. Nothing runs and nothing is donated (``Steps.lower``)."""
+    i32 = jnp.zeros((bucket,), jnp.int32)
+    return model.steps.lower("decode", model.params, engine.cache, lanes, i32, jnp.ones((bucket,), jnp.int32),
+                             jnp.int32(0), jnp.float32(0), jnp.float32(1), engine._stop_ids(None), selection,
+                             greedy=True, kernels=engine.kernels, copy_pages=copy_pages).compile().as_text()
+
+
+def copied_cache_params(hlo_text: str) -> list:
+    """The cache parameters a compiled step copies (its parameters are named ``cache_...`` after the pytree):
+    ``experiments.step_copies`` and ``tests/test_step_copies.py``. Here, not in the entry point, so tests import it
+    without the entry point's absl flags."""
+    return sorted(set(re.findall(r"copy\(%(cache_[\w.\-]+)\)", hlo_text)))

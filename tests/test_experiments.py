@@ -120,7 +120,7 @@ def test_step_copies_names_a_copied_cache_parameter():
     import jax
     import jax.numpy as jnp
 
-    from experiments.step_copies import copied_cache_params
+    from experiments.trace_util import copied_cache_params
 
     @functools.partial(jax.jit, donate_argnames=("cache",))
     def keeps_old(cache, y):  # returns the old contents beside the updated ones: XLA must copy

@@ -31,6 +31,7 @@ import pytest
 import glm53
 from glm53.config import CacheConfig
 from engine_common import MESH_CFG as CFG
+from experiments.trace_util import copied_cache_params
 
 _HLO_DTYPE = {"int8": "s8", "int16": "s16", "int32": "s32", "uint32": "u32", "float32": "f32", "bfloat16": "bf16",
               "float8_e4m3fn": "f8e4m3fn", "bool": "pred"}
@@ -50,7 +51,7 @@ def _buffer_types(cache) -> dict:
 def _copied(compiled_text: str, types: dict) -> list:
     hits = []
     if jax.default_backend() != "cpu":  # any copy of a cache parameter, whatever its size
-        hits += [m.group(1) for m in re.finditer(r"copy\(%(cache_[\w.\-]+)\)", compiled_text)]
+        hits += copied_cache_params(compiled_text)
     # A copy of a broadcast materialises a fresh buffer (the bulk read's zeroed one), not a cache buffer.
     for m in re.finditer(r"= (\w+\[[0-9,]*\])\{[^}]*\} copy\(%(\w+)", compiled_text):
         if m.group(1) in types and not re.match(r"(wrapped_)?(broadcast|constant)", m.group(2)):
