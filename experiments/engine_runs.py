@@ -95,7 +95,7 @@ def _median_ms(seconds: list) -> float | None:
 def figures(res: dict, n_sessions: int) -> dict:
     """The reported figures of one ``run``: tokens/s, MTP counts, step-call percentiles and the slowest calls."""
     r = res["report"]
-    pct = r.step_call_ms
+    pct, gaps = r.step_call_ms, r.step_interval_ms
     total = sum(len(t) for t in res["tokens"])
     copyback, copying = set(r.copyback_steps), set(r.copy_steps)
     return {
@@ -106,6 +106,8 @@ def figures(res: dict, n_sessions: int) -> dict:
         "mtp_proposed": r.mtp_proposed, "mtp_accepted": r.mtp_accepted, "mtp_committed": r.mtp_committed,
         "acceptance_real": r.acceptance, "tokens_per_step_per_session": r.decode_tokens / max(r.steps, 1) / n_sessions,
         "step_call_ms": pct, "step_call_p99_over_median": pct["p99"] / pct["p50"] if pct else None,
+        # the token latency a caller sees (RunReport.step_interval_ms): where a stall of the device shows
+        "step_interval_ms": gaps, "step_interval_p99_over_median": gaps["p99"] / gaps["p50"] if gaps else None,
         "copyback_steps": r.copyback_steps, "copy_steps": len(r.copy_steps),  # steps dispatched with the copyback
         "hit_rate": res.get("hit_rate"), "misses": res.get("misses"),
         # which calls are slow: the p99 target is about them (copyback steps against the others, the slowest)

@@ -398,6 +398,7 @@ def figures(res: dict, n_sessions: int) -> dict:
         "mtp_proposed": r.mtp_proposed, "mtp_accepted": r.mtp_accepted, "mtp_committed": r.mtp_committed,
         "acceptance_real": r.acceptance, "step_call_ms": pct,
         "step_call_p99_over_median": pct["p99"] / pct["p50"] if pct else None, "host_loop_s": r.host_loop_s,
+        "step_interval_ms": r.step_interval_ms,
         "copyback_steps": r.copyback_steps, "compile_s": r.compile_s, "hit_rate": res.get("hit_rate"),
         "hit_rate_per_session": res.get("hit_rate_per_session"), "per_layer_hit_rate": res.get("per_layer_hit_rate"),
         "counters": res.get("counters"),

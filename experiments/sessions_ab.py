@@ -203,7 +203,8 @@ def main(_):
                   f"{pair['tokens_identical']}; hit rate {fo['hit_rate']}; acceptance real {fo['acceptance_real']}, "
                   f"committed {fo['mtp_committed']}/{fo['mtp_proposed']}; step call p99/p50 resident "
                   f"{fr['step_call_p99_over_median']:.2f}, offload {fo['step_call_p99_over_median']:.2f} "
-                  f"(ms {fo['step_call_ms']}); copyback steps {fo['copyback_steps'][:8]}", flush=True)
+                  f"(ms {fo['step_call_ms']}); step interval p99/p50 resident "
+                  f"{fr['step_interval_p99_over_median']:.2f}, offload {fo['step_interval_p99_over_median']:.2f}; copyback steps {fo['copyback_steps'][:8]}", flush=True)
             p += 1
         floors = [loss_plot.floor_pct(q["offload"]["misses"] / max(q["offload"]["steps"], 1), row_bytes, host_bw,
                                       q["resident"]["decode_s"] / max(q["resident"]["steps"], 1))
@@ -219,7 +220,9 @@ def main(_):
             # A run that compiled while decoding timed the compiler too: its pair is not a decode figure.
             "timed_runs_compiled": any(q[m]["decode_compile_s"] > 0 for q in entry["pairs"]
                                        for m in ("resident", "offload")),
-            "offload_step_call_p99_over_median": [q["offload"]["step_call_p99_over_median"] for q in entry["pairs"]]}
+            "offload_step_call_p99_over_median": [q["offload"]["step_call_p99_over_median"] for q in entry["pairs"]],
+            "step_interval_p99_over_median": {m: [q[m]["step_interval_p99_over_median"] for q in entry["pairs"]]
+                                              for m in ("resident", "offload")}}
         # Runs of one mode on one machine should agree: when they scatter by more than the loss being measured
         # (a host-bound machine: sessions_ab_10x50k_7f8511a.json's resident runs were 1,440 and 2,068 tok/s) the
         # pairs resolve nothing, whatever the pooled figure says.

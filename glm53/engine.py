@@ -146,7 +146,10 @@ class RunReport:
     decode_s: float  # after that, until the last token was on the host
     decode_tokens: int  # tokens generated after each session's first
     steps: int  # decode / verify steps dispatched
-    step_call_s: list  # host time of each step's call (spikes show stalls)
+    step_call_s: list  # host time of each step's call
+    # When each step's outputs reached the host (perf_counter seconds), in step order: its tokens go to the sessions
+    # (and ``on_token``) then, so the gaps are the token latency a caller sees (``step_interval_ms``).
+    step_read_s: list
     host_loop_s: float  # the decode loop's host time up to its last dispatch
     compile_s: float  # tracing + compilation inside this call
     decode_compile_s: float  # of it, between the first token and the last: nonzero means decode_s timed a compiler
@@ -174,6 +177,20 @@ class RunReport:
             return {}
         calls = np.asarray(self.step_call_s) * 1e3
         return dict(zip(("p50", "p90", "p99", "max"), np.percentile(calls, [50, 90, 99, 100]).tolist()))
+
+    @property
+    def step_interval_ms(self) -> dict:
+        """Time between the host's reads of consecutive steps, ms: p50 / p90 / p99 / max ({} with under two steps).
+
+        This, not ``step_call_ms``, is where a stall shows. The loop dispatches ``_Run.LAG`` steps ahead, so a host
+        that keeps ahead of the device waits for it somewhere in every step, in the read or in the call (a call
+        returns once XLA has launched the step's kernels, which can wait for the device's launch queue): call
+        times then vary with the device's progress without the device ever waiting. A step that stalls the
+        device (or a host that falls behind it) delays the read of that step and every later one."""
+        if len(self.step_read_s) < 2:
+            return {}
+        gaps = np.diff(np.asarray(self.step_read_s)) * 1e3
+        return dict(zip(("p50", "p90", "p99", "max"), np.percentile(gaps, [50, 90, 99, 100]).tolist()))
 
 
 def _next_pow2(n: int) -> int:
@@ -951,6 +968,7 @@ class _Run:
         self.remaining = np.zeros(self.bucket, np.int64)
         self.remaining[: len(sessions)] = [reqs[s.sid] for s in sessions]
         self.call_s: list[float] = []
+        self.read_s: list[float] = []
         self.copyback_steps: list[int] = []
         self.copy_steps: list[int] = []
         self.proposed = [0] * MAX_MTP_DEPTH
@@ -1179,6 +1197,7 @@ class _Run:
         self._record(rounds)
         tokens, remaining, remaining_in = np.asarray(tokens), np.asarray(remaining), np.asarray(remaining_in)
         logits = None if logits is None else np.asarray(logits)
+        self.read_s.append(time.perf_counter())
         before = [self.e._committed(s) for s in self.sessions]
         for b, s in enumerate(self.sessions):
             if remaining_in[b] > 0:  # the lane was active: it processed its pending token and sampled one
@@ -1257,6 +1276,7 @@ class _Run:
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
         remaining, accepted = np.asarray(remaining), np.asarray(accepted)
         logits = None if logits is None else np.asarray(logits)
+        self.read_s.append(time.perf_counter())
         before = [self.e._committed(s) for s in self.sessions]
         for b, s in enumerate(self.sessions):
             n = int(n_emit[b])
@@ -1287,6 +1307,7 @@ class _Run:
             sids=[s.sid for s in self.sessions], tokens={k: list(v) for k, v in self.out.items()}, logits=logits,
             first_token_s=self.t_first - self.t0, decode_s=max(self.t_end - self.t_first, 0.0),
             decode_tokens=self.decode_tokens, steps=self.steps, step_call_s=list(self.call_s),
+            step_read_s=list(self.read_s),
             host_loop_s=self.t_loop, compile_s=compile_seconds() - self.compile0,
             decode_compile_s=self.decode_compile_s, bucket=self.bucket, mtp=self.mtp,
             # a page that became final in the run's last step is written by the settle after the run

@@ -7,6 +7,7 @@ model and requires the same tokens and bit-identical logits.
 """
 
 import gc
+import time
 
 import jax
 import numpy as np
@@ -385,6 +386,26 @@ def test_copyback_steps_are_the_steps_that_copied(model, mtp, monkeypatch):
             assert len(run.copy_steps) < run.steps, run.copy_steps
         seen += len(copied)
     assert seen >= 3, "too few copybacks for the test to say anything"
+
+
+def test_step_interval_shows_a_stall(model):
+    """The host reads every step once, in order, and a step whose tokens reach the caller late (here a slow
+    ``on_token``, as a stalled device step would) shows as one long gap in ``step_interval_ms``."""
+    e = engine(model, "offload", max_sessions=2)
+    a, b = e.open(ids(12, seed=51)), e.open(ids(9, seed=52))
+    e.generate({a: 12, b: 12})  # compiles
+    stall_s, calls = 0.25, []
+
+    def on_token(sid, index, token):
+        calls.append(sid)
+        if sid == a and index == 6:
+            time.sleep(stall_s)
+
+    e.generate({a: 12, b: 12}, on_token=on_token)
+    run = e.last_run
+    assert len(run.step_read_s) == run.steps and np.all(np.diff(run.step_read_s) >= 0)
+    gaps = run.step_interval_ms
+    assert gaps["max"] >= 1e3 * stall_s > 10 * gaps["p50"], gaps
 
 
 def test_memory_report_matches_jax_allocations(model):
