@@ -1,0 +1,113 @@
+"""Probe: where the host time of a 10-lane offload decode step goes, copy steps vs copy-free steps.
+
+Variants (same engine, 10 sessions x 50K): default; LAG=1; always-copy executable; gc disabled.
+Per step: call ms, absorb wait ms (block_until_ready of the oldest in-flight step), absorb processing ms.
+"""
+import gc
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+import glm53
+from glm53 import engine as eng
+from experiments import workloads
+import importlib
+
+S = int(os.environ.get("PROBE_SESSIONS", "10"))
+HIST = int(os.environ.get("PROBE_HISTORY", "50000"))
+NEW = 512
+c = importlib.import_module('configs.' + os.environ.get('PROBE_CONFIG', 'h200_bench')).get_config()
+c.run.prompt_len = HIST
+c.cache.mode = "offload"
+cc = glm53.CacheConfig.from_config_dict(c.cache)
+model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
+max_len = HIST + 16 + NEW + 64
+cc = cc.replace(max_len=max_len)
+K = min(model.config.index_topk, max_len)
+e = glm53.Engine(model, cc, max_sessions=S)
+rng = np.random.default_rng(0)
+t = time.perf_counter()
+root = e.open(rng.integers(0, model.config.vocab_size, HIST).tolist())
+jax.block_until_ready(e.cache)
+print(f"prefill {time.perf_counter() - t:.1f} s", flush=True)
+sids = [root] + [e.fork(root, share_pages=False) for _ in range(S - 1)]
+for i, s in enumerate(sids):
+    e.append(s, np.random.default_rng(1000 + i).integers(0, model.config.vocab_size, 16).tolist())
+jax.block_until_ready(e.cache)
+
+timing = {"wait": [], "proc": [], "done_at": []}
+orig_absorb = eng._Run._absorb_decode
+
+
+def timed_absorb(self, tokens, *rest):
+    t0 = time.perf_counter()
+    jax.block_until_ready(tokens)
+    t1 = time.perf_counter()
+    orig_absorb(self, tokens, *rest)
+    timing["wait"].append(t1 - t0)
+    if t1 - t0 > 20e-6:
+        timing["done_at"].append(t1)
+    else:
+        timing["done_at"].append(None)
+    timing["proc"].append(time.perf_counter() - t1)
+
+
+eng._Run._absorb_decode = timed_absorb
+orig_copy_pages = eng._Run._copy_pages
+
+
+def run_variant(name):
+    [v.clear() for v in timing.values()]
+    t = time.perf_counter()
+    out = e.generate({s: NEW for s in sids}, selection_override=workloads.selection("local99", K, HIST, 7, S))
+    wall = time.perf_counter() - t
+    r = e.last_run
+    for s in sids:
+        e.rollback(s, len(out[s]))
+    calls = np.asarray(r.step_call_s) * 1e3
+    cs = set(r.copy_steps)
+    copy = [calls[i - 1] for i in cs if i <= len(calls)]
+    free = [x for i, x in enumerate(calls, 1) if i not in cs]
+    w, p = np.asarray(timing["wait"]) * 1e3, np.asarray(timing["proc"]) * 1e3
+    res = {"variant": name, "tok_s": S * NEW / r.decode_s, "decode_s": r.decode_s, "wall_s": wall,
+           "call_p50": float(np.median(calls)), "call_p90": float(np.percentile(calls, 90)),
+           "call_p99": float(np.percentile(calls, 99)), "p99/p50": float(np.percentile(calls, 99) / np.median(calls)),
+           "copy_steps": len(copy), "copy_call_med": float(np.median(copy)) if copy else None,
+           "free_call_med": float(np.median(free)) if free else None,
+           "wait_med": float(np.median(w)), "wait_p10": float(np.percentile(w, 10)),
+           "proc_med": float(np.median(p)), "proc_p99": float(np.percentile(p, 99)),
+           "loop_per_step_ms": 1e3 * r.host_loop_s / max(r.steps, 1),
+           "slowest": sorted(((round(float(x), 2), i + 1) for i, x in enumerate(calls)), reverse=True)[:8],
+           "copy_step_ids": sorted(cs)[:12]}
+    d = timing["done_at"]
+    iv = [1e3 * (b - a) for a, b in zip(d, d[1:]) if a is not None and b is not None]
+    if iv:
+        res.update(interval_n=len(iv), interval_p50=float(np.median(iv)), interval_p99=float(np.percentile(iv, 99)),
+                   interval_p99_over_p50=float(np.percentile(iv, 99) / np.median(iv)))
+    print(json.dumps(res), flush=True)
+    return res
+
+
+results = []
+tag = os.environ.get("PROBE_TAG", "cmdbuf_on")
+run_variant("warmup")
+for rep in range(2):
+    results.append(run_variant(f"{tag}/default"))
+    eng._Run.LAG = 1
+    results.append(run_variant(f"{tag}/lag1"))
+    eng._Run.LAG = 3
+    results.append(run_variant(f"{tag}/lag3"))
+    eng._Run.LAG = 2
+    eng._Run._copy_pages = lambda self, pages, copied, n: pages
+    results.append(run_variant(f"{tag}/always_copy"))
+    eng._Run._copy_pages = orig_copy_pages
+    gc.disable()
+    results.append(run_variant(f"{tag}/gc_off"))
+    gc.enable()
+out = os.environ.get("OUT", "/tmp")
+with open(os.path.join(out, f"host_calls_{tag}.json"), "w") as f:
+    json.dump(results, f, indent=1)
