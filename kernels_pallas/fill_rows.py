@@ -14,8 +14,11 @@ round trip to read ``n_fill`` and return; 7.1 us of a 10-lane decode step (profi
 it launching programs that copy nothing. With 8 programs per lane the grid is one wave, and a round of up to
 8 x 16 fills (the common case; ~20 at 99% hits) is one iteration; a cold round of 2,048 fills takes 16.
 
-The gathered rows stay where the hot gather wrote them, one array per layer (``rows[i]``): stacking them would
-copy every gathered row once more. Lane b writes the hot rows of session slot ``lane_slot[b]``, read at run time.
+The gathered rows stay where the hot gather wrote them, one array per layer (``rows[i]``), each of its own width:
+stacking them would copy every gathered row once more, and padding them to one width did as much (the MTP layer's
+round of an MTP-3 verify step is its 3 drafts' 6,144 entries a lane beside the main layers' 8,192: padding it cost
+pad fusions of ~57 us a 10-lane step on the H200, ``experiments/results/probes/mtp3_verify_profile_ba64033.json``).
+Lane b writes the hot rows of session slot ``lane_slot[b]``, read at run time.
 The hot planes are aliased input -> output (donated by the caller's jit, so the update is in place).
 """
 
@@ -32,13 +35,13 @@ from kernels_pallas.hot_gather import check_addressable
 
 
 def _fill_kernel(entry_ref, victim_ref, n_fill_ref, lane_slot_ref, *refs, layers: tuple, names: tuple,
-                 sessions: int, entries: int, hot_rows: int, block_rows: int, programs_per_lane: int):
+                 sessions: int, entries: tuple, hot_rows: int, block_rows: int, programs_per_lane: int):
     """Program (i, b, j) copies the fill blocks j, j + G, j + 2G, ... (G = ``programs_per_lane``, a block is
     ``block_rows`` fills) of layer ``layers[i]``, lane b (session slot ``lane_slot[b]``), up to ``n_fill[i, b]``.
 
     Refs (all ANY):
       entry_ref, victim_ref: [Lp, B, F] int32; n_fill_ref: [Lp, B] int32; lane_slot_ref: [B] int32
-      rows: per layer i, per plane: [B * entries, W] — the round's gathered packed rows
+      rows: per layer i, per plane: [B * entries[i], W] — the round's gathered packed rows
       hot (aliased inputs, unused), then hot outputs: per plane [L * sessions * hot_rows + pad, W]
     One grid axis per layer keeps reading the count a single memory round trip (looping over the layers inside a
     program chained one per layer: 13 us for 8 layers, measured).
@@ -63,7 +66,7 @@ def _fill_kernel(entry_ref, victim_ref, n_fill_ref, lane_slot_ref, *refs, layers
                 mask = k < n
                 entry = entry_ref[i, b, pl.ds(start, block_rows)]
                 victim = victim_ref[i, b, pl.ds(start, block_rows)]
-                src = b * entries + jnp.where(mask, entry, 0)
+                src = b * entries[i] + jnp.where(mask, entry, 0)
                 for p in range(n_planes):
                     # Masked-off rows point past the end (planes may differ in padding rows:
                     # glm53.cache.addressable_planes). GPUs skip them anyway, but the Pallas interpreter writes
@@ -120,18 +123,18 @@ def _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot
 def fill_rows(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Array, n_fill: jax.Array, lane_slot: jax.Array,
               *, layers: tuple, sessions: int, hot_rows: int, block_rows: int = 16, programs_per_lane: int = 8,
               num_warps: int = 4, interpret: bool = False) -> dict:
-    """``hot[plane][(layers[i] * sessions + lane_slot[b]) * hot_rows + victim[i, b, f]] = rows[i][plane][b * E +
+    """``hot[plane][(layers[i] * sessions + lane_slot[b]) * hot_rows + victim[i, b, f]] = rows[i][plane][b * E_i +
     entry[i, b, f]]`` for ``f < n_fill[i, b]``. ``hot``: flat ``[L * sessions * hot_rows + pad, W]`` planes
     (``sessions`` is the number of session slots S; ``pad`` rows, never written, may differ per plane); ``rows[i]``:
-    flat ``[B * E, W]`` planes, one row block per lane. Inactive lanes have n_fill 0 (``fill_round``) and so copy
-    nothing. Returns the updated hot planes (in place)."""
+    flat ``[B * E_i, W]`` planes, one row block per lane, E_i entries a lane (layers may differ). Inactive lanes
+    have n_fill 0 (``fill_round``) and so copy nothing. Returns the updated hot planes (in place)."""
     _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot_rows, block_rows,
               compiled=not interpret)
     if programs_per_lane < 1:
         raise ValueError(f"programs_per_lane must be positive, got {programs_per_lane}")
     names = tuple(sorted(hot))
     B = lane_slot.shape[0]
-    E = rows[0][names[0]].shape[0] // B
+    entries = tuple(r[names[0]].shape[0] // B for r in rows)
     F = entry.shape[2]
     G = min(programs_per_lane, F // block_rows)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -143,7 +146,7 @@ def fill_rows(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Array, n_fil
     operands += [hot[n] for n in names]
     kwargs = {} if interpret else {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=1)}
     out = pl.pallas_call(
-        functools.partial(_fill_kernel, layers=layers, names=names, sessions=sessions, entries=E,
+        functools.partial(_fill_kernel, layers=layers, names=names, sessions=sessions, entries=entries,
                           hot_rows=hot_rows, block_rows=block_rows, programs_per_lane=G),
         out_shape=[jax.ShapeDtypeStruct(hot[n].shape, hot[n].dtype) for n in names],
         grid=(len(layers), B, G),
@@ -163,15 +166,15 @@ def fill_rows_reference(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Ar
     del num_warps, interpret, programs_per_lane
     _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot_rows, block_rows, compiled=False)
     Lp, B, F = entry.shape
-    E = next(iter(rows[0].values())).shape[0] // B
     do = jnp.arange(F)[None, None, :] < n_fill[..., None]
-    b = jnp.arange(B)[None, :, None]
+    b = jnp.arange(B)[:, None]
     slot = lane_slot.astype(jnp.int32)[None, :, None]
     dst = (jnp.asarray(layers, jnp.int32)[:, None, None] * sessions + slot) * hot_rows + victim
     out = {}
     for n, plane in hot.items():
         dst_n = jnp.where(do, dst, plane.shape[0])  # out of range: dropped
-        src = jnp.stack([r[n] for r in rows])  # [Lp, B * E, W]
-        vals = jnp.take_along_axis(src, (b * E + jnp.where(do, entry, 0)).reshape(Lp, B * F)[..., None], axis=1)
+        # each layer's rows have their own entries a lane (E_i)
+        vals = jnp.stack([jnp.take(r[n], (b * (r[n].shape[0] // B) + jnp.where(do[i], entry[i], 0)).reshape(-1),
+                                   axis=0) for i, r in enumerate(rows)])  # [Lp, B * F, W]
         out[n] = plane.at[dst_n.reshape(-1)].set(vals.reshape(Lp * B * F, -1), mode="drop")
     return out

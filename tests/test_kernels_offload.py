@@ -76,17 +76,20 @@ def test_hot_gather_validation():
 
 
 def _fill_case(seed, layers, lane_slot=(2, 0, 0), S=3, E=24, F=32, H=40, L=4, fmt="q8g64"):
-    """Lane b fills slot lane_slot[b]; the last lane is padding (n_fill 0, junk lists) on an active lane's slot."""
+    """Lane b fills slot lane_slot[b]; the last lane is padding (n_fill 0, junk lists) on an active lane's slot.
+    ``E``: entries a lane, for every layer or per layer (the MTP layer's round is narrower than the others')."""
     rng = np.random.default_rng(seed)
     B = len(lane_slot)
+    Es = (E,) * len(layers) if isinstance(E, int) else tuple(E)
     hot = {n: v.reshape(L * S * H, -1) for n, v in _planes(fmt, L * S * H, seed).items()}
-    rows = [{n: v for n, v in _planes(fmt, B * E, seed + 1 + i).items()} for i in range(len(layers))]
+    rows = [{n: v for n, v in _planes(fmt, B * Es[i], seed + 1 + i).items()} for i in range(len(layers))]
     Lp = len(layers)
     entry = np.zeros((Lp, B, F), np.int32)
     victim = np.zeros((Lp, B, F), np.int32)
     n_fill = np.zeros((Lp, B), np.int32)
     for i in range(Lp):
         for b in range(B):
+            E = Es[i]
             n = [0, min(E, H, F), int(rng.integers(1, min(E, H, F)))][(i + b) % 3] if b < B - 1 else 0
             n_fill[i, b] = n
             entry[i, b, :n] = rng.choice(E, n, replace=False)
@@ -96,11 +99,14 @@ def _fill_case(seed, layers, lane_slot=(2, 0, 0), S=3, E=24, F=32, H=40, L=4, fm
     return hot, rows, jnp.asarray(entry), jnp.asarray(victim), jnp.asarray(n_fill), jnp.asarray(lane_slot, jnp.int32)
 
 
-@pytest.mark.parametrize("layers,programs_per_lane", [((0, 1, 2), 8), ((1, 3), 1)])
-def test_fill_rows_matches_reference(layers, programs_per_lane):
-    """programs_per_lane 8 > the 4 blocks of F: one block a program; 1: a program loops over up to 3 blocks."""
-    S, E, F, H, L = 3, 24, 32, 40, 4
+@pytest.mark.parametrize("layers,programs_per_lane,E",
+                         [((0, 1, 2), 8, 24), ((1, 3), 1, 24), ((0, 2, 3), 8, (24, 24, 16))])
+def test_fill_rows_matches_reference(layers, programs_per_lane, E):
+    """programs_per_lane 8 > the 4 blocks of F: one block a program; 1: a program loops over up to 3 blocks.
+    Layers may hold rounds of different widths (E per layer), each read at its own lane stride."""
+    S, F, H, L = 3, 32, 40, 4
     hot, rows, entry, victim, n_fill, lane_slot = _fill_case(0, layers, S=S, E=E, F=F, H=H, L=L)
+    Es = (E,) * len(layers) if isinstance(E, int) else E
     kw = dict(layers=layers, sessions=S, hot_rows=H, block_rows=8, programs_per_lane=programs_per_lane)
     before = {n: np.asarray(v) for n, v in hot.items()}
     fresh = lambda: {n: jnp.array(v) for n, v in before.items()}
@@ -115,13 +121,14 @@ def test_fill_rows_matches_reference(layers, programs_per_lane):
         for b in range(len(ls)):
             for f in range(nf[i, b]):
                 for n in expect:
-                    expect[n][(layer * S + ls[b]) * H + v[i, b, f]] = np.asarray(rows[i][n])[b * E + e[i, b, f]]
+                    expect[n][(layer * S + ls[b]) * H + v[i, b, f]] = np.asarray(rows[i][n])[b * Es[i] + e[i, b, f]]
     for n in expect:
         np.testing.assert_array_equal(np.asarray(got[n]), expect[n])
     assert int(nf[:, :-1].max()) > 0 and int(nf[:, :-1].min()) == 0
     # The padding lane (slot 0, like lane 1) changed nothing: the same as without it.
     B = len(ls) - 1
-    alone = fr.fill_rows(fresh(), tuple({n: r[n][:B * E] for n in r} for r in rows), entry[:, :B], victim[:, :B],
+    alone = fr.fill_rows(fresh(), tuple({n: r[n][:B * Es[i]] for n in r} for i, r in enumerate(rows)), entry[:, :B],
+                         victim[:, :B],
                          n_fill[:, :B], lane_slot[:B], interpret=INTERPRET, **kw)
     for n in before:
         np.testing.assert_array_equal(np.asarray(got[n]), np.asarray(alone[n]))
