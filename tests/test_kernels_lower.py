@@ -83,6 +83,11 @@ def _cases():
         yield f"fill_rows_{fmt}", functools.partial(fr.fill_rows, layers=layers, sessions=SLOTS, hot_rows=H), (
             _planes(fmt, L * SLOTS * H), tuple(_planes(fmt, B * K) for _ in layers), S((8, B, K), I32),
             S((8, B, K), I32), S((8, B), I32), S((B,), I32))
+    # an MTP-3 verify step: 8 layers' rounds of T rows and the MTP layer's of its 3 drafts, each at its own width
+    yield "fill_rows_verify_widths", functools.partial(fr.fill_rows, layers=tuple(range(L)), sessions=SLOTS,
+                                                       hot_rows=H), (
+        _planes("q8g64", L * SLOTS * H), tuple(_planes("q8g64", B * T * K) for _ in layers)
+        + (_planes("q8g64", B * 3 * K),), S((L, B, T * K), I32), S((L, B, T * K), I32), S((L, B), I32), S((B,), I32))
     yield "fill_round", functools.partial(frd.fill_round, layers=layers, hot_rows=H), _fill_round_args(K)
     # MTP verify: T rows' selections in one round, positions repeated up to T times
     yield "fill_round_repeats", functools.partial(frd.fill_round, layers=layers, hot_rows=H, distinct=False,
