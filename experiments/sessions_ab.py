@@ -204,7 +204,8 @@ def main(_):
                   f"committed {fo['mtp_committed']}/{fo['mtp_proposed']}; step call p99/p50 resident "
                   f"{fr['step_call_p99_over_median']:.2f}, offload {fo['step_call_p99_over_median']:.2f} "
                   f"(ms {fo['step_call_ms']}); step interval p99/p50 resident "
-                  f"{fr['step_interval_p99_over_median']:.2f}, offload {fo['step_interval_p99_over_median']:.2f}; copyback steps {fo['copyback_steps'][:8]}", flush=True)
+                  f"{fr['step_interval_p99_over_median']:.2f}, offload {fo['step_interval_p99_over_median']:.2f}; "
+                  f"copyback steps {fo['copyback_steps'][:8]}", flush=True)
             p += 1
         floors = [loss_plot.floor_pct(q["offload"]["misses"] / max(q["offload"]["steps"], 1), row_bytes, host_bw,
                                       q["resident"]["decode_s"] / max(q["resident"]["steps"], 1))
