@@ -121,6 +121,8 @@ def main(_):
                     m: dict(zip(("p50", "p90", "p99", "max"),
                                 (1e3 * np.percentile(x.decode_step_call_s, [50, 90, 99, 100])).tolist()))
                     for m, x in (("resident", r), ("offload", o))},
+                "decode_step_interval_ms": {"resident": r.decode_step_interval_ms,
+                                            "offload": o.decode_step_interval_ms},
                 "offload_slowest_step_calls": sorted(
                     ((round(1e3 * t, 3), i + 1) for i, t in enumerate(o.decode_step_call_s)), reverse=True)[:6],
                 # The steps that also copied ring pages back, against the rest: what a copyback costs the host.

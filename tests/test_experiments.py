@@ -35,6 +35,8 @@ def test_offload_ab(tmp_path):
         assert 0 < pair["decode_step_calls_s"][mode] <= pair["decode_host_loop_s"][mode]
         p = pair["decode_step_call_ms_percentiles"][mode]
         assert 0 < p["p50"] <= p["p90"] <= p["p99"] <= p["max"]
+        gaps = pair["decode_step_interval_ms"][mode]  # when each step's tokens reached the host
+        assert 0 < gaps["p50"] <= gaps["p99"] <= gaps["max"]
     assert len(pair["offload_slowest_step_calls"]) == 6
     summary = report["summary"]["local99"]
     assert summary["pairs"] == 1 and summary["all_identical"]
