@@ -85,9 +85,12 @@ def same_mode_spread_pct(tokens_per_s: list) -> float:
     return 100 * (max(tokens_per_s) / min(tokens_per_s) - 1) if tokens_per_s else 0.0
 
 
-def build(model, cc, c, n_sessions: int, save_to: str = "", restore_from: str = "") -> tuple[glm53.Engine, list, dict]:
+def build(model, cc, c, n_sessions: int, save_to: str = "", restore_from: str = "", suffix: int | None = None
+          ) -> tuple[glm53.Engine, list, dict]:
     """The engine and its sessions. ``save_to``: the prefilled history is also saved there; ``restore_from``: the
-    history comes from that save instead of a prefill (its time is reported as ``restore_s``)."""
+    history comes from that save instead of a prefill (its time is reported as ``restore_s``); ``suffix``: tokens
+    each session appends (default ``--suffix``; scripts that parse no flags pass it)."""
+    suffix = FLAGS.suffix if suffix is None else suffix
     rng = np.random.default_rng(c.run.seed)
     history = rng.integers(0, model.config.vocab_size, c.run.prompt_len).tolist()
     e = glm53.Engine(model, cc, max_sessions=n_sessions)
@@ -109,7 +112,7 @@ def build(model, cc, c, n_sessions: int, save_to: str = "", restore_from: str = 
         fig["save_s"] = time.perf_counter() - t
     sids = [root] + [e.fork(root, share_pages=False) for _ in range(n_sessions - 1)]
     for i, s in enumerate(sids):
-        e.append(s, np.random.default_rng(1000 + i).integers(0, model.config.vocab_size, FLAGS.suffix).tolist())
+        e.append(s, np.random.default_rng(1000 + i).integers(0, model.config.vocab_size, suffix).tolist())
     jax.block_until_ready(e.cache)
     return e, sids, fig
 

@@ -14,7 +14,7 @@ import numpy as np
 
 import glm53
 from glm53 import engine as eng
-from experiments import workloads
+from experiments import sessions_ab, workloads
 import importlib
 
 S = int(os.environ.get("PROBE_SESSIONS", "10"))
@@ -28,16 +28,8 @@ model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
 max_len = HIST + 16 + NEW + 64
 cc = cc.replace(max_len=max_len)
 K = min(model.config.index_topk, max_len)
-e = glm53.Engine(model, cc, max_sessions=S)
-rng = np.random.default_rng(0)
-t = time.perf_counter()
-root = e.open(rng.integers(0, model.config.vocab_size, HIST).tolist())
-jax.block_until_ready(e.cache)
-print(f"prefill {time.perf_counter() - t:.1f} s", flush=True)
-sids = [root] + [e.fork(root, share_pages=False) for _ in range(S - 1)]
-for i, s in enumerate(sids):
-    e.append(s, np.random.default_rng(1000 + i).integers(0, model.config.vocab_size, 16).tolist())
-jax.block_until_ready(e.cache)
+e, sids, fig = sessions_ab.build(model, cc, c, S, suffix=16)  # one prefill, forks with their own pages
+print(f"prefill {fig['prefill_s']:.1f} s", flush=True)
 
 timing = {"wait": [], "proc": [], "done_at": []}
 orig_absorb = eng._Run._absorb_decode

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 import glm53
-from experiments import workloads
+from experiments import sessions_ab, workloads
 from experiments.trace_util import device_events, find_xplane, trace_options
 import importlib
 
@@ -18,6 +18,7 @@ HIST = int(os.environ.get("PROBE_HISTORY", "50000"))
 NEW = int(os.environ.get("PROBE_NEW", "128"))
 D = 3
 c = importlib.import_module('configs.' + os.environ.get('PROBE_CONFIG', 'h200_bench')).get_config()
+c.run.prompt_len = HIST
 res = {}
 for mode in ("resident", "offload"):
     c.cache.mode = mode
@@ -27,13 +28,7 @@ for mode in ("resident", "offload"):
     max_len = HIST + 16 + NEW + 64
     cc = cc.replace(max_len=max_len)
     K = min(model.config.index_topk, max_len)
-    e = glm53.Engine(model, cc, max_sessions=S)
-    rng = np.random.default_rng(0)
-    root = e.open(rng.integers(0, model.config.vocab_size, HIST).tolist())
-    sids = [root] + [e.fork(root, share_pages=False) for _ in range(S - 1)]
-    for i, s in enumerate(sids):
-        e.append(s, np.random.default_rng(1000 + i).integers(0, model.config.vocab_size, 16).tolist())
-    jax.block_until_ready(e.cache)
+    e, sids, _ = sessions_ab.build(model, cc, c, S, suffix=16)  # one prefill, forks with their own pages
 
     def go(seed):
         out = e.generate({s: NEW for s in sids}, mtp=D, accept_override=D,
