@@ -256,11 +256,14 @@ def test_sessions_ab(tmp_path):
 
 def test_bench_fill_round(tmp_path):
     out = tmp_path / "fr.json"
-    _bench("experiments.bench_fill_round", "--num_warps=4", f"--out={out}")
+    # a verify step's fill (2 rows repeating positions): the election's variants beside the valid one
+    _bench("experiments.bench_fill_round", "--num_warps=4", "--rows=2", f"--out={out}")
     report = json.loads(out.read_text())
-    (kernel,) = report["kernel"]
-    assert kernel["num_warps"] == 4 and kernel["bit_identical_to_reference"] and kernel["us"] > 0
-    assert report["reference_us"] > 0
+    kernel, one_election, no_election = report["kernel"]
+    assert kernel["num_warps"] == 4 and kernel["max_repeats"] == 2 and not kernel["distinct"]
+    assert kernel["bit_identical_to_reference"] and kernel["us"] > 0
+    assert one_election["max_repeats"] == 1 and no_election["distinct"]
+    assert report["reference_us"] > 0 and report["rows"] == 2
 
 
 def test_sessions_1m(tmp_path):
