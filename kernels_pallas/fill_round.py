@@ -22,6 +22,14 @@ it is bound by the chain of dependent memory round trips below, not by lanes). S
 through memory (the pins written by some lanes are read by others; so are the rank-compacted entries and victims),
 hence the two block barriers; a program touches only its own (layer, slot) state, so programs never race.
 
+Two paths, chosen per program at run time. A warm cache misses a few entries a round: with at most C of them
+(``compact_sizes``: a quarter of the round, at most 1,024), they are compacted first (one scan of the round) and
+every later step works on C-wide vectors: the election, the ranks, the install; the victims come from the window
+Wc slots at a time, only as far as the fills need. Otherwise (a cold cache, a low hit rate) every step works on the
+whole round and window. Both give the same result. An MTP-3 verify step's round is 4 rows (8,192 entries) and its
+window 16,384 slots: the full path took 94.3 us a step there against 17.3 for a decode step
+(``experiments/results/probes/mtp3_verify_profile_ba64033.json``), its time growing with the vector widths.
+
 Lanes: the maps hold every session slot (``[L, S, ...]``); program (i, b) works on slot ``lane_slot[b]``, read at run
 time, so one compiled step serves any lane -> slot map. Active lanes never share a slot; an inactive (padding) lane
 may carry any slot, also an active lane's, and writes nothing but its empty fill list.
@@ -63,6 +71,18 @@ def sizes(num_positions: int, hot_rows: int) -> tuple[int, int]:
     """(F, W): the most fills one round can make, and the window of slots searched for victims."""
     F = min(num_positions, hot_rows)
     return F, min(hot_rows, num_positions + F)
+
+
+MAX_COMPACT = 1024
+
+
+def compact_sizes(padded_positions: int, padded_window: int) -> tuple[int, int]:
+    """(C, Wc): a round with at most C wanted entries (misses) takes the kernel's compacted path, which searches
+    the victim window Wc slots at a time. C is a quarter of the round (at least 1), at most 1,024: a decode round of
+    2,048 positions compacts up to 512 misses (75% hits), an MTP-3 verify round of 8,192 up to 1,024; a cold cache
+    takes the full path."""
+    C = min(MAX_COMPACT, max(padded_positions // 4, 1))
+    return C, min(padded_window, 2 * C)
 
 
 def _validate(maps: dict, rounds: tuple, lane_slot, lane_active, layers: tuple, hot_rows: int, max_repeats: int):
@@ -127,15 +147,16 @@ def _round_kernel(*refs, layers: tuple, slots: int, lanes: int, hot_rows: int, p
     Refs (all ANY): per layer i: pos, source, slot ([B, Mp] int32), valid ([B, Mp] bool); lane_slot ([B] int32),
     lane_active ([B] bool); the six maps (aliased inputs, unused: their outputs are the same buffers); outputs: the
     six maps, flat ([L * S * H], [L * S * H], [L * S * N], [L * S], [L * S], [L * S * 5]), then entry and victim
-    ([Lp * B * Fp]) and n_fill ([Lp * B]).
+    ([Lp * B * Fp]), n_fill ([Lp * B]) and the compacted wanted entries (scratch, [Lp * B * C]).
     """
-    Mp, Fp, Wp = padded
+    Mp, Fp, Wp, C, Wc = padded
     H, S, B, N = hot_rows, slots, lanes, capacity
     F, W = sizes(positions, hot_rows)
     n_layers = len(layers)
     round_refs = refs[: 4 * n_layers]
     lane_slot_ref, lane_active_ref = refs[4 * n_layers: 4 * n_layers + 2]
-    pin, pos_of_slot, slot_of_pos, rounds, clock, counters, entry_o, victim_o, n_fill_o = refs[4 * n_layers + 8:]
+    pin, pos_of_slot, slot_of_pos, rounds, clock, counters, entry_o, victim_o, n_fill_o, compact_o = \
+        refs[4 * n_layers + 8:]
     li, b = pl.program_id(0), pl.program_id(1)
     k = jnp.arange(Fp, dtype=jnp.int32)
     # Per-lane scalars come from refs: Pallas' Triton lowering has no scalar prefetch.
@@ -154,9 +175,9 @@ def _round_kernel(*refs, layers: tuple, slots: int, lanes: int, hot_rows: int, p
         n_fill_o[li * B + b] = jnp.int32(0)
 
     def elect_first(lb, pos, wanted, m):
-        """One entry per wanted position, the lowest index when max_repeats >= its multiplicity. slot_of_position
-        is the scratch (-1 at every wanted position: a miss is not hot), so no atomics are needed (the Pallas
-        interpreter cannot discharge masked vector atomics); it is -1 there again on return."""
+        """One entry per wanted position, the lowest index ``m`` when max_repeats >= its multiplicity.
+        slot_of_position is the scratch (-1 at every wanted position: a miss is not hot), so no atomics are needed
+        (the Pallas interpreter cannot discharge masked vector atomics); it is -1 there again on return."""
         code = -2 - m  # never -1 (not hot) nor a slot (>= 0)
         at = lb * N + pos
         cand = wanted
@@ -172,8 +193,41 @@ def _round_kernel(*refs, layers: tuple, slots: int, lanes: int, hot_rows: int, p
             cand = cand & (m < -2 - w)
         first = wanted & (w == code)
         barrier()  # every read of the owners before the restore
-        _scatter(slot_of_pos, at, jnp.full((Mp,), -1, jnp.int32), wanted)
+        _scatter(slot_of_pos, at, jnp.full(m.shape, -1, jnp.int32), wanted)
         return first
+
+    def install(i, b, lb, base, start, this_round, n_fill, size, tally):
+        """Step 4 for fills k < n_fill <= size: the maps, then the normalised entry / victim lists the row copy
+        reads (entry 0 and victim H past n_fill, up to Fp); rounds, clock and counters."""
+        k = jnp.arange(size, dtype=jnp.int32)
+        do = k < n_fill
+        entry = plgpu.load(entry_o.at[base + k], mask=do, other=0)
+        victim = plgpu.load(victim_o.at[base + k], mask=do, other=H)
+        safe_victim = jnp.where(do, victim, 0)
+        new_pos = plgpu.load(round_refs[4 * i].at[b, entry], mask=do, other=0)
+        old_pos = plgpu.load(pos_of_slot.at[lb * H + safe_victim], mask=do, other=-1)
+        evicted = do & (old_pos >= 0)
+        _scatter(pos_of_slot, lb * H + safe_victim, new_pos, do)
+        _scatter(slot_of_pos, lb * N + old_pos, jnp.full((size,), -1, jnp.int32), evicted)
+        _scatter(slot_of_pos, lb * N + new_pos, safe_victim, do)
+        plgpu.store(entry_o.at[base + k], entry)
+        plgpu.store(victim_o.at[base + k], victim)
+        for rest in range(size, Fp, size):  # both powers of two: Triton's vectors must be
+            plgpu.store(entry_o.at[base + rest + k], jnp.zeros((size,), jnp.int32))
+            plgpu.store(victim_o.at[base + rest + k], jnp.full((size,), H, jnp.int32))
+        last_victim = jnp.sum(jnp.where(k == n_fill - 1, victim, 0))
+        rounds[lb] = this_round
+        clock[lb] = jnp.where(n_fill > 0, (last_victim + 1) % H, start)
+        n_fill_o[i * B + b] = n_fill
+        # misses count every valid entry, repeats included; fills and evictions the real ones
+        tally = tally + (n_fill, jnp.sum(evicted.astype(jnp.int32)))
+        c = jnp.arange(8, dtype=jnp.int32)
+        add = jnp.zeros((8,), jnp.int32)
+        for j, t in enumerate(tally):
+            add = jnp.where(c == j, t, add)
+        ok = c < NUM_COUNTERS
+        before = plgpu.load(counters.at[lb * NUM_COUNTERS + jnp.where(ok, c, 0)], mask=ok, other=0)
+        _scatter(counters, lb * NUM_COUNTERS + c, before + add, ok)
 
     def one_round(i: int, layer: int):
         pos_ref, src_ref, slot_ref, valid_ref = round_refs[4 * i: 4 * i + 4]
@@ -186,54 +240,76 @@ def _round_kernel(*refs, layers: tuple, slots: int, lanes: int, hot_rows: int, p
         valid = valid_ref[b, pl.ds(0, Mp)]
         is_hit, is_miss = src == HOT, src == HOST
         wanted = is_miss & valid
-        # 1. pins: the slots this round read as hits; with repeated positions, each position's first entry
-        _scatter(pin, lb * H + slot, jnp.full((Mp,), this_round, jnp.int32), is_hit)
-        first = wanted if distinct else elect_first(lb, pos_ref[b, pl.ds(0, Mp)], wanted, m)
-        barrier()
-        # 2. free slots of the window, in circular order from the clock
-        w = jnp.arange(Wp, dtype=jnp.int32)
-        in_window = w < W
-        slot_at = (start + w) % H
-        stamp = plgpu.load(pin.at[lb * H + slot_at], mask=in_window, other=this_round)
-        free_at = in_window & (stamp != this_round)
-        # 3. ranks: the k-th first miss (in entry order) pairs with the k-th free slot
-        first = first.astype(jnp.int32)
-        free = free_at.astype(jnp.int32)
-        miss_rank = jnp.cumsum(first) - 1
-        free_rank = jnp.cumsum(free) - 1
-        n_fill = jnp.minimum(jnp.minimum(jnp.sum(first), jnp.sum(free)), F)
         base = (i * B + b) * Fp
-        _scatter(entry_o, base + miss_rank, m, (first == 1) & (miss_rank < F))
-        _scatter(victim_o, base + free_rank, slot_at, free_at & (free_rank < F))
-        barrier()
-        # 4. install: maps, then the normalised entry / victim lists the row copy reads
-        do = k < n_fill
-        entry = plgpu.load(entry_o.at[base + k], mask=do, other=0)
-        victim = plgpu.load(victim_o.at[base + k], mask=do, other=H)
-        safe_victim = jnp.where(do, victim, 0)
-        new_pos = plgpu.load(pos_ref.at[b, entry], mask=do, other=0)
-        old_pos = plgpu.load(pos_of_slot.at[lb * H + safe_victim], mask=do, other=-1)
-        evicted = do & (old_pos >= 0)
-        _scatter(pos_of_slot, lb * H + safe_victim, new_pos, do)
-        _scatter(slot_of_pos, lb * N + old_pos, jnp.full((Fp,), -1, jnp.int32), evicted)
-        _scatter(slot_of_pos, lb * N + new_pos, safe_victim, do)
-        plgpu.store(entry_o.at[base + k], entry)
-        plgpu.store(victim_o.at[base + k], victim)
-        last_victim = jnp.sum(jnp.where(k == n_fill - 1, victim, 0))
-        rounds[lb] = this_round
-        clock[lb] = jnp.where(n_fill > 0, (last_victim + 1) % H, start)
-        n_fill_o[i * B + b] = n_fill
-        # misses count every valid entry, repeats included; fills and evictions the real ones
-        tally = (jnp.sum((is_hit & valid).astype(jnp.int32)), jnp.sum(wanted.astype(jnp.int32)),
-                 jnp.sum((~is_hit & ~is_miss & valid).astype(jnp.int32)), n_fill,
-                 jnp.sum(evicted.astype(jnp.int32)))
-        c = jnp.arange(8, dtype=jnp.int32)
-        add = jnp.zeros((8,), jnp.int32)
-        for j, t in enumerate(tally):
-            add = jnp.where(c == j, t, add)
-        ok = c < NUM_COUNTERS
-        before = plgpu.load(counters.at[lb * NUM_COUNTERS + jnp.where(ok, c, 0)], mask=ok, other=0)
-        _scatter(counters, lb * NUM_COUNTERS + c, before + add, ok)
+        n_wanted = jnp.sum(wanted.astype(jnp.int32))
+        tally = (jnp.sum((is_hit & valid).astype(jnp.int32)), n_wanted,
+                 jnp.sum((~is_hit & ~is_miss & valid).astype(jnp.int32)))
+        # 1. pins: the slots this round read as hits
+        _scatter(pin, lb * H + slot, jnp.full((Mp,), this_round, jnp.int32), is_hit)
+
+        def few_misses():
+            """At most C wanted entries (a warm cache): they are compacted first, and everything after works on
+            C-wide vectors; the victims come from the window in chunks of Wc slots, as many as the fills need.
+            Same result as ``all_entries``: the compacted list keeps entry order."""
+            c = jnp.arange(C, dtype=jnp.int32)
+            cbase = (i * B + b) * C
+            _scatter(compact_o, cbase + jnp.cumsum(wanted.astype(jnp.int32)) - 1, m, wanted)
+            barrier()
+            live = c < n_wanted
+            e = plgpu.load(compact_o.at[cbase + c], mask=live, other=0)  # wanted entries, in entry order
+            first = live if distinct else elect_first(lb, plgpu.load(pos_ref.at[b, e], mask=live, other=0), live, e)
+            barrier()  # the pins (and the election's restore) before the window reads them
+            first = first.astype(jnp.int32)
+            miss_rank = jnp.cumsum(first) - 1
+            n_first = jnp.sum(first)
+            n_need = jnp.minimum(n_first, F)
+            _scatter(entry_o, base + miss_rank, e, (first == 1) & (miss_rank < F))
+
+            def more(carry):
+                j, found = carry
+                return (found < n_need) & (j * Wc < W)
+
+            def chunk(carry):
+                j, found = carry
+                w = j * Wc + jnp.arange(Wc, dtype=jnp.int32)
+                in_window = w < W
+                slot_at = (start + w) % H
+                stamp = plgpu.load(pin.at[lb * H + jnp.where(in_window, slot_at, 0)], mask=in_window,
+                                   other=this_round)
+                free = (in_window & (stamp != this_round)).astype(jnp.int32)
+                rank = found + jnp.cumsum(free) - 1
+                _scatter(victim_o, base + rank, slot_at, (free == 1) & (rank < n_need))
+                return j + 1, found + jnp.sum(free)
+
+            _, found = jax.lax.while_loop(more, chunk, (jnp.int32(0), jnp.int32(0)))
+            barrier()
+            install(i, b, lb, base, start, this_round, jnp.minimum(n_need, found), min(C, Fp), tally)
+
+        def all_entries():
+            first = wanted if distinct else elect_first(lb, pos_ref[b, pl.ds(0, Mp)], wanted, m)
+            barrier()
+            # 2. free slots of the window, in circular order from the clock
+            w = jnp.arange(Wp, dtype=jnp.int32)
+            in_window = w < W
+            slot_at = (start + w) % H
+            stamp = plgpu.load(pin.at[lb * H + slot_at], mask=in_window, other=this_round)
+            free_at = in_window & (stamp != this_round)
+            # 3. ranks: the k-th first miss (in entry order) pairs with the k-th free slot
+            first = first.astype(jnp.int32)
+            free = free_at.astype(jnp.int32)
+            miss_rank = jnp.cumsum(first) - 1
+            free_rank = jnp.cumsum(free) - 1
+            n_fill = jnp.minimum(jnp.minimum(jnp.sum(first), jnp.sum(free)), F)
+            _scatter(entry_o, base + miss_rank, m, (first == 1) & (miss_rank < F))
+            _scatter(victim_o, base + free_rank, slot_at, free_at & (free_rank < F))
+            barrier()
+            install(i, b, lb, base, start, this_round, n_fill, Fp, tally)
+
+        if C < Mp:
+            pl.when(n_wanted <= C)(few_misses)
+            pl.when(n_wanted > C)(all_entries)
+        else:
+            all_entries()
 
     for i, layer in enumerate(layers):
         # Each layer's round is a separate operand (stacking them would be one more copy), so the layer is
@@ -266,6 +342,7 @@ def fill_round(maps: dict, rounds: tuple, lane_slot: jax.Array, lane_active: jax
     B, M = rounds[0]["pos"].shape
     F, W = sizes(M, H)
     Mp, Fp, Wp = _next_pow2(M), _next_pow2(F), _next_pow2(W)
+    C, Wc = compact_sizes(Mp, Wp)
     slot_dtype = jnp.dtype(maps["slot_of_position"].dtype)
     if not distinct and -2 - (Mp - 1) < jnp.iinfo(slot_dtype).min:
         raise ValueError(f"rounds of {M} positions (padded to {Mp}) need election codes down to {-1 - Mp}, below "
@@ -284,11 +361,12 @@ def fill_round(maps: dict, rounds: tuple, lane_slot: jax.Array, lane_active: jax
     operands += [maps[n].reshape(-1) for n in MAP_NAMES]
     out_shape = [jax.ShapeDtypeStruct((maps[n].size,), maps[n].dtype) for n in MAP_NAMES]
     out_shape += [jax.ShapeDtypeStruct((Lp * B * Fp,), jnp.int32)] * 2 + [jax.ShapeDtypeStruct((Lp * B,), jnp.int32)]
+    out_shape += [jax.ShapeDtypeStruct((Lp * B * C,), jnp.int32)]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     kwargs = {} if interpret else {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=1)}
     out = pl.pallas_call(
         functools.partial(_round_kernel, layers=layers, slots=S, lanes=B, hot_rows=H, positions=M, capacity=N,
-                          padded=(Mp, Fp, Wp), distinct=distinct, max_repeats=max_repeats, interpret=interpret),
+                          padded=(Mp, Fp, Wp, C, Wc), distinct=distinct, max_repeats=max_repeats, interpret=interpret),
         out_shape=out_shape,
         grid=(Lp, B),
         in_specs=[any_spec] * len(operands), out_specs=[any_spec] * len(out_shape),
@@ -296,9 +374,9 @@ def fill_round(maps: dict, rounds: tuple, lane_slot: jax.Array, lane_active: jax
         interpret=interpret, name="glm53_fill_round", **kwargs,
     )(*operands)
     new_maps = {n: out[j].reshape(maps[n].shape) for j, n in enumerate(MAP_NAMES)}
-    entry = out[-3].reshape(Lp, B, Fp)[..., :F]
-    victim = out[-2].reshape(Lp, B, Fp)[..., :F]
-    return new_maps, entry, victim, out[-1].reshape(Lp, B)
+    entry = out[-4].reshape(Lp, B, Fp)[..., :F]
+    victim = out[-3].reshape(Lp, B, Fp)[..., :F]
+    return new_maps, entry, victim, out[-2].reshape(Lp, B)
 
 
 @functools.partial(jax.jit, static_argnames=("layers", "hot_rows", "distinct", "max_repeats", "num_warps",

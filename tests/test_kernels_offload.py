@@ -314,6 +314,45 @@ def test_fill_round_fewer_election_rounds_than_repeats():
 
 
 @pytest.mark.parametrize("distinct", [True, False])
+def test_fill_round_compacted_path_searches_the_window_in_chunks(distinct):
+    """A warm cache's round (at most C misses) takes the kernel's compacted path; here the first Wc window slots
+    from the clock are all pinned by this round's hits, so its victims come from the second chunk. Beside it a
+    lane with more than C misses takes the full path. Both equal the reference and the oracle."""
+    H, N, M, clock = 64, 320, 64, 5
+    C, Wc = frd.compact_sizes(M, frd._next_pow2(frd.sizes(M, H)[1]))
+    assert (C, Wc) == (16, 32)
+    pos_of_slot = np.full((1, 2, H), -1, np.int32)
+    slot_of_pos = np.full((1, 2, N), -1, np.int32)
+    pos_of_slot[0, :] = 100 + np.arange(H)
+    slot_of_pos[0, :, 100:100 + H] = np.arange(H)
+    maps = dict(pin_round=np.zeros((1, 2, H), np.int32), position_of_slot=pos_of_slot,
+                slot_of_position=slot_of_pos, rounds=np.full((1, 2), 7, np.int32),
+                clock=np.full((1, 2), clock, np.int32), counters=np.zeros((1, 2, 5), np.int32))
+    hit_slots = (clock + np.arange(48)) % H  # the whole first chunk and half the second, pinned
+    misses = np.arange(12) * 7  # cold positions
+    tail = misses[:4] if not distinct else 90 + np.arange(4)  # repeats of missed positions, or 4 more misses
+    warm = np.concatenate([100 + hit_slots, misses, tail]).astype(np.int32)
+    cold = np.arange(M, dtype=np.int32) * 3  # below 100 and beyond 163: every entry a miss
+    cold[cold >= 100] += 100
+    pos = np.stack([warm, cold])
+    slot = np.stack([slot_of_pos[0, 0, warm], slot_of_pos[0, 1, cold]])
+    source = np.where(slot >= 0, hg.HOT, hg.HOST).astype(np.int32)
+    valid = np.ones_like(pos, bool)
+    valid[0, -1] = False
+    rounds = [dict(pos=pos, source=source, slot=slot, valid=valid)]
+    lane_slot, lane_active = np.array([0, 1], np.int32), np.array([True, True])
+    wanted = ((source == hg.HOST) & valid).sum(1)
+    assert wanted[0] <= C < wanted[1], "one lane on each path"
+    got = _fill_round_kernel_vs_reference(maps, rounds, lane_slot, lane_active, (0,), H, distinct=distinct,
+                                          max_repeats=1 if distinct else 2)
+    _check_fill_round_oracle(maps, rounds, lane_slot, lane_active, (0,), H, got)
+    n_fill, victim = got[3], got[2]
+    assert n_fill[0, 0] == (15 if distinct else 12) and (victim[0, 0, :n_fill[0, 0]] >= 0).all()
+    assert set(((victim[0, 0, :n_fill[0, 0]] - clock) % H).tolist()) <= set(range(48, 64)), "second chunk"
+    assert n_fill[0, 1] == M  # the full path: every entry missed, nothing pinned
+
+
+@pytest.mark.parametrize("distinct", [True, False])
 def test_fill_round_inactive_lane_is_inert(distinct):
     """Lane 2 is padding on slot 0, which active lane 1 uses, with a round of its own that would hit, miss and fill:
     kernel and reference give the same maps as without that lane, and an empty fill list for it."""
