@@ -548,3 +548,13 @@ def test_kernel_scopes_name_the_pallas_kernels():
     assert kernel_scope("glm53_hot_gather", "command_buffer_7", "jit_decode", ops) == ("offload_gather", "")
     assert kernel_scope("fusion_12", "command_buffer_7", "jit_decode", ops) == ("self_attn", ops["fusion_12"])
     assert kernel_scope("fusion_99", "command_buffer_7", "jit_decode", ops) == ("unattributed", "")
+
+
+def test_bench_mla_decode(tmp_path):
+    out = tmp_path / "mla.json"
+    _bench("experiments.bench_mla_decode", "--queries=2", "--block_rows=16", "--num_warps=4", f"--out={out}")
+    report = json.loads(out.read_text())
+    (case,) = report["cases"]
+    (kernel,) = case["kernel"]
+    assert case["queries"] == 2 and case["reference_us"] > 0 and kernel["us"] > 0
+    assert kernel["block_rows"] == 16 and kernel["max_abs_diff"] < 0.1  # bf16 probabilities' rounding

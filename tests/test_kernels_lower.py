@@ -25,6 +25,7 @@ fr = importlib.import_module("kernels_pallas.fill_rows")
 frd = importlib.import_module("kernels_pallas.fill_round")
 cb = importlib.import_module("kernels_pallas.copy_blocks")
 gm = importlib.import_module("kernels_pallas.grouped_matmul")
+mla = importlib.import_module("kernels_pallas.mla_decode")
 
 S = jax.ShapeDtypeStruct
 I32 = jnp.int32
@@ -99,6 +100,11 @@ def _cases():
         yield f"grouped_matmul_fp8_{rows}", gm.grouped_matmul, (  # FP8 experts, block scales read in the kernel
             S((rows, 6144), jnp.bfloat16), S((16, 6144, 2048), jnp.float8_e4m3fn), S((16,), I32),
             S((16, 48, 16), jnp.float32))
+    # sparse MLA attention (64 heads, latent 512, rope 64, top-k 2,048): a decode step's lanes, a verify step's rows
+    for q in (B, B * T):
+        yield f"mla_decode_{q}", functools.partial(mla.mla_decode, softmax_scale=192 ** -0.5), (
+            S((q, 64, 512), jnp.bfloat16), S((q, 64, 64), jnp.bfloat16), S((q, K, 512), jnp.bfloat16),
+            S((q, K, 64), jnp.bfloat16), S((q, K), jnp.bool_))
     ring, pool = _planes("fp8g128", L * SLOTS * 2 * P), _planes("fp8g128", POOL_PAGES * L * P, sharding=HOST)
     NB = B * L * 2  # two pages per lane and layer
     idx = (S((NB,), I32),) * 3
