@@ -83,6 +83,16 @@ def more_pairs(losses_pct: list, *, pairs: int, max_pairs: int, half_width_pct: 
     return True, False
 
 
+def setting_deadline_s(elapsed_s: float, budget_s: float, settings_left: int) -> float:
+    """When a setting's extra pairs must stop, in seconds since the start: an equal share of the budget left for
+    this setting and the ones after it (0: no budget). Without shares a jittering host made the first setting add
+    pairs until the whole budget was spent (``sessions_ab_10x50k_59a7e32.json``: ten MTP 0 pairs, then the call's
+    time limit ended the run before its MTP 3 setting began)."""
+    if not budget_s:
+        return 0.0
+    return elapsed_s + max(budget_s - elapsed_s, 0.0) / max(settings_left, 1)
+
+
 def same_logits(a: dict, sids_a: list, b: dict, sids_b: list) -> bool:
     """Whether two ``run(..., logits=True)`` results hold bit-identical logits, session by session."""
     return all(np.array_equal(a["report"].logits[x], b["report"].logits[y]) for x, y in zip(sids_a, sids_b))

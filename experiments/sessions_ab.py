@@ -28,7 +28,8 @@ Each setting's summary holds the pooled loss, a 95% interval over its pairs' los
 its verdict against ``--target_pct`` (``target``: met / missed / undecided), and whether runs of one mode agreed
 within 1% (``resolved``). ``--max_pairs=N`` keeps adding pairs past ``--pairs`` until the interval's half width is
 at most ``--half_width_pct`` (a 10 x 50K pair takes ~6 s of decode on the H200, so a jittery host can be outlasted);
-``--budget_s`` stops adding them once that many seconds have passed since the start.
+``--budget_s`` stops adding them once that many seconds have passed since the start; each setting gets an equal
+share of what is left when it begins, so a jittering first setting cannot spend the later ones' time.
 
 Last, ``--append`` tokens are appended to one session of each engine in interleaved pairs (``append_ab``): the time
 of a large append to a long offloaded history against resident, outputs compared after it.
@@ -46,7 +47,7 @@ import glm53
 import glm53.roofline
 from experiments import loss_plot, workloads
 from experiments.engine_runs import (figures, loss_interval_pct, more_pairs, pooled_loss_pct, run, same_logits,
-                                     target_verdict)
+                                     setting_deadline_s, target_verdict)
 from glm53.memory import device_memory
 from glm53.provenance import provenance
 from kernels_pallas import kv_formats
@@ -60,7 +61,8 @@ flags.DEFINE_integer("max_pairs", 0, "after --pairs, keep adding pairs while the
                      "--half_width_pct, up to this many (0: --pairs only)")
 flags.DEFINE_float("half_width_pct", 0.25, "the 95% interval half width (percentage points) --max_pairs aims for")
 flags.DEFINE_float("budget_s", 0.0, "no pairs beyond --pairs once this many seconds have passed since the start, so a "
-                   "run fits a machine's time limit (0: none); settings cut short say so (stopped_by_budget)")
+                   "run fits a machine's time limit (0: none), each setting stopping at an equal share of what is "
+                   "left when it begins; settings cut short say so (stopped_by_budget)")
 flags.DEFINE_float("target_pct", 1.0, "the loss target each setting's interval is judged against (met / missed / "
                    "undecided)")
 flags.DEFINE_list("mtp", ["0", "3"], "MTP depths")
@@ -157,7 +159,8 @@ def main(_):
     # MTP: forced acceptance (every draft); its runs also record the model's real verdicts (acceptance_real).
     settings = [(w, d, None) for w in FLAGS.workload for d in depths if d == 0] + \
         [(w, d, d) for w in FLAGS.workload for d in depths if d > 0]
-    for workload, depth, accept in settings:
+    for i_setting, (workload, depth, accept) in enumerate(settings):
+        deadline_s = setting_deadline_s(time.perf_counter() - t_start, FLAGS.budget_s, len(settings) - i_setting)
 
         def selection(seed):
             return workloads.selection(workload, K, history, seed, S)
@@ -165,7 +168,8 @@ def main(_):
         name = f"mtp{depth}" + ("" if not depth else ("_forced" if accept is not None else "_real"))
         if len(FLAGS.workload) > 1:
             name = f"{workload}_{name}"
-        entry = {"mtp": depth, "accept_override": accept, "workload": workload, "pairs": [], "stopped_by_budget": False}
+        entry = {"mtp": depth, "accept_override": accept, "workload": workload, "pairs": [], "stopped_by_budget": False,
+                 "budget_deadline_s": deadline_s or None}
         # The warm-up (it compiles every shape of the setting) is also the logits check: offload == resident bit
         # for bit.
         check = {}
@@ -183,7 +187,7 @@ def main(_):
         def another_pair() -> bool:
             go, by_budget = more_pairs([q["offload_loss_pct"] for q in entry["pairs"]], pairs=FLAGS.pairs,
                                        max_pairs=FLAGS.max_pairs, half_width_pct=FLAGS.half_width_pct,
-                                       elapsed_s=time.perf_counter() - t_start, budget_s=FLAGS.budget_s)
+                                       elapsed_s=time.perf_counter() - t_start, budget_s=deadline_s)
             entry["stopped_by_budget"] = by_budget
             return go
 

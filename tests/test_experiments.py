@@ -114,6 +114,16 @@ def test_more_pairs_until_the_interval_is_narrow_or_the_budget_is_spent():
     assert more_pairs([3.0, -1.0], **{**kw, "max_pairs": 0}) == (False, False)  # no --max_pairs: --pairs only
 
 
+def test_each_setting_gets_a_share_of_the_budget_left():
+    from experiments.engine_runs import setting_deadline_s
+
+    assert setting_deadline_s(0.0, 300.0, 2) == 150.0  # the first of two settings: half
+    assert setting_deadline_s(200.0, 300.0, 1) == 300.0  # the last: all that is left
+    assert setting_deadline_s(100.0, 400.0, 3) == 200.0
+    assert setting_deadline_s(350.0, 300.0, 2) == 350.0  # past the budget: stops now (its --pairs still run)
+    assert setting_deadline_s(10.0, 0.0, 2) == 0.0  # no budget
+
+
 def test_step_copies_names_a_copied_cache_parameter():
     """``experiments.step_copies`` finds a copy of a donated cache parameter in a compiled program, and none in one
     that updates it in place."""
