@@ -21,7 +21,6 @@ the compiled step, and a check that the pages read back from host memory bit for
     python -m experiments.bench_copyback --tiny   # CPU smoke run
 """
 
-import json
 import re
 import time
 
@@ -30,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from glm53.provenance import provenance
+from glm53.provenance import write_results
 from kernels_pallas import kv_formats, ops
 from kernels_pallas.hot_gather import HOST
 
@@ -160,10 +159,7 @@ def main(_):
               f"{r['copyback_call_ms_median']:.3f} ms vs {r['other_call_ms_median']:.3f} ms, p99/p50 "
               f"{r['call_p99_over_median']:.2f}; whole-history copies in the step {r['history_copies_in_step']}; "
               f"ok {ok_all}", flush=True)
-    results.update(provenance())
-    if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_results(FLAGS.out, results)
 
 
 if __name__ == "__main__":

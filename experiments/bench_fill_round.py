@@ -16,7 +16,6 @@ locate the election's cost (timing only, not valid fills: ``max_repeats=1`` elec
 """
 
 import importlib
-import json
 import time
 
 import jax
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from glm53.provenance import provenance
+from glm53.provenance import write_results
 
 frd = importlib.import_module("kernels_pallas.fill_round")
 hg = importlib.import_module("kernels_pallas.hot_gather")
@@ -125,10 +124,7 @@ def main(_):
         us = timed(lambda m, r, s, a: frd.fill_round(m, r, s, a, **kw))
         results["kernel"].append({**v, "us": us, "bit_identical_to_reference": equal})
         print(f"kernel {v}: {us:.2f} us, identical {equal}")
-    results.update(provenance())
-    if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_results(FLAGS.out, results)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ is counted and XLA cannot hoist the call.
 
 import importlib
 import itertools
-import json
 import time
 
 import jax
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from glm53.provenance import provenance
+from glm53.provenance import write_results
 
 mla = importlib.import_module("kernels_pallas.mla_decode")
 
@@ -78,10 +77,7 @@ def main(_):
             print(f"  kernel block_rows={br} num_warps={nw}: {us:.2f} us, max |kernel - reference| {diff:.2e}",
                   flush=True)
         results["cases"].append(case)
-    results.update(provenance())
-    if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_results(FLAGS.out, results)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Where a measurement came from: the git revision (and whether the tree was dirty), the command, the machine."""
 
+import json
 import os
 import subprocess
 import sys
@@ -30,3 +31,11 @@ def _module_name() -> str:
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     return spec.name if spec is not None else sys.argv[0]
+
+
+def write_results(path: str, results: dict) -> None:
+    """``results`` with its provenance added, written to ``path`` as JSON (nothing written when ``path`` is empty)."""
+    results.update(provenance())
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
