@@ -331,7 +331,7 @@ class OffloadCache(CacheBase):
         rounds = [r for r in (rounds or ()) if r is not None]
         if not rounds or not step.fill:
             return self
-        layers, merged, most = merge_rounds(rounds, pad_packed=False)
+        layers, merged, most = merge_rounds(rounds)
         H, S = self.hot_rows, self.num_slots
         repeats = max(step.repeats, most)
         maps = dict(pin_round=self.pin_round, position_of_slot=self.position_of_slot,
@@ -553,18 +553,18 @@ def _device_buffer(planes: dict, rows: int) -> dict:
     return {n: jnp.zeros((_padded(rows, a), a.shape[1]), a.dtype) for n, a in planes.items()}
 
 
-def merge_rounds(rounds: list, pad_packed: bool = True) -> tuple[tuple, list, int]:
+def merge_rounds(rounds: list) -> tuple[tuple, list, int]:
     """A step's rounds as the fill takes them: ``(layers, rounds, most)``, the layers in order, one round per layer
-    (a layer's several rounds, the MTP layer's drafts, concatenated in order), all padded to one width, and the
-    most rounds one layer had. ``pad_packed=False`` leaves the gathered rows (``packed``) at each layer's own width
-    (the fill's row copy takes them so: padding them is a copy of every gathered row of the layer)."""
+    (a layer's several rounds, the MTP layer's drafts, concatenated in order), their per-entry arrays padded to one
+    width, and the most rounds one layer had. The gathered rows (``packed``) keep each layer's own width: the fill's
+    row copy takes them so, and padding them would copy every gathered row of the layer."""
     by_layer: dict[int, list] = {}
     for r in rounds:
         by_layer.setdefault(r.layer, []).append(r)
     layers = tuple(sorted(by_layer))
     merged = [_concat_rounds(by_layer[l]) for l in layers]
     M = max(r.pos.shape[1] for r in merged)
-    return layers, [_pad_round(r, M, pad_packed) for r in merged], max(len(v) for v in by_layer.values())
+    return layers, [_pad_round(r, M) for r in merged], max(len(v) for v in by_layer.values())
 
 
 def trace_rounds(rounds: list, step) -> dict:
@@ -574,7 +574,7 @@ def trace_rounds(rounds: list, step) -> dict:
     rounds = [r for r in (rounds or ()) if r is not None]
     if not rounds or not step.fill:
         return {}
-    layers, merged, _ = merge_rounds(rounds, pad_packed=False)
+    layers, merged, _ = merge_rounds(rounds)
     return {"layers": jnp.asarray(layers, jnp.int32), "pos": jnp.stack([r.pos for r in merged]),
             "valid": jnp.stack([r.valid for r in merged]), "in_ring": jnp.stack([r.source == RING for r in merged]),
             "active": step.lanes.active, "start": step.positions[:, 0]}
@@ -588,15 +588,14 @@ def _concat_rounds(rs: list) -> Round:
                  packed={n: jnp.concatenate([r.packed[n] for r in rs], 1) for n in rs[0].packed}, layer=rs[0].layer)
 
 
-def _pad_round(r: Round, M: int, pad_packed: bool = True) -> Round:
-    """Pad entries that are no lookup at all: ring source, not valid (never counted, pinned or filled)."""
+def _pad_round(r: Round, M: int) -> Round:
+    """Pad entries that are no lookup at all: ring source, not valid (never counted, pinned or filled). The
+    gathered rows stay as they are (the fill never reads a padded entry's row)."""
     pad = M - r.pos.shape[1]
     if not pad:
         return r
     p2 = lambda a, v: jnp.pad(a, ((0, 0), (0, pad)), constant_values=v)
-    packed = {n: jnp.pad(v, ((0, 0), (0, pad), (0, 0))) for n, v in r.packed.items()} if pad_packed else r.packed
-    return r.replace(pos=p2(r.pos, 0), source=p2(r.source, RING), slot=p2(r.slot, -1), valid=p2(r.valid, False),
-                     packed=packed)
+    return r.replace(pos=p2(r.pos, 0), source=p2(r.source, RING), slot=p2(r.slot, -1), valid=p2(r.valid, False))
 
 
 # ----------------------------------------------------------------------------------------------------------------
