@@ -140,10 +140,12 @@ def mla_decode(q_lat, q_rope, lat, rope, attend, *, softmax_scale: float, splits
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "splits", "block_rows", "num_warps", "interpret"))
 def mla_decode_reference(q_lat, q_rope, lat, rope, attend, *, softmax_scale: float, splits: int | None = None,
                          block_rows: int = 32, num_warps: int = 4, interpret: bool = False):
-    """Pure-jnp ``mla_decode`` (same signature; the launch arguments unused): the model's einsums."""
+    """Pure-jnp ``mla_decode`` (same signature; the launch arguments unused): the model's einsums. Leading dims
+    may be any batch shape (``[B, T]`` in the model), so the model's path through it is its former einsums
+    exactly."""
     del splits, block_rows, num_warps, interpret
-    scores = (jnp.einsum("qhc,qkc->qhk", q_lat, lat, preferred_element_type=F32)
-              + jnp.einsum("qhr,qkr->qhk", q_rope, rope, preferred_element_type=F32))
-    scores = jnp.where(attend[:, None, :], scores * softmax_scale, -jnp.inf)
+    scores = (jnp.einsum("...hc,...kc->...hk", q_lat, lat, preferred_element_type=F32)
+              + jnp.einsum("...hr,...kr->...hk", q_rope, rope, preferred_element_type=F32))
+    scores = jnp.where(attend[..., None, :], scores * softmax_scale, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(lat.dtype)
-    return jnp.einsum("qhk,qkc->qhc", probs, lat)
+    return jnp.einsum("...hk,...kc->...hc", probs, lat)

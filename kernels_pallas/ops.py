@@ -21,6 +21,7 @@ import importlib
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 # The package re-exports functions named like these modules, so fetch the modules themselves.
 _gather = importlib.import_module("kernels_pallas.gather_rows")
@@ -30,6 +31,7 @@ _fill = importlib.import_module("kernels_pallas.fill_rows")
 _fill_round = importlib.import_module("kernels_pallas.fill_round")
 _copy = importlib.import_module("kernels_pallas.copy_blocks")
 _gmm = importlib.import_module("kernels_pallas.grouped_matmul")
+_mla = importlib.import_module("kernels_pallas.mla_decode")
 
 IMPLS = ("auto", "pallas", "reference")
 GPU_BACKENDS = ("gpu", "cuda", "rocm")
@@ -185,3 +187,42 @@ def grouped_matmul(x, w, group_sizes, w_scale=None, *, impl: str):
     if not use_pallas:
         return _gmm.grouped_matmul_reference(x, w, group_sizes, w_scale)
     return _gmm.grouped_matmul(x, w, group_sizes, w_scale, interpret=interpret)
+
+
+# Query rows per lane that take the decode-attention kernel: decode (1) and MTP verify (depth + 1 <= 4) steps, and
+# an append's short tail chunk. A prefill chunk's hundreds of rows keep the batched einsums: there the score and
+# output products are large GEMMs that XLA runs near the tensor cores' peak, while the kernel would re-read each
+# row's gathered history once per column half.
+MLA_DECODE_MAX_ROWS = 8
+
+
+def mla_attention(q_lat, q_rope, lat, rope, attend, *, softmax_scale: float, impl: str, mesh=None):
+    """Absorbed-MLA sparse attention of each query row over its gathered history rows: ``q_lat [B, T, h, C]``,
+    ``q_rope [B, T, h, R]``, ``lat [B, T, K, C]``, ``rope [B, T, K, R]``, ``attend [B, T, K]`` -> ``o_lat
+    [B, T, h, C]`` in ``lat``'s dtype.
+
+    ``mesh``: the ``(stage, tp)`` mesh the heads are split over (None: one device). The kernel has no partitioning
+    rule (left to GSPMD, every device would gather all heads' queries and attend with all of them), so each device
+    runs it on its own heads (``shard_map``); the gathered rows are replicated over ``tp`` already. Sizes the
+    kernel cannot take (heads per device not a power of two >= 16, a top-k not a multiple of 16) and prefill
+    chunks run the reference, the model's einsums."""
+    use_pallas, interpret = resolve(impl)
+    B, T, h, C = q_lat.shape
+    K, R = lat.shape[2], rope.shape[-1]
+    tp = 1 if mesh is None else mesh.shape["tp"]
+    block_rows = 32 if K % 32 == 0 else 16
+    if not use_pallas or T > MLA_DECODE_MAX_ROWS or h % tp or not _mla.supported(h // tp, C, R, K, block_rows):
+        return _mla.mla_decode_reference(q_lat, q_rope, lat, rope, attend, softmax_scale=softmax_scale)
+
+    def local(q_lat, q_rope, lat, rope, attend):
+        heads = q_lat.shape[2]
+        out = _mla.mla_decode(q_lat.reshape(B * T, heads, C), q_rope.reshape(B * T, heads, R),
+                              lat.reshape(B * T, K, C), rope.reshape(B * T, K, R), attend.reshape(B * T, K),
+                              softmax_scale=softmax_scale, block_rows=block_rows, interpret=interpret)
+        return out.reshape(B, T, heads, C)
+
+    if tp == 1:
+        return local(q_lat, q_rope, lat, rope, attend)
+    split = P(None, None, "tp", None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(split, split, P(), P(), P()), out_specs=split,
+                         check_vma=False)(q_lat, q_rope, lat, rope, attend)
