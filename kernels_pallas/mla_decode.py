@@ -10,12 +10,13 @@ the latent space (absorbed MLA), to the K history rows its DSA selection gathere
 The model computed this with einsums: two score GEMMs, the mask, the softmax's reductions and the weighted sum,
 each a kernel that reads or writes an [h, K] or [K, C] array (in ``profile_decode_8k_8f038d6.json`` the
 attention's reduce fusions alone took 184.7 us of a 3.8 ms batch-1 step, ~5.8 us each, for arrays of ~0.5 MB).
-Here program (r, s, c) reads its split s of the rows once, keeps an online softmax over them (running max and
-sum per head), and accumulates half c of the output columns (a [h, C/2] f32 accumulator: the whole [64, 512] one
-would not fit the registers); a small jnp combine merges the splits.
+Here program (r, s, p) reads its split s of the rows, keeps an online softmax over them (running max and sum per
+head) for its part p's heads, and accumulates its part's slice of the output columns in f32 (all 64 heads' whole
+[64, 512] accumulator would not fit the registers: a part is a block of heads times a slice of the columns); a
+small jnp combine merges the splits.
 
-The heads share every history row (MLA's latent is one "key" for all heads), so a program holds all h heads'
-queries and each row block is one [h, C] x [C, BK] score dot and one [h, BK] x [BK, C/2] output dot.
+The heads share every history row (MLA's latent is one "key" for all heads), so a program holds a block of heads'
+queries and each row block is one [hb, C] x [C, BK] score dot and one [hb, BK] x [BK, C / parts] output dot.
 
 Numerics: scores and the softmax in f32; probabilities are cast to the rows' dtype for the output dot with f32
 accumulation, as the reference does, but unnormalised (each split's running max subtracted, not the row's), and
@@ -36,36 +37,38 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 F32 = jnp.float32
-COLUMN_HALVES = 2
 
 
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def supported(heads: int, latent: int, rope: int, rows: int, block_rows: int) -> bool:
+def supported(heads: int, latent: int, rope: int, rows: int, block_rows: int, head_block: int | None = None,
+              column_parts: int = 2) -> bool:
     """Whether the kernel takes these sizes: Triton's dots want power-of-two dims of at least 16."""
-    return (all(_pow2(n) and n >= 16 for n in (heads, latent // COLUMN_HALVES, rope, block_rows))
-            and rows % block_rows == 0)
+    head_block = heads if head_block is None else head_block
+    return (all(_pow2(n) and n >= 16 for n in (head_block, latent // max(column_parts, 1), rope, block_rows))
+            and heads % head_block == 0 and latent % column_parts == 0 and rows % block_rows == 0)
 
 
-def default_splits(num_query_rows: int, rows: int, block_rows: int, target_programs: int = 256) -> int:
-    """Splits of each query row's K history rows: enough programs for the GPU (~2 per SM of an H100 / H200)
-    but at least one row block per split. A batch-1 decode row splits 64 ways at K = 2,048 in 32-row blocks."""
-    s = max(1, target_programs // (num_query_rows * COLUMN_HALVES))
+def default_splits(num_query_rows: int, rows: int, block_rows: int, parts: int = 2, target_programs: int = 256) -> int:
+    """Splits of each query row's K history rows: enough programs for the GPU (~2 per SM of an H100 / H200) over
+    the ``parts`` (head blocks x column parts) each split runs as, but at least one row block per split. A batch-1
+    decode row splits 64 ways at K = 2,048 in 32-row blocks and 2 parts."""
+    s = max(1, target_programs // (num_query_rows * parts))
     s = 1 << (s.bit_length() - 1)  # a power of two, so it divides K
     return max(1, min(s, rows // block_rows))
 
 
 def _kernel(q_lat_ref, q_rope_ref, lat_ref, rope_ref, attend_ref, o_ref, m_ref, l_ref, *, softmax_scale: float,
-            block_rows: int, rows_per_split: int, half: int):
-    c = pl.program_id(2)
+            block_rows: int, rows_per_split: int, width: int, column_parts: int):
+    c = pl.program_id(2) % column_parts
     dot_dtype = lat_ref.dtype
     precision = lax.Precision.HIGHEST if dot_dtype == F32 else lax.Precision.DEFAULT
-    q_lat = q_lat_ref[0]  # [h, C]
-    q_rope = q_rope_ref[0]  # [h, R]
-    h = q_lat.shape[0]
-    contract_rows = (((1,), (1,)), ((), ()))  # [h, C] x [BK, C] -> [h, BK]
+    q_lat = q_lat_ref[0]  # [hb, C]
+    q_rope = q_rope_ref[0]  # [hb, R]
+    hb = q_lat.shape[0]
+    contract_rows = (((1,), (1,)), ((), ()))  # [hb, C] x [BK, C] -> [hb, BK]
 
     def block(j, carry):
         m, l, acc = carry
@@ -81,54 +84,68 @@ def _kernel(q_lat_ref, q_rope_ref, lat_ref, rope_ref, attend_ref, o_ref, m_ref, 
         alpha = jnp.exp(m - m_use)
         p = jnp.exp(s - m_use[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        v = lat_ref[0, pl.ds(k0, block_rows), pl.ds(c * half, half)]  # [BK, C/2]: this program's columns
+        if column_parts == 1:
+            v = lat
+        else:
+            v = lat_ref[0, pl.ds(k0, block_rows), pl.ds(c * width, width)]  # [BK, width]: this program's columns
         acc = acc * alpha[:, None] + lax.dot_general(p.astype(dot_dtype), v, (((1,), (0,)), ((), ())),
                                                       precision=precision, preferred_element_type=F32)
         return m_new, l, acc
 
-    init = (jnp.full((h,), -jnp.inf, F32), jnp.zeros((h,), F32), jnp.zeros((h, half), F32))
+    init = (jnp.full((hb,), -jnp.inf, F32), jnp.zeros((hb,), F32), jnp.zeros((hb, width), F32))
     m, l, acc = lax.fori_loop(0, rows_per_split // block_rows, block, init)
     o_ref[0, 0] = acc
     m_ref[0, 0, 0] = m
     l_ref[0, 0, 0] = l
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "splits", "block_rows", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "splits", "block_rows", "head_block", "column_parts",
+                                             "num_warps", "num_stages", "interpret"))
 def mla_decode(q_lat, q_rope, lat, rope, attend, *, softmax_scale: float, splits: int | None = None,
-               block_rows: int = 32, num_warps: int = 4, interpret: bool = False):
+               block_rows: int = 32, head_block: int | None = None, column_parts: int = 2, num_warps: int = 4,
+               num_stages: int = 2, interpret: bool = False):
     """``o_lat [Q, h, C]`` in ``lat``'s dtype for query rows ``q_lat [Q, h, C]``, ``q_rope [Q, h, R]`` over their
-    gathered rows ``lat [Q, K, C]``, ``rope [Q, K, R]`` where ``attend [Q, K]`` (bool)."""
+    gathered rows ``lat [Q, K, C]``, ``rope [Q, K, R]`` where ``attend [Q, K]`` (bool).
+
+    Launch shape: programs ``(query row, split of the K rows, part)``, a part being one block of ``head_block``
+    heads (default all) times one of ``column_parts`` slices of the output columns. Each part computes its heads'
+    scores over the whole row (so parts re-read a split's rows, mostly from L2) and accumulates ``[head_block,
+    C / column_parts]`` f32: fewer heads or columns a program means fewer registers, more parts more re-reads."""
     Q, h, C = q_lat.shape
     R = q_rope.shape[-1]
     K = lat.shape[1]
+    hb = h if head_block is None else head_block
     if lat.shape != (Q, K, C) or rope.shape != (Q, K, R) or q_rope.shape != (Q, h, R) or attend.shape != (Q, K):
         raise ValueError(f"mla_decode: q_lat {q_lat.shape}, q_rope {q_rope.shape}, lat {lat.shape}, rope "
                          f"{rope.shape}, attend {attend.shape} do not agree on [Q, h, C] / [Q, K, C] / [Q, K, R]")
-    if not supported(h, C, R, K, block_rows):
-        raise ValueError(f"mla_decode needs power-of-two heads ({h}), half latent ({C // COLUMN_HALVES}), rope "
-                         f"({R}) and block_rows ({block_rows}), each >= 16, and K ({K}) a multiple of block_rows")
-    S = default_splits(Q, K, block_rows) if splits is None else splits
+    if not supported(h, C, R, K, block_rows, hb, column_parts):
+        raise ValueError(f"mla_decode needs power-of-two head_block ({hb}, dividing heads {h}), latent / "
+                         f"column_parts ({C} / {column_parts}), rope ({R}) and block_rows ({block_rows}), each >= "
+                         f"16, and K ({K}) a multiple of block_rows")
+    parts = (h // hb) * column_parts
+    S = default_splits(Q, K, block_rows, parts) if splits is None else splits
     if not _pow2(S) or K % (S * block_rows):
         raise ValueError(f"splits ({S}) must be a power of two with K ({K}) a multiple of splits x block_rows")
-    Ks, half = K // S, C // COLUMN_HALVES
-    kwargs = {} if interpret else {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=2)}
+    Ks, width, cp = K // S, C // column_parts, column_parts
+    kwargs = ({} if interpret else
+              {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)})
     acc, m, l = pl.pallas_call(
         functools.partial(_kernel, softmax_scale=softmax_scale, block_rows=block_rows, rows_per_split=Ks,
-                          half=half),
-        out_shape=[jax.ShapeDtypeStruct((Q, S, h, C), F32), jax.ShapeDtypeStruct((Q, S, COLUMN_HALVES, h), F32),
-                   jax.ShapeDtypeStruct((Q, S, COLUMN_HALVES, h), F32)],
-        grid=(Q, S, COLUMN_HALVES),
-        in_specs=[pl.BlockSpec((1, h, C), lambda q, s, c: (q, 0, 0)),
-                  pl.BlockSpec((1, h, R), lambda q, s, c: (q, 0, 0)),
-                  pl.BlockSpec((1, Ks, C), lambda q, s, c: (q, s, 0)),
-                  pl.BlockSpec((1, Ks, R), lambda q, s, c: (q, s, 0)),
-                  pl.BlockSpec((1, Ks), lambda q, s, c: (q, s))],
-        out_specs=[pl.BlockSpec((1, 1, h, half), lambda q, s, c: (q, s, 0, c)),
-                   pl.BlockSpec((1, 1, 1, h), lambda q, s, c: (q, s, c, 0)),
-                   pl.BlockSpec((1, 1, 1, h), lambda q, s, c: (q, s, c, 0))],
+                          width=width, column_parts=cp),
+        out_shape=[jax.ShapeDtypeStruct((Q, S, h, C), F32), jax.ShapeDtypeStruct((Q, S, cp, h), F32),
+                   jax.ShapeDtypeStruct((Q, S, cp, h), F32)],
+        grid=(Q, S, parts),
+        in_specs=[pl.BlockSpec((1, hb, C), lambda q, s, p: (q, p // cp, 0)),
+                  pl.BlockSpec((1, hb, R), lambda q, s, p: (q, p // cp, 0)),
+                  pl.BlockSpec((1, Ks, C), lambda q, s, p: (q, s, 0)),
+                  pl.BlockSpec((1, Ks, R), lambda q, s, p: (q, s, 0)),
+                  pl.BlockSpec((1, Ks), lambda q, s, p: (q, s))],
+        out_specs=[pl.BlockSpec((1, 1, hb, width), lambda q, s, p: (q, s, p // cp, p % cp)),
+                   pl.BlockSpec((1, 1, 1, hb), lambda q, s, p: (q, s, p % cp, p // cp)),
+                   pl.BlockSpec((1, 1, 1, hb), lambda q, s, p: (q, s, p % cp, p // cp))],
         interpret=interpret, name="glm53_mla_decode", **kwargs,
     )(q_lat, q_rope, lat, rope, attend)
-    # Every column half saw the same scores: its running max and sum are the same; take the first's.
+    # Every column part of a head block saw the same scores: its running max and sum are the same; take the first's.
     m, l = m[:, :, 0], l[:, :, 0]  # [Q, S, h]
     top = jnp.max(m, axis=1, keepdims=True)
     weight = jnp.exp(m - jnp.where(top == -jnp.inf, 0.0, top))  # [Q, S, h]
@@ -137,13 +154,15 @@ def mla_decode(q_lat, q_rope, lat, rope, attend, *, softmax_scale: float, splits
     return out.astype(lat.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "splits", "block_rows", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "splits", "block_rows", "head_block", "column_parts",
+                                             "num_warps", "num_stages", "interpret"))
 def mla_decode_reference(q_lat, q_rope, lat, rope, attend, *, softmax_scale: float, splits: int | None = None,
-                         block_rows: int = 32, num_warps: int = 4, interpret: bool = False):
+                         block_rows: int = 32, head_block: int | None = None, column_parts: int = 2,
+                         num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
     """Pure-jnp ``mla_decode`` (same signature; the launch arguments unused): the model's einsums. Leading dims
     may be any batch shape (``[B, T]`` in the model), so the model's path through it is its former einsums
     exactly."""
-    del splits, block_rows, num_warps, interpret
+    del splits, block_rows, head_block, column_parts, num_warps, num_stages, interpret
     scores = (jnp.einsum("...hc,...kc->...hk", q_lat, lat, preferred_element_type=F32)
               + jnp.einsum("...hr,...kr->...hk", q_rope, rope, preferred_element_type=F32))
     scores = jnp.where(attend[..., None, :], scores * softmax_scale, -jnp.inf)

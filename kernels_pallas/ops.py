@@ -195,6 +195,22 @@ def grouped_matmul(x, w, group_sizes, w_scale=None, *, impl: str):
 # row's gathered history once per column half.
 MLA_DECODE_MAX_ROWS = 8
 
+# The kernel's launch shape by the number of query rows of a call (rows per step on one device: lanes x T), each
+# entry applying from its row count up: (min rows, block_rows, head_block, column_parts, num_warps). From
+# experiments.bench_mla_decode on the H200 at GLM-5's widths (64 heads, latent 512, top-k 2,048).
+MLA_LAUNCH = ((1, 32, 64, 2, 4),)
+
+
+def mla_launch(rows: int, heads: int, latent: int, rope: int, topk: int) -> dict | None:
+    """``MLA_LAUNCH``'s shape for a call of ``rows`` query rows, fitted to these sizes (a head block no wider than
+    the heads, row blocks that divide the top-k); None when the kernel cannot take them."""
+    _, block_rows, head_block, column_parts, num_warps = max(e for e in MLA_LAUNCH if e[0] <= rows)
+    block_rows = next((b for b in (block_rows, 32, 16) if topk % b == 0), block_rows)
+    launch = dict(block_rows=block_rows, head_block=min(head_block, heads), column_parts=column_parts,
+                  num_warps=num_warps)
+    ok = _mla.supported(heads, latent, rope, topk, block_rows, launch["head_block"], column_parts)
+    return launch if ok else None
+
 
 def mla_attention(q_lat, q_rope, lat, rope, attend, *, softmax_scale: float, impl: str, mesh=None):
     """Absorbed-MLA sparse attention of each query row over its gathered history rows: ``q_lat [B, T, h, C]``,
@@ -210,15 +226,15 @@ def mla_attention(q_lat, q_rope, lat, rope, attend, *, softmax_scale: float, imp
     B, T, h, C = q_lat.shape
     K, R = lat.shape[2], rope.shape[-1]
     tp = 1 if mesh is None else mesh.shape["tp"]
-    block_rows = 32 if K % 32 == 0 else 16
-    if not use_pallas or T > MLA_DECODE_MAX_ROWS or h % tp or not _mla.supported(h // tp, C, R, K, block_rows):
+    launch = mla_launch(B * T, h // tp, C, R, K) if use_pallas and not h % tp else None
+    if launch is None or T > MLA_DECODE_MAX_ROWS:
         return _mla.mla_decode_reference(q_lat, q_rope, lat, rope, attend, softmax_scale=softmax_scale)
 
     def local(q_lat, q_rope, lat, rope, attend):
         heads = q_lat.shape[2]
         out = _mla.mla_decode(q_lat.reshape(B * T, heads, C), q_rope.reshape(B * T, heads, R),
                               lat.reshape(B * T, K, C), rope.reshape(B * T, K, R), attend.reshape(B * T, K),
-                              softmax_scale=softmax_scale, block_rows=block_rows, interpret=interpret)
+                              softmax_scale=softmax_scale, interpret=interpret, **launch)
         return out.reshape(B, T, heads, C)
 
     if tp == 1:

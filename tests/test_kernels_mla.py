@@ -22,16 +22,18 @@ def _case(seed, Q=3, h=16, C=64, R=16, K=128, dtype=jnp.float32, attend_fraction
     return tuple(jnp.asarray(x, dtype) for x in (q_lat, q_rope, lat, rope)) + (jnp.asarray(attend),)
 
 
-@pytest.mark.parametrize("dtype,splits,tol", [(jnp.float32, 1, 1e-5), (jnp.float32, 4, 1e-5),
-                                              (jnp.bfloat16, 2, 3e-2), (jnp.bfloat16, None, 3e-2)])
-def test_mla_decode_matches_reference(dtype, splits, tol):
-    """Splits of the rows and the online softmax give the reference's result: to f32 rounding in f32, to the
-    rounding of bf16 probabilities in bf16 (the kernel rounds them before normalising)."""
-    args = _case(0, dtype=dtype)
-    kw = dict(softmax_scale=0.125, splits=splits, block_rows=16)
+@pytest.mark.parametrize("dtype,splits,head_block,column_parts,tol", [
+    (jnp.float32, 1, None, 2, 1e-5), (jnp.float32, 4, None, 2, 1e-5), (jnp.float32, 2, 16, 1, 1e-5),
+    (jnp.float32, 2, 16, 4, 1e-5), (jnp.bfloat16, 2, None, 2, 3e-2), (jnp.bfloat16, None, 16, 2, 3e-2)])
+def test_mla_decode_matches_reference(dtype, splits, head_block, column_parts, tol):
+    """Splits of the rows, blocks of heads, slices of the columns and the online softmax give the reference's
+    result: to f32 rounding in f32, to the rounding of bf16 probabilities in bf16 (the kernel rounds them before
+    normalising)."""
+    args = _case(0, h=32, dtype=dtype)
+    kw = dict(softmax_scale=0.125, splits=splits, block_rows=16, head_block=head_block, column_parts=column_parts)
     got = mla.mla_decode(*args, interpret=INTERPRET, **kw)
     want = mla.mla_decode_reference(*args, **kw)
-    assert got.dtype == want.dtype == dtype and got.shape == want.shape == (3, 16, 64)
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape == (3, 32, 64)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
 
 
@@ -58,8 +60,10 @@ def test_mla_decode_rejects_what_it_cannot_run():
     args = _case(2)
     with pytest.raises(ValueError, match="do not agree"):
         mla.mla_decode(args[0], args[1], args[2][:, :64], *args[3:], softmax_scale=1.0, interpret=INTERPRET)
-    with pytest.raises(ValueError, match="power-of-two heads"):
+    with pytest.raises(ValueError, match="power-of-two head_block"):
         mla.mla_decode(*_case(2, h=12), softmax_scale=1.0, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="dividing heads 16"):
+        mla.mla_decode(*args, softmax_scale=1.0, head_block=32, interpret=INTERPRET)
     with pytest.raises(ValueError, match="splits"):
         mla.mla_decode(*args, softmax_scale=1.0, splits=3, block_rows=16, interpret=INTERPRET)
 
@@ -70,6 +74,7 @@ def test_default_splits():
     assert mla.default_splits(40, 2048, 32) == 2
     assert mla.default_splits(512, 2048, 32) == 1
     assert mla.default_splits(1, 64, 32) == 2
+    assert mla.default_splits(10, 2048, 32, parts=8) == 2  # 4 head blocks x 2 column parts
 
 
 def _model_case(seed, B=2, T=2, h=16, C=64, R=16, K=32, dtype=jnp.float32):
