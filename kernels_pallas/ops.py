@@ -196,15 +196,19 @@ def grouped_matmul(x, w, group_sizes, w_scale=None, *, impl: str):
 MLA_DECODE_MAX_ROWS = 8
 
 # The kernel's launch shape by the number of query rows of a call (rows per step on one device: lanes x T), each
-# entry applying from its row count up: (min rows, block_rows, head_block, column_parts, num_warps). From
-# experiments.bench_mla_decode on the H200 at GLM-5's widths (64 heads, latent 512, top-k 2,048).
-MLA_LAUNCH = ((1, 32, 64, 2, 4),)
+# entry applying from its row count up: (min rows, (block_rows, head_block, column_parts, num_warps)), or
+# (min rows, None) where the einsums were faster. From experiments.bench_mla_decode on the H200 at GLM-5's widths
+# (64 heads, latent 512, top-k 2,048).
+MLA_LAUNCH = ((1, (32, 64, 2, 4)),)
 
 
 def mla_launch(rows: int, heads: int, latent: int, rope: int, topk: int) -> dict | None:
     """``MLA_LAUNCH``'s shape for a call of ``rows`` query rows, fitted to these sizes (a head block no wider than
     the heads, row blocks that divide the top-k); None when the kernel cannot take them."""
-    _, block_rows, head_block, column_parts, num_warps = max(e for e in MLA_LAUNCH if e[0] <= rows)
+    _, shape = max((e for e in MLA_LAUNCH if e[0] <= rows), key=lambda e: e[0])
+    if shape is None:
+        return None
+    block_rows, head_block, column_parts, num_warps = shape
     block_rows = next((b for b in (block_rows, 32, 16) if topk % b == 0), block_rows)
     launch = dict(block_rows=block_rows, head_block=min(head_block, heads), column_parts=column_parts,
                   num_warps=num_warps)
