@@ -5,9 +5,7 @@ comment says so:
 - Attention is *absorbed* MLA: ``kv_b_proj`` is folded into the query and the output, so attention runs in the
   512-d latent space over exactly the rows the KV cache stores (the reference expands K/V per head instead).
 - DSA selection gathers the top-k rows and attends over them (the reference masks a dense score matrix); the set
-  of attended positions is the same. Decode and verify rows attend in one Pallas kernel
-  (``kernels_pallas.mla_decode``, flash-decoding over the gathered rows) on GPUs; prefill chunks and the CPU run
-  its reference, the einsums.
+  of attended positions is the same.
 - Top-k ties are broken by one fixed rule everywhere: the earlier position wins (``kernels_pallas.indexer_topk``).
 - MoE experts run as sorted grouped matmuls (``kernels_pallas.grouped_matmul``; ``jax.lax.ragged_dot`` as its
   reference) instead of a loop over experts.
@@ -250,8 +248,14 @@ class MLAttention(nn.Module):
         w_kv_b = self.kv_b_proj.reshape(c.kv_lora_rank, h, nope + v)
         w_uk, w_uv = w_kv_b[..., :nope].astype(x.dtype), w_kv_b[..., nope:].astype(x.dtype)
         q_lat = jnp.einsum("bthd,chd->bthc", q_nope, w_uk)
-        o_lat = ops.mla_attention(q_lat, q_rope, lat_sel, rope_sel, attend, softmax_scale=c.softmax_scale,
-                                  impl=step.kernels, mesh=_tp_mesh(self.kv_b_proj))
+        # XLA's einsums, not kernels_pallas.mla_decode: that fused kernel measured slower at every decode size on the
+        # H200 (14.3 against 13.8 us a layer at one row, 36.0 against 29.4 at ten; bench_mla_decode_c53beac.json).
+        scores = (jnp.einsum("bthc,btkc->bthk", q_lat, lat_sel, preferred_element_type=F32)
+                  + jnp.einsum("bthr,btkr->bthk", q_rope, rope_sel, preferred_element_type=F32))
+        scores = scores * c.softmax_scale
+        scores = jnp.where(attend[:, :, None, :], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        o_lat = jnp.einsum("bthk,btkc->bthc", probs, lat_sel)
         o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv).reshape(B, T, h * v)
         return self.o_proj(o), cache, topk, round_
 

@@ -21,9 +21,16 @@ queries and each row block is one [hb, C] x [C, BK] score dot and one [hb, BK] x
 Numerics: scores and the softmax in f32; probabilities are cast to the rows' dtype for the output dot with f32
 accumulation, as the reference does, but unnormalised (each split's running max subtracted, not the row's), and
 the division by the sum happens once at the end. So the kernel agrees with ``mla_decode_reference`` to the
-rounding of the probabilities, not bit for bit; offload and resident modes run the same op on the same rows, so
-they stay bit-identical to each other. A row with nothing to attend to gives NaN, as the reference's softmax of
-all -inf does.
+rounding of the probabilities, not bit for bit. A row with nothing to attend to gives NaN, as the reference's
+softmax of all -inf does.
+
+**Measured slower than XLA's einsums, so the model does not call it.** On the H200
+(``experiments/results/bench_mla_decode_c53beac.json``: row blocks, head blocks, column parts and warps swept) its
+fastest launch shape took 14.3 us at one query row against the einsums' 13.8, 36.0 against 29.4 at ten rows and
+106 against 93 at forty. At batch 1 the einsums cost ~14 us a layer, ~110 us of a 3.5 ms step, so not even a
+perfect kernel would gain more than ~3%. Wired into the model it ran batch-1 decode at 282.6 tok/s against 286.4
+for the einsums (``generate_8k_51fc6f7.json`` and ``generate_8k_einsum_attention_51fc6f7.json``, one call). It stays,
+with its bench, as that measurement and as the starting point of a Mosaic GPU version.
 """
 
 from __future__ import annotations
@@ -160,8 +167,7 @@ def mla_decode_reference(q_lat, q_rope, lat, rope, attend, *, softmax_scale: flo
                          block_rows: int = 32, head_block: int | None = None, column_parts: int = 2,
                          num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
     """Pure-jnp ``mla_decode`` (same signature; the launch arguments unused): the model's einsums. Leading dims
-    may be any batch shape (``[B, T]`` in the model), so the model's path through it is its former einsums
-    exactly."""
+    may be any batch shape."""
     del splits, block_rows, head_block, column_parts, num_warps, num_stages, interpret
     scores = (jnp.einsum("...hc,...kc->...hk", q_lat, lat, preferred_element_type=F32)
               + jnp.einsum("...hr,...kr->...hk", q_rope, rope, preferred_element_type=F32))

@@ -21,7 +21,6 @@ import importlib
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 # The package re-exports functions named like these modules, so fetch the modules themselves.
 _gather = importlib.import_module("kernels_pallas.gather_rows")
@@ -31,7 +30,6 @@ _fill = importlib.import_module("kernels_pallas.fill_rows")
 _fill_round = importlib.import_module("kernels_pallas.fill_round")
 _copy = importlib.import_module("kernels_pallas.copy_blocks")
 _gmm = importlib.import_module("kernels_pallas.grouped_matmul")
-_mla = importlib.import_module("kernels_pallas.mla_decode")
 
 IMPLS = ("auto", "pallas", "reference")
 GPU_BACKENDS = ("gpu", "cuda", "rocm")
@@ -187,62 +185,3 @@ def grouped_matmul(x, w, group_sizes, w_scale=None, *, impl: str):
     if not use_pallas:
         return _gmm.grouped_matmul_reference(x, w, group_sizes, w_scale)
     return _gmm.grouped_matmul(x, w, group_sizes, w_scale, interpret=interpret)
-
-
-# Query rows per lane that take the decode-attention kernel: decode (1) and MTP verify (depth + 1 <= 4) steps, and
-# an append's short tail chunk. A prefill chunk's hundreds of rows keep the batched einsums: there the score and
-# output products are large GEMMs that XLA runs near the tensor cores' peak, while the kernel would re-read each
-# row's gathered history once per column half.
-MLA_DECODE_MAX_ROWS = 8
-
-# The kernel's launch shape by the number of query rows of a call (rows per step on one device: lanes x T), each
-# entry applying from its row count up: (min rows, (block_rows, head_block, column_parts, num_warps)), or
-# (min rows, None) where the einsums were faster. From experiments.bench_mla_decode on the H200 at GLM-5's widths
-# (64 heads, latent 512, top-k 2,048).
-MLA_LAUNCH = ((1, (32, 64, 2, 4)),)
-
-
-def mla_launch(rows: int, heads: int, latent: int, rope: int, topk: int) -> dict | None:
-    """``MLA_LAUNCH``'s shape for a call of ``rows`` query rows, fitted to these sizes (a head block no wider than
-    the heads, row blocks that divide the top-k); None when the kernel cannot take them."""
-    _, shape = max((e for e in MLA_LAUNCH if e[0] <= rows), key=lambda e: e[0])
-    if shape is None:
-        return None
-    block_rows, head_block, column_parts, num_warps = shape
-    block_rows = next((b for b in (block_rows, 32, 16) if topk % b == 0), block_rows)
-    launch = dict(block_rows=block_rows, head_block=min(head_block, heads), column_parts=column_parts,
-                  num_warps=num_warps)
-    ok = _mla.supported(heads, latent, rope, topk, block_rows, launch["head_block"], column_parts)
-    return launch if ok else None
-
-
-def mla_attention(q_lat, q_rope, lat, rope, attend, *, softmax_scale: float, impl: str, mesh=None):
-    """Absorbed-MLA sparse attention of each query row over its gathered history rows: ``q_lat [B, T, h, C]``,
-    ``q_rope [B, T, h, R]``, ``lat [B, T, K, C]``, ``rope [B, T, K, R]``, ``attend [B, T, K]`` -> ``o_lat
-    [B, T, h, C]`` in ``lat``'s dtype.
-
-    ``mesh``: the ``(stage, tp)`` mesh the heads are split over (None: one device). The kernel has no partitioning
-    rule (left to GSPMD, every device would gather all heads' queries and attend with all of them), so each device
-    runs it on its own heads (``shard_map``); the gathered rows are replicated over ``tp`` already. Sizes the
-    kernel cannot take (heads per device not a power of two >= 16, a top-k not a multiple of 16) and prefill
-    chunks run the reference, the model's einsums."""
-    use_pallas, interpret = resolve(impl)
-    B, T, h, C = q_lat.shape
-    K, R = lat.shape[2], rope.shape[-1]
-    tp = 1 if mesh is None else mesh.shape["tp"]
-    launch = mla_launch(B * T, h // tp, C, R, K) if use_pallas and not h % tp else None
-    if launch is None or T > MLA_DECODE_MAX_ROWS:
-        return _mla.mla_decode_reference(q_lat, q_rope, lat, rope, attend, softmax_scale=softmax_scale)
-
-    def local(q_lat, q_rope, lat, rope, attend):
-        heads = q_lat.shape[2]
-        out = _mla.mla_decode(q_lat.reshape(B * T, heads, C), q_rope.reshape(B * T, heads, R),
-                              lat.reshape(B * T, K, C), rope.reshape(B * T, K, R), attend.reshape(B * T, K),
-                              softmax_scale=softmax_scale, interpret=interpret, **launch)
-        return out.reshape(B, T, heads, C)
-
-    if tp == 1:
-        return local(q_lat, q_rope, lat, rope, attend)
-    split = P(None, None, "tp", None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(split, split, P(), P(), P()), out_specs=split,
-                         check_vma=False)(q_lat, q_rope, lat, rope, attend)

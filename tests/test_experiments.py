@@ -395,10 +395,15 @@ def test_generate_roofline(tmp_path):
          "--config.run.compare_resident=True", f"--config.run.output_json={out}", "--bandwidth_mib=8")
     report = json.loads(out.read_text())
     roof = report["roofline"]
-    assert roof["bandwidth"]["bandwidth_Bps"] > 0 and roof["bandwidth"]["array_bytes"] == 8 << 20
+    bw = roof["bandwidth"]
+    assert bw["bandwidth_Bps"] > 0 and bw["array_bytes"] == 8 << 20
+    # probed before and after the timed runs, the better one kept
+    assert len(bw["probes_GBps"]) == 2 and bw["bandwidth_Bps"] / 1e9 == pytest.approx(max(bw["probes_GBps"]))
     run, base = roof["run"], roof["resident_baseline"]
     for r in (run, base):
         b = r["bytes"]
+        assert r["bandwidth_GBps"] == pytest.approx(bw["bandwidth_Bps"] / 1e9)
+        assert r["ideal_step_ms"] == pytest.approx(b["total"] / bw["bandwidth_Bps"] * 1e3)
         assert r["bytes_per_step"] == b["total"] > 0 and r["ideal_step_ms"] > 0 and r["achieved_step_ms"] > 0
         assert r["ratio"] == pytest.approx(r["achieved_step_ms"] / r["ideal_step_ms"])
         assert r["tokens_per_step"] == 2 and b["inputs"]["batch"] == 2

@@ -4,7 +4,6 @@ reference, which is the model's einsum attention."""
 import importlib
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -76,84 +75,3 @@ def test_default_splits():
     assert mla.default_splits(1, 64, 32) == 2
     assert mla.default_splits(10, 2048, 32, parts=8) == 2  # 4 head blocks x 2 column parts
 
-
-def _model_case(seed, B=2, T=2, h=16, C=64, R=16, K=32, dtype=jnp.float32):
-    q_lat, q_rope, lat, rope, attend = _case(seed, Q=B * T, h=h, C=C, R=R, K=K, dtype=dtype)
-    return (q_lat.reshape(B, T, h, C), q_rope.reshape(B, T, h, R), lat.reshape(B, T, K, C),
-            rope.reshape(B, T, K, R), attend.reshape(B, T, K))
-
-
-def test_ops_mla_attention_runs_the_kernel_where_it_can():
-    """``ops.mla_attention`` (the model's call): the kernel on decode and verify shapes, to the reference's
-    rounding; the reference itself, bit for bit, where the kernel does not apply (a prefill chunk's many rows, heads
-    or top-k it cannot take) or is not asked for. The reference takes the model's ``[B, T]`` batch as it is."""
-    from kernels_pallas import ops
-
-    args = _model_case(3)
-    want = mla.mla_decode_reference(*args, softmax_scale=0.125)
-    per_row = mla.mla_decode_reference(*(a.reshape((4,) + a.shape[2:]) for a in args), softmax_scale=0.125)
-    np.testing.assert_array_equal(np.asarray(want).reshape(per_row.shape), per_row)
-    got = ops.mla_attention(*args, softmax_scale=0.125, impl="pallas")
-    assert got.shape == want.shape == (2, 2, 16, 64)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    assert not np.array_equal(got, want)  # the kernel ran: its online softmax sums in another order
-    np.testing.assert_array_equal(ops.mla_attention(*args, softmax_scale=0.125, impl="reference"), want)
-    for case in (_model_case(4, T=ops.MLA_DECODE_MAX_ROWS + 1), _model_case(5, h=8), _model_case(6, K=24)):
-        np.testing.assert_array_equal(ops.mla_attention(*case, softmax_scale=0.125, impl="pallas"),
-                                      mla.mla_decode_reference(*case, softmax_scale=0.125))
-
-
-@pytest.mark.devices(2)
-def test_ops_mla_attention_splits_heads_over_tp():
-    """On a tp mesh each device runs the kernel on its own heads (the queries sharded over heads, the gathered
-    rows replicated): the result equals one device's to float rounding and stays sharded over heads."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from kernels_pallas import ops
-
-    mesh = jax.make_mesh((1, 2), ("stage", "tp"), devices=jax.devices()[:2])
-    args = _model_case(7, h=32)
-    heads, rep = NamedSharding(mesh, P(None, None, "tp", None)), NamedSharding(mesh, P())
-    placed = [jax.device_put(a, heads if i < 2 else rep) for i, a in enumerate(args)]
-    one = ops.mla_attention(*args, softmax_scale=0.125, impl="pallas")
-    split = jax.jit(lambda *a: ops.mla_attention(*a, softmax_scale=0.125, impl="pallas", mesh=mesh))(*placed)
-    assert split.sharding.is_equivalent_to(heads, 4)
-    np.testing.assert_allclose(split, one, rtol=1e-5, atol=1e-5)
-    # What GSPMD cannot show on the CPU (the interpreted kernel is plain HLO it partitions; a compiled one is a
-    # custom call it would replicate): the kernel itself is handed each device's 16 heads.
-    jaxpr = jax.make_jaxpr(lambda *a: ops.mla_attention(*a, softmax_scale=0.125, impl="pallas", mesh=mesh))(*placed)
-    assert _pallas_query_shapes(jaxpr.jaxpr) == [(4, 16, 64)]
-
-
-def _pallas_query_shapes(jaxpr) -> list:
-    """The first operand's shape of every ``pallas_call`` in ``jaxpr``, nested jaxprs included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            found.append(tuple(eqn.invars[0].aval.shape))
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += _pallas_query_shapes(sub)
-    return found
-
-
-def test_model_with_the_kernel_offload_equals_resident():
-    """The kernel inside the whole model (heads and top-k it takes; interpreted): offload decode with MTP verify
-    rounds gives resident's tokens and logits bit for bit, and both stay within float rounding of the einsum
-    attention."""
-    import dataclasses
-
-    import glm53
-    from engine_common import CC, CFG
-
-    cfg = dataclasses.replace(CFG, num_attention_heads=16, index_topk=16)
-    model = glm53.from_config(cfg, seed=1, dtype="float32")
-    prompts = [np.random.default_rng(s).integers(0, cfg.vocab_size, n).tolist() for s, n in ((0, 150), (1, 90))]
-    run = {(mode, k): glm53.generate(model, prompts, max_new_tokens=12, mtp=2, cache=CC.replace(mode=mode),
-                                     return_logits=True, kernels=k)
-           for mode, k in (("resident", "pallas"), ("offload", "pallas"), ("resident", "reference"))}
-    res, off, ref = run["resident", "pallas"], run["offload", "pallas"], run["resident", "reference"]
-    assert off.tokens == res.tokens and np.array_equal(off.logits, res.logits)
-    assert off.cache_stats["misses"] > 0
-    assert res.tokens == ref.tokens
-    np.testing.assert_allclose(res.logits, ref.logits, rtol=1e-4, atol=1e-4)
-    assert not np.array_equal(res.logits, ref.logits)  # the kernel really ran in the model

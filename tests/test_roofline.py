@@ -186,6 +186,14 @@ def test_measure_bandwidth_on_the_cpu():
     assert bw["array_bytes"] == 4 << 20 and bw["passes"] == 2 and bw["platform"] == "cpu"
 
 
+def test_best_bandwidth_keeps_the_fastest_probe():
+    slow, fast = ({"bandwidth_Bps": g * 1e9, "read_GBps": g} for g in (3750.0, 3983.0))
+    best = roofline.best_bandwidth(slow, fast)
+    assert best["bandwidth_Bps"] == fast["bandwidth_Bps"] and best["read_GBps"] == 3983.0
+    assert best["probes_GBps"] == [3750.0, 3983.0] and "probes_GBps" not in fast  # the probes are left as they were
+    assert roofline.best_bandwidth(fast, slow)["bandwidth_Bps"] == fast["bandwidth_Bps"]
+
+
 def test_routing_probe_on_the_tiny_model():
     model = glm53.from_config(TINY, seed=0, dtype="float32")
     e = glm53.Engine(model, glm53.CacheConfig(kv_format="f32", max_len=128), max_sessions=2, kernels="reference")
