@@ -27,10 +27,11 @@ the same seeds in both modes, so their tokens must be equal) or the model's inde
 **Roofline** of each point (``glm53.roofline``): the bytes a step reads (weights once per step, i.e. amortised over
 the batch; routed experts counted as the distinct experts the batch's tokens route to; KV rows gathered and indexer
 keys scored per session at the point's mean history; offload: misses from host memory apart, at the point's
-measured miss rate) against the HBM bandwidth measured at the start of the run (``measure_hbm_bandwidth``). Routed
-experts: ``--routing=probe`` runs one instrumented decode per history at the largest batch (an extra compile) and
-counts, for each S, the distinct experts of the first S lanes' tokens (a lane's routing does not depend on the
-others); ``--routing=uniform`` uses the uniform-routing expectation (labelled as such).
+measured miss rate) against the HBM bandwidth measured before and after the points, the better of the two
+(``measure_hbm_bandwidth``, ``best_bandwidth``). Routed experts: ``--routing=probe`` runs one instrumented decode
+per history at the largest batch (an extra compile) and counts, for each S, the distinct experts of the first S
+lanes' tokens (a lane's routing does not depend on the others); ``--routing=uniform`` uses the uniform-routing
+expectation (labelled as such).
 
 Tokens are compared between modes at every point both ran (a digest per point; ``--plot_only`` compares across
 files too). The JSON is rewritten after every point.
@@ -468,6 +469,17 @@ def main(_):
     probes: dict = {}
     for mode in modes:
         run_mode(model, mode, sessions, histories, results, bw["bandwidth_Bps"], probes)
+    # A second probe after the points: every point's roofline against the better of the two (one probe scatters
+    # ~6% between runs: roofline.best_bandwidth).
+    bw = results["bandwidth"] = roofline.best_bandwidth(bw, roofline.measure_hbm_bandwidth(
+        FLAGS.bandwidth_mib << 20 if FLAGS.bandwidth_mib else None))
+    print(f"HBM bandwidth probes {', '.join(f'{g:,.0f}' for g in bw['probes_GBps'])} GB/s: the rooflines take "
+          f"{bw['bandwidth_Bps'] / 1e9:,.0f}", flush=True)
+    for q in results["points"]:
+        r = q.get("roofline", {})
+        if "bytes" in r:
+            r.update(roofline.roofline_report(r["bytes"], bw["bandwidth_Bps"], r["achieved_step_ms"] / 1e3,
+                                              r["tokens_per_step"]))
     results["comparison"] = compare(results["points"])
     if FLAGS.out:
         results["plot"] = plot(results, png_path(FLAGS.out))
