@@ -174,6 +174,8 @@ def main(argv):
     config = _CONFIG.value
     run = config.run
     model = build_model(config, _EXPERT_WEIGHTS.value)
+    if _COMPARE_ONE_DEVICE.value and model.mesh is None:  # before the runs, not after them
+        raise app.UsageError("--compare_one_device compares a mesh layout with one device: set config.mesh")
     print(model)
     rng = np.random.default_rng(run.seed)
     prompts = [rng.integers(0, model.config.vocab_size, run.prompt_len).tolist() for _ in range(run.batch)]
@@ -241,8 +243,6 @@ def main(argv):
                              "decode_ratio": ratio}
 
     if _COMPARE_ONE_DEVICE.value:
-        if model.mesh is None:
-            raise app.UsageError("--compare_one_device compares a mesh layout with one device: set config.mesh")
         out["one_device"] = compare_one_device(config, model, prompts, kw, capacity, _COMPARE_ONE_DEVICE.value)
 
     if bandwidth is not None:
