@@ -444,7 +444,13 @@ class Engine:
         """A step input built on the host, placed where the steps put their outputs (``Steps.outputs_placement``):
         the loops feed each step the previous one's outputs, and an input placed otherwise on the first call
         compiles the step a second time."""
-        return jax.device_put(np.asarray(x, dtype), self._inputs)
+        value = np.asarray(x, dtype)
+        if self._inputs.is_fully_addressable:
+            return jax.device_put(value, self._inputs)
+        # Several processes: every process holds the same host value (each runs the same session table), so the
+        # array is built from it shard by shard. jax.device_put would first check that the value is equal across
+        # the processes (multihost_utils.assert_equal: a cross-process all-gather for every input of every step).
+        return jax.make_array_from_callback(value.shape, self._inputs, lambda index: value[index])
 
     def _lanes(self, slots: list) -> tuple[Lanes, int]:
         bucket = next(b for b in self.buckets if b >= len(slots))
