@@ -7,7 +7,7 @@ the latent space (absorbed MLA), to the K history rows its DSA selection gathere
     scores[h, k] = (q_lat[h] . lat[k] + q_rope[h] . rope[k]) * softmax_scale, -inf where not attend[k]
     o_lat[h]     = softmax(scores[h]) @ lat
 
-The model computed this with einsums: two score GEMMs, the mask, the softmax's reductions and the weighted sum,
+The model computes this with einsums: two score GEMMs, the mask, the softmax's reductions and the weighted sum,
 each a kernel that reads or writes an [h, K] or [K, C] array (in ``profile_decode_8k_8f038d6.json`` the
 attention's reduce fusions alone took 184.7 us of a 3.8 ms batch-1 step, ~5.8 us each, for arrays of ~0.5 MB).
 Here program (r, s, p) reads its split s of the rows, keeps an online softmax over them (running max and sum per
@@ -29,8 +29,8 @@ softmax of all -inf does.
 fastest launch shape took 14.3 us at one query row against the einsums' 13.8, 36.0 against 29.4 at ten rows and
 106 against 93 at forty. At batch 1 the einsums cost ~14 us a layer, ~110 us of a 3.5 ms step, so not even a
 perfect kernel would gain more than ~3%. Wired into the model it ran batch-1 decode at 282.6 tok/s against 286.4
-for the einsums (``generate_8k_51fc6f7.json`` and ``generate_8k_einsum_attention_51fc6f7.json``, one call). It stays,
-with its bench, as that measurement and as the starting point of a Mosaic GPU version.
+for the einsums (``generate_8k_mla_kernel_51fc6f7.json``, ``generate_8k_einsum_attention_51fc6f7.json``, one
+call). It stays, with its bench, as that measurement and as the starting point of a Mosaic GPU version.
 """
 
 from __future__ import annotations
