@@ -253,7 +253,10 @@ def test_eight_sessions_join_and_leave_each_equals_alone(model):
     out = both(model, script, max_sessions=8)
     for r in out["resident"]:
         assert_same(out["resident"][r], out["offload"][r])
-    # alone: the same calls for one session
+    # alone: the same calls for one session. Its matmuls have other shapes than the batch's, so their sums may be
+    # ordered differently: within 2e-5 on the CPU; on the H200 (XLA's heuristic GEMM choices, see conftest.py) the
+    # logits differed by more than 2e-5 at 2d0e02c, so accelerators get 1e-4.
+    tol = 2e-5 if jax.default_backend() == "cpu" else 1e-4
     for r, calls in out["resident"].items():
         e = engine(model, "resident")
         s = e.open(ids(LENGTHS[r], seed=20 + r))
@@ -261,12 +264,11 @@ def test_eight_sessions_join_and_leave_each_equals_alone(model):
         for k, (n, (tokens, logits)) in enumerate(zip(plan, calls)):
             got = e.generate({s: n}, return_logits=True, mtp=1 if n == 4 else 0)[s]
             j = first_difference(got, tokens)
-            np.testing.assert_allclose(e.last_run.logits[s][:j + 1], logits[:j + 1], rtol=2e-5, atol=2e-5)
+            np.testing.assert_allclose(e.last_run.logits[s][:j + 1], logits[:j + 1], rtol=tol, atol=tol)
             if j < len(tokens):
-                # Alone, the batch's matmuls have other shapes: a GPU's GEMMs may round differently (logits within
-                # 2e-5), and only an exact tie at that level may pick another token. After it the histories differ.
+                # Only a tie at the tolerance's level may pick another token; after it the histories differ.
                 top2 = np.sort(logits[j])[-2:]
-                assert top2[1] - top2[0] < 1e-4 and got[j] in np.argsort(logits[j])[-2:], (r, k, j, top2)
+                assert top2[1] - top2[0] < 2 * tol and got[j] in np.argsort(logits[j])[-2:], (r, k, j, top2)
                 break
 
 
