@@ -444,6 +444,11 @@ def main(_):
     if bad or not sessions or min(sessions) < 1 or not histories or FLAGS.new_tokens < 2:
         raise app.UsageError(f"--modes must be among {glm53.config.CACHE_MODES} (got {bad}); --sessions and "
                              "--histories non-empty and >= 1; --new_tokens >= 2")
+    if FLAGS.routing == "probe":
+        try:  # before any run: a probe that cannot run would leave every roofline on the uniform expectation
+            roofline.check_routing_probe_runs()
+        except RuntimeError as err:
+            raise app.UsageError(f"--routing=probe: {err}; or pass --routing=uniform") from err
     cc = glm53.CacheConfig.from_config_dict(c.cache)
     t = time.perf_counter()
     model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)

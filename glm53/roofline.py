@@ -530,6 +530,18 @@ def _interceptor(next_fun, args, kwargs, context):
     return out
 
 
+def check_routing_probe_runs() -> None:
+    """Raise, saying how to fix it, when ``probe_routing`` cannot run in this process: its host callbacks need
+    JAX's CPU backend, which ``JAX_PLATFORMS=cuda`` leaves out. Experiments call it before their timed runs."""
+    import jax
+
+    try:
+        jax.devices("cpu")
+    except RuntimeError as err:
+        raise RuntimeError("the routing probe sends expert choices to the host with jax.debug.callback, which needs "
+                           "JAX's CPU backend: leave JAX_PLATFORMS unset or list cpu in it (e.g. 'cuda,cpu')") from err
+
+
 def probe_routing(engine, requests: Mapping[int, int], *, rollback: bool = True, **generate_kw) -> dict:
     """Run ``engine.generate(requests, **generate_kw)`` once through instrumented copies of the engine's decode /
     verify / draft steps: every MoE layer's expert choices (the model's own router on the layer's real input) are
@@ -547,12 +559,8 @@ def probe_routing(engine, requests: Mapping[int, int], *, rollback: bool = True,
 
     from glm53.steps import Steps
 
-    try:
-        jax.devices("cpu")
-    except RuntimeError as err:
-        # Checked first: a callback that fails inside a step poisons every later read of the device's results.
-        raise RuntimeError("the routing probe sends expert choices to the host with jax.debug.callback, which needs "
-                           "JAX's CPU backend: leave JAX_PLATFORMS unset or list cpu in it (e.g. 'cuda,cpu')") from err
+    # Checked first: a callback that fails inside a step poisons every later read of the device's results.
+    check_routing_probe_runs()
     module = engine.model.module
     entry = _PROBE_STEPS.get(id(module))
     if entry is None or entry[0] is not module:

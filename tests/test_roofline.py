@@ -218,3 +218,30 @@ def test_routing_probe_on_the_tiny_model():
     # the engine's own steps stayed uninstrumented: nothing is recorded outside a probe
     assert not roofline._PROBE_SINK
     e.generate({s: 2 for s in sids})
+
+
+
+def test_routing_probe_without_the_cpu_backend_fails_first(monkeypatch):
+    """JAX_PLATFORMS=cuda leaves out the CPU backend the probe's callbacks need: the check says how to fix it, and
+    the throughput experiment refuses before building anything (an H200 run once lost its probe this way)."""
+    import os
+    import subprocess
+    import sys
+
+    import jax
+
+    real = jax.devices
+
+    def devices(backend=None):
+        if backend == "cpu":
+            raise RuntimeError("Unknown backend cpu. Available backends are ['cuda']")
+        return real(backend)
+
+    monkeypatch.setattr(jax, "devices", devices)
+    with pytest.raises(RuntimeError, match="list cpu in it"):
+        roofline.check_routing_probe_runs()
+    # a platform list without cpu (nothing here has a TPU: the CPU backend is what is missing)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "experiments.throughput", "--config=configs/tiny.py"], cwd=root,
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "tpu"})
+    assert p.returncode == 1 and "--routing=uniform" in p.stderr, p.stderr[-2000:]
