@@ -31,6 +31,9 @@ free of sorting (Triton has no sort primitive):
   3. ``_compact_kernel``: each block ranks its selected lanes with a cumsum and
      scatters their positions (masked store) into the output row, which is
      therefore written in ascending position order without sorting.
+Between the kernels, the blocks' counts are summed either by XLA (``block_totals="xla"``: per pass a kernel and two
+small fusions) or in place by the kernels themselves with integer atomic adds (``"atomic"``: each kernel derives
+its candidates, the threshold and its block's offsets from the totals; one launch per pass).
 """
 
 from __future__ import annotations
