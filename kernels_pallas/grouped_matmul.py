@@ -91,15 +91,21 @@ def _visit(sizes_ref, v, *, block_m: int):
 def _kernel(
     sizes_ref,  # [Gp] int32 rows of each group (Gp a power of two, empty groups past G), ANY
     x_ref,  # [Mp, K], ANY
-    w_ref,  # [G, K, N], ANY
-    *rest,  # (s_ref [G, K/128, N/128] f32, ANY: FP8 block scales)?, o_ref [Mp, N], ANY (masked stores)
+    *refs,  # w_ref [G, K, N] x num_weights, (s_ref [G, K/128, N/128] f32: FP8 block scales) x num_weights if fp8,
+    #         o_ref [Mp, N]; all ANY (the output by masked stores)
+    num_weights: int,
+    fp8: bool,
     num_groups: int,
     block_m: int,
     block_n: int,
     block_k: int,
     dot_dtype,
 ):
-    s_ref, o_ref = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
+    """One visit's ``[block_m, block_n]`` tile of ``x @ w`` (one weight), or of ``silu(x @ w_gate) * (x @ w_up)``
+    (two: the experts' SwiGLU, both products from one pass over ``x``'s tile)."""
+    w_refs = refs[:num_weights]
+    s_refs = refs[num_weights:2 * num_weights] if fp8 else (None,) * num_weights
+    o_ref = refs[-1]
     v, j = pl.program_id(0), pl.program_id(1)
     g, tile, start, end = _visit(sizes_ref, v, block_m=block_m)
 
@@ -110,20 +116,37 @@ def _kernel(
         K = x_ref.shape[1]
         precision = lax.Precision.HIGHEST if dot_dtype == jnp.float32 else lax.Precision.DEFAULT
 
-        def step(k, acc):
+        def step(k, accs):
             xs = x_ref[pl.ds(row0, block_m), pl.ds(k * block_k, block_k)].astype(dot_dtype)
-            ws = w_ref[g, pl.ds(k * block_k, block_k), pl.ds(col0, block_n)]
-            if s_ref is not None:  # the tile lies inside one 128 x 128 scale block (block_k, block_n divide 128)
-                scale = s_ref[g, (k * block_k) // SCALE_BLOCK, col0 // SCALE_BLOCK]
-                ws = (ws.astype(jnp.float32) * scale).astype(x_ref.dtype)
-            ws = ws.astype(dot_dtype)
-            return acc + lax.dot_general(xs, ws, (((1,), (0,)), ((), ())), precision=precision,
-                                         preferred_element_type=jnp.float32)
+            out = []
+            for acc, w_ref, s_ref in zip(accs, w_refs, s_refs):
+                ws = w_ref[g, pl.ds(k * block_k, block_k), pl.ds(col0, block_n)]
+                if s_ref is not None:  # the tile lies inside one 128 x 128 scale block (block_k, block_n divide 128)
+                    scale = s_ref[g, (k * block_k) // SCALE_BLOCK, col0 // SCALE_BLOCK]
+                    ws = (ws.astype(jnp.float32) * scale).astype(x_ref.dtype)
+                ws = ws.astype(dot_dtype)
+                out.append(acc + lax.dot_general(xs, ws, (((1,), (0,)), ((), ())), precision=precision,
+                                                 preferred_element_type=jnp.float32))
+            return tuple(out)
 
-        acc = lax.fori_loop(0, K // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
+        zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in w_refs)
+        accs = lax.fori_loop(0, K // block_k, step, zeros)
+        if num_weights == 1:
+            y = accs[0].astype(o_ref.dtype)
+        else:
+            # jax.nn.silu(gate) * up in the output dtype, op by op as JAX lowers it (silu = x * sigmoid(x), sigmoid
+            # = 1 / (1 + exp(-x))): each product and each elementwise result rounded to that dtype, as the two
+            # separate matmuls and the elementwise ops after them round. Computed in f32 because Triton's lowering
+            # has no bf16 arithmetic.
+            def rounded(a):
+                return a.astype(o_ref.dtype).astype(jnp.float32)
+
+            gate, up = (rounded(a) for a in accs)
+            sigmoid = rounded(1.0 / rounded(1.0 + rounded(jnp.exp(-gate))))
+            y = (rounded(gate * sigmoid) * up).astype(o_ref.dtype)
         rows = row0 + lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0)
         mine = (rows >= start) & (rows < end)
-        plgpu.store(o_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], acc.astype(o_ref.dtype), mask=mine)
+        plgpu.store(o_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], y, mask=mine)
 
 
 def _padded_sizes(group_sizes: jax.Array) -> jax.Array:
@@ -165,17 +188,14 @@ def block_rows_for(M: int) -> int:
     return 16 if M <= 128 else 64
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret"))
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: jax.Array | None = None, *,
-                   block_m: int | None = None, block_n: int = 128, block_k: int = 64,
-                   interpret: bool = False) -> jax.Array:
-    """``jax.lax.ragged_dot(x, w, group_sizes)`` for rows sorted by group: ``[M, N]`` in ``x``'s dtype, f32
-    accumulation (bf16 inputs: tensor-core dots; f32 inputs: HIGHEST precision). ``sum(group_sizes)`` must be M
-    (every row belongs to a group). K a multiple of ``block_k``, N of ``block_n``. FP8 weights come with
-    ``w_scale`` (see the module doc)."""
-    _validate(x, w, group_sizes, w_scale)
+def _grouped(x, ws: tuple, group_sizes, scales: tuple, *, block_m, block_n, block_k, interpret, name: str):
+    """The kernel over ``ws`` (one weight: its product; two: the SwiGLU of theirs) with the shared checks."""
+    for w, w_scale in zip(ws, scales):
+        _validate(x, w, group_sizes, w_scale)
+    if len(ws) == 2 and (ws[0].shape != ws[1].shape or ws[0].dtype != ws[1].dtype):
+        raise ValueError(f"w_gate {ws[0].shape} {ws[0].dtype} and w_up {ws[1].shape} {ws[1].dtype} must agree")
     M, K = x.shape
-    G, _, N = w.shape
+    G, _, N = ws[0].shape
     bm = block_m or block_rows_for(M)
     bn, bk = min(block_n, N), min(block_k, K)
     if K % bk or N % bn:
@@ -184,22 +204,49 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: 
     Mp = num_tiles * bm
     xp = jnp.pad(x, ((0, Mp - M), (0, 0))) if Mp != M else x
     sizes = _padded_sizes(group_sizes)
-    if w_scale is not None and (SCALE_BLOCK % bk or SCALE_BLOCK % bn):
+    fp8 = scales[0] is not None
+    if fp8 and (SCALE_BLOCK % bk or SCALE_BLOCK % bn):
         raise ValueError(f"FP8 weights: block_k={bk} and block_n={bn} must divide the {SCALE_BLOCK}-wide scale blocks")
-    dot_dtype = jnp.float32 if jnp.float32 in (x.dtype, w.dtype) else jnp.bfloat16
+    dot_dtype = jnp.float32 if jnp.float32 in (x.dtype, ws[0].dtype) else jnp.bfloat16
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    scales = [] if w_scale is None else [w_scale.astype(jnp.float32)]
+    scale_args = [s.astype(jnp.float32) for s in scales] if fp8 else []
     out = pl.pallas_call(
-        functools.partial(_kernel, num_groups=G, block_m=bm, block_n=bn, block_k=bk, dot_dtype=dot_dtype),
+        functools.partial(_kernel, num_weights=len(ws), fp8=fp8, num_groups=G, block_m=bm, block_n=bn, block_k=bk,
+                          dot_dtype=dot_dtype),
         grid=(num_tiles + G - 1, N // bn),
-        in_specs=[any_spec] * (3 + len(scales)),
+        in_specs=[any_spec] * (2 + len(ws) + len(scale_args)),
         out_specs=any_spec,
         out_shape=jax.ShapeDtypeStruct((Mp, N), x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
-        name="grouped_matmul",
-    )(sizes, xp, w, *scales)
+        name=name,
+    )(sizes, xp, *ws, *scale_args)
     return out[:M]
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret"))
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: jax.Array | None = None, *,
+                   block_m: int | None = None, block_n: int = 128, block_k: int = 64,
+                   interpret: bool = False) -> jax.Array:
+    """``jax.lax.ragged_dot(x, w, group_sizes)`` for rows sorted by group: ``[M, N]`` in ``x``'s dtype, f32
+    accumulation (bf16 inputs: tensor-core dots; f32 inputs: HIGHEST precision). ``sum(group_sizes)`` must be M
+    (every row belongs to a group). K a multiple of ``block_k``, N of ``block_n``. FP8 weights come with
+    ``w_scale`` (see the module doc)."""
+    return _grouped(x, (w,), group_sizes, (w_scale,), block_m=block_m, block_n=block_n, block_k=block_k,
+                    interpret=interpret, name="grouped_matmul")
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret"))
+def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.Array,
+                   gate_scale: jax.Array | None = None, up_scale: jax.Array | None = None, *,
+                   block_m: int | None = None, block_n: int = 128, block_k: int = 64,
+                   interpret: bool = False) -> jax.Array:
+    """The experts' SwiGLU ``silu(x @ w_gate[g]) * (x @ w_up[g])`` per group in one launch (each tile of ``x`` read
+    once for both products, no XLA fusion after): what two ``grouped_matmul`` calls and an elementwise fusion
+    compute, each product rounded to ``x``'s dtype before the SwiGLU as there. Same arguments as ``grouped_matmul``,
+    for two weights of one shape (FP8 ones with their scales)."""
+    return _grouped(x, (w_gate, w_up), group_sizes, (gate_scale, up_scale), block_m=block_m, block_n=block_n,
+                    block_k=block_k, interpret=interpret, name="grouped_swiglu")
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret"))
@@ -216,3 +263,17 @@ def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     out = lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), precision=precision,
                          preferred_element_type=jnp.float32)
     return out.astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret"))
+def grouped_swiglu_reference(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.Array,
+                             gate_scale: jax.Array | None = None, up_scale: jax.Array | None = None, *,
+                             block_m: int | None = None, block_n: int = 128, block_k: int = 64,
+                             interpret: bool = False) -> jax.Array:
+    """Pure-jnp ``grouped_swiglu`` (same signature): the two reference products and the SwiGLU, in ``x``'s dtype."""
+    del block_m, block_n, block_k, interpret
+    if w_gate.shape != w_up.shape or w_gate.dtype != w_up.dtype:
+        raise ValueError(f"w_gate {w_gate.shape} {w_gate.dtype} and w_up {w_up.shape} {w_up.dtype} must agree")
+    gate = grouped_matmul_reference(x, w_gate, group_sizes, gate_scale)
+    up = grouped_matmul_reference(x, w_up, group_sizes, up_scale)
+    return (jax.nn.silu(gate) * up).astype(x.dtype)

@@ -105,6 +105,13 @@ def _cases():
         yield f"grouped_matmul_fp8_{rows}", gm.grouped_matmul, (  # FP8 experts, block scales read in the kernel
             S((rows, 6144), jnp.bfloat16), S((16, 6144, 2048), jnp.float8_e4m3fn), S((16,), I32),
             S((16, 48, 16), jnp.float32))
+        yield f"grouped_swiglu_{rows}", gm.grouped_swiglu, (  # gate and up in one launch
+            S((rows, 6144), jnp.bfloat16), S((16, 6144, 2048), jnp.bfloat16), S((16, 6144, 2048), jnp.bfloat16),
+            S((16,), I32))
+        yield f"grouped_swiglu_fp8_{rows}", gm.grouped_swiglu, (
+            S((rows, 6144), jnp.bfloat16), S((16, 6144, 2048), jnp.float8_e4m3fn),
+            S((16, 6144, 2048), jnp.float8_e4m3fn), S((16,), I32), S((16, 48, 16), jnp.float32),
+            S((16, 48, 16), jnp.float32))
     # sparse MLA attention (64 heads, latent 512, rope 64, top-k 2,048): a decode step's lanes, a verify step's rows
     for q in (B, B * T):
         yield f"mla_decode_{q}", functools.partial(mla.mla_decode, softmax_scale=192 ** -0.5), (

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kernels_pallas.grouped_matmul import (_schedule, dequantize_blocks, grouped_matmul, grouped_matmul_reference,
-                                            quantize_blocks)
+                                            grouped_swiglu, grouped_swiglu_reference, quantize_blocks)
 
 INTERPRET = jax.default_backend() not in ("gpu", "cuda", "rocm")
 
@@ -84,3 +84,42 @@ def test_fp8_weights_equal_dequantised_weights(sizes):
                                                                            np.float32))
     with pytest.raises(ValueError, match="need their w_scale"):
         grouped_matmul(x, w8, gs, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("sizes", [[3, 0, 1, 4], [40, 0, 0, 77, 1, 2, 0, 8]])
+def test_grouped_swiglu_is_the_two_products_in_one_launch(sizes, dtype, tol):
+    """One launch computes what two grouped matmuls and the SwiGLU after them compute: bit for bit in the
+    interpreter (each product rounded to the output dtype before the SwiGLU, as there); on a GPU to the rounding
+    of the elementwise part, which Triton and XLA may evaluate in other precisions. Close to the reference."""
+    x, wg, gs = _inputs(sizes, 64, 128, dtype, seed=1)
+    _, wu, _ = _inputs(sizes, 64, 128, dtype, seed=2)
+    got = grouped_swiglu(x, wg, wu, gs, block_m=16, block_k=32, interpret=INTERPRET)
+    two = (jax.nn.silu(grouped_matmul(x, wg, gs, block_m=16, block_k=32, interpret=INTERPRET))
+           * grouped_matmul(x, wu, gs, block_m=16, block_k=32, interpret=INTERPRET)).astype(dtype)
+    assert got.shape == (sum(sizes), 128) and got.dtype == dtype
+    if INTERPRET:
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(two, np.float32))
+    else:
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(two, np.float32), rtol=tol, atol=tol)
+    want = grouped_swiglu_reference(x, wg, wu, gs)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+
+
+def test_grouped_swiglu_fp8_and_validation():
+    sizes = [3, 0, 1, 4]
+    x, wg, gs = _inputs(sizes, 256, 128, jnp.bfloat16, seed=5)
+    _, wu, _ = _inputs(sizes, 256, 128, jnp.bfloat16, seed=6)
+    (g8, gsc), (u8, usc) = quantize_blocks(wg), quantize_blocks(wu)
+    got = grouped_swiglu(x, g8, u8, gs, gsc, usc, block_m=16, interpret=INTERPRET)
+    deq = grouped_swiglu(x, dequantize_blocks(g8, gsc, jnp.bfloat16), dequantize_blocks(u8, usc, jnp.bfloat16), gs,
+                         block_m=16, interpret=INTERPRET)
+    if INTERPRET:  # dequantised in the kernel block by block: the same bf16 operands (see the FP8 test above)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(deq, np.float32))
+    np.testing.assert_allclose(np.asarray(got, np.float32),
+                               np.asarray(grouped_swiglu_reference(x, g8, u8, gs, gsc, usc), np.float32),
+                               rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="must agree"):
+        grouped_swiglu(x, wg, wu[:, :, :64], gs, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="need their w_scale"):
+        grouped_swiglu(x, g8, u8, gs, interpret=INTERPRET)
