@@ -425,6 +425,10 @@ def _tie_count_kernel(
     *,
     block_n: int,
 ):
+    _tie_count_block(x_ref, len_ref, thr_ref[0], gt_ref, eq_ref, block_n)
+
+
+def _tie_count_block(x_ref, len_ref, thr, gt_ref, eq_ref, block_n: int):
     start = pl.program_id(1) * block_n
     live = start < len_ref[0]
 
@@ -432,7 +436,6 @@ def _tie_count_kernel(
     def _():
         n = start + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
         key = _sortable_key(x_ref[...])
-        thr = thr_ref[0]
         inside = n < len_ref[0]
         gt_ref[0] = jnp.sum(((key > thr) & inside).astype(jnp.int32))
         eq_ref[0] = jnp.sum(((key == thr) & inside).astype(jnp.int32))
@@ -522,21 +525,7 @@ def _radix_count_atomic_kernel(
 def _tie_count_atomic_kernel(x_ref, len_ref, tot_ref, gt_ref, eq_ref, *, block_n: int, k: int):
     """``_tie_count_kernel`` with the threshold read from the passes' totals (``tot_ref``, ANY)."""
     thr = _prefix_from_totals(tot_ref, pl.program_id(0), _NUM_PASSES, k) ^ _INT_MIN
-    start = pl.program_id(1) * block_n
-    live = start < len_ref[0]
-
-    @pl.when(live)
-    def _():
-        n = start + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
-        key = _sortable_key(x_ref[...])
-        inside = n < len_ref[0]
-        gt_ref[0] = jnp.sum(((key > thr) & inside).astype(jnp.int32))
-        eq_ref[0] = jnp.sum(((key == thr) & inside).astype(jnp.int32))
-
-    @pl.when(jnp.logical_not(live))
-    def _():
-        gt_ref[0] = jnp.int32(0)
-        eq_ref[0] = jnp.int32(0)
+    _tie_count_block(x_ref, len_ref, thr, gt_ref, eq_ref, block_n)
 
 
 def _compact_atomic_kernel(x_ref, len_ref, tot_ref, gt_ref, eq_ref, o_ref, *, block_n: int, nb: int, k: int):
