@@ -188,8 +188,9 @@ def main(argv):
     warm_tokens = min(run.max_new_tokens, model.cache_config.copyback_every + 2)
 
     bandwidth = None
+    probe_bytes = _BANDWIDTH_MIB.value << 20 if _BANDWIDTH_MIB.value else None
     if _ROOFLINE.value:  # before any engine exists (and again after the runs): the probe has the device to itself
-        bandwidth = roofline.measure_hbm_bandwidth(_BANDWIDTH_MIB.value << 20 if _BANDWIDTH_MIB.value else None)
+        bandwidth = roofline.measure_hbm_bandwidth(probe_bytes)
         print(f"HBM bandwidth (measured): copy {bandwidth['copy_GBps']:,.1f} GB/s, read {bandwidth['read_GBps']:,.1f} "
               f"GB/s ({bandwidth['array_bytes'] / 2**30:.2f} GiB x {bandwidth['passes']} passes)", flush=True)
     rooflines = {}
@@ -247,8 +248,7 @@ def main(argv):
 
     if bandwidth is not None:
         # A second probe now the timed runs are done: the fraction is taken against the better of the two.
-        bandwidth = roofline.best_bandwidth(bandwidth, roofline.measure_hbm_bandwidth(
-            _BANDWIDTH_MIB.value << 20 if _BANDWIDTH_MIB.value else None))
+        bandwidth = roofline.best_bandwidth(bandwidth, roofline.measure_hbm_bandwidth(probe_bytes))
         print(f"HBM bandwidth probes {', '.join(f'{g:,.1f}' for g in bandwidth['probes_GBps'])} GB/s: the roofline "
               f"takes {bandwidth['bandwidth_Bps'] / 1e9:,.1f}", flush=True)
         for name, entry in rooflines.items():

@@ -466,7 +466,8 @@ def main(_):
                                  f"plus a distinct {FLAGS.suffix}-token suffix each. Shared pages are fine for "
                                  "throughput: every session scores, gathers and fills its own rows",
                "plans": {}, "builds": {}, "points": [], "skipped": []}
-    bw = roofline.measure_hbm_bandwidth(FLAGS.bandwidth_mib << 20 if FLAGS.bandwidth_mib else None)
+    probe_bytes = FLAGS.bandwidth_mib << 20 if FLAGS.bandwidth_mib else None
+    bw = roofline.measure_hbm_bandwidth(probe_bytes)
     results["bandwidth"] = bw
     print(f"HBM bandwidth: copy {bw['copy_GBps']:,.0f} GB/s, read {bw['read_GBps']:,.0f} GB/s "
           f"({bw['array_bytes'] / GiB:.2f} GiB x {bw['passes']} passes)", flush=True)
@@ -476,8 +477,7 @@ def main(_):
         run_mode(model, mode, sessions, histories, results, bw["bandwidth_Bps"], probes)
     # A second probe after the points: every point's roofline against the better of the two (one probe scatters
     # ~6% between runs: roofline.best_bandwidth).
-    bw = results["bandwidth"] = roofline.best_bandwidth(bw, roofline.measure_hbm_bandwidth(
-        FLAGS.bandwidth_mib << 20 if FLAGS.bandwidth_mib else None))
+    bw = results["bandwidth"] = roofline.best_bandwidth(bw, roofline.measure_hbm_bandwidth(probe_bytes))
     print(f"HBM bandwidth probes {', '.join(f'{g:,.0f}' for g in bw['probes_GBps'])} GB/s: the rooflines take "
           f"{bw['bandwidth_Bps'] / 1e9:,.0f}", flush=True)
     for q in results["points"]:

@@ -183,6 +183,11 @@ def _validate(x, w, group_sizes, w_scale):
             raise ValueError(f"w_scale must be [G, ceil(K/128), ceil(N/128)] = {want}, got {w_scale.shape}")
 
 
+def _validate_pair(w_gate, w_up):
+    if w_gate.shape != w_up.shape or w_gate.dtype != w_up.dtype:
+        raise ValueError(f"w_gate {w_gate.shape} {w_gate.dtype} and w_up {w_up.shape} {w_up.dtype} must agree")
+
+
 def block_rows_for(M: int) -> int:
     """Row tile: small for decode (a few routed rows: padding would cost FLOPs, not bytes), 64 for prefill."""
     return 16 if M <= 128 else 64
@@ -192,8 +197,8 @@ def _grouped(x, ws: tuple, group_sizes, scales: tuple, *, block_m, block_n, bloc
     """The kernel over ``ws`` (one weight: its product; two: the SwiGLU of theirs) with the shared checks."""
     for w, w_scale in zip(ws, scales):
         _validate(x, w, group_sizes, w_scale)
-    if len(ws) == 2 and (ws[0].shape != ws[1].shape or ws[0].dtype != ws[1].dtype):
-        raise ValueError(f"w_gate {ws[0].shape} {ws[0].dtype} and w_up {ws[1].shape} {ws[1].dtype} must agree")
+    if len(ws) == 2:
+        _validate_pair(*ws)
     M, K = x.shape
     G, _, N = ws[0].shape
     bm = block_m or block_rows_for(M)
@@ -272,8 +277,7 @@ def grouped_swiglu_reference(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, g
                              interpret: bool = False) -> jax.Array:
     """Pure-jnp ``grouped_swiglu`` (same signature): the two reference products and the SwiGLU, in ``x``'s dtype."""
     del block_m, block_n, block_k, interpret
-    if w_gate.shape != w_up.shape or w_gate.dtype != w_up.dtype:
-        raise ValueError(f"w_gate {w_gate.shape} {w_gate.dtype} and w_up {w_up.shape} {w_up.dtype} must agree")
+    _validate_pair(w_gate, w_up)
     gate = grouped_matmul_reference(x, w_gate, group_sizes, gate_scale)
     up = grouped_matmul_reference(x, w_up, group_sizes, up_scale)
     return (jax.nn.silu(gate) * up).astype(x.dtype)

@@ -74,4 +74,3 @@ def test_default_splits():
     assert mla.default_splits(512, 2048, 32) == 1
     assert mla.default_splits(1, 64, 32) == 2
     assert mla.default_splits(10, 2048, 32, parts=8) == 2  # 4 head blocks x 2 column parts
-
