@@ -189,7 +189,7 @@ def grouped_matmul(x, w, group_sizes, w_scale=None, *, impl: str):
 
 def grouped_swiglu(x, w_gate, w_up, group_sizes, gate_scale=None, up_scale=None, *, impl: str):
     """MoE experts' SwiGLU ``silu(x @ w_gate) * (x @ w_up)`` over rows sorted by group, in one kernel launch: what
-    ``silu(grouped_matmul(gate)) * grouped_matmul(up)`` computes (not yet called by the model: see README)."""
+    ``silu(grouped_matmul(gate)) * grouped_matmul(up)`` computes."""
     use_pallas, interpret = resolve(impl)
     if not use_pallas:
         return _gmm.grouped_swiglu_reference(x, w_gate, w_up, group_sizes, gate_scale, up_scale)

@@ -66,11 +66,6 @@ def _cases():
         S((1,), I32), S((1, TC), I32))
     yield "topk_positions_causal", lambda x, qpos: it.topk_positions(x, K, qpos), (
         S((1, TC, N), jnp.float32), S((1, TC), I32))
-    # the blocks' counts summed in place by atomic adds: decode lanes and a causal prefill chunk
-    yield "topk_positions_atomic", functools.partial(it.topk_positions, k=K, block_totals="atomic"), (
-        S((B, 1, N), jnp.float32),)
-    yield "topk_positions_causal_atomic", lambda x, qpos: it.topk_positions(x, K, qpos, block_totals="atomic"), (
-        S((1, TC, N), jnp.float32), S((1, TC), I32))
     # FP8 keys with their scales, in both kernels, at fp8 precision
     for name, t in (("decode", T), ("chunk", TC)):
         yield f"indexer_scores_fp8_{name}", functools.partial(it.indexer_scores, softmax_scale=128 ** -0.5,
