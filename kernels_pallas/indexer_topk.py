@@ -31,10 +31,9 @@ free of sorting (Triton has no sort primitive):
   3. ``_compact_kernel``: each block ranks its selected lanes with a cumsum and
      scatters their positions (masked store) into the output row, which is
      therefore written in ascending position order without sorting.
-Between the kernels XLA sums the blocks' counts (per pass a kernel and two small fusions). A variant that summed them
-in place with integer atomic adds (one launch per pass, ~10 a call instead of ~28) passed every interpreted test, but
-compiled on the H200 its totals came back zero for some inputs (8 of 9 top-k tests failed, the model's tests hit an
-illegal address), so it was removed; 7156d33 has it (README, "Not done").
+Between the kernels, the blocks' counts are summed either by XLA (``block_totals="xla"``: per pass a kernel and two
+small fusions) or in place by the kernels themselves with integer atomic adds (``"atomic"``: each kernel derives
+its candidates, the threshold and its block's offsets from the totals; one launch per pass).
 """
 
 from __future__ import annotations
@@ -481,6 +480,87 @@ def _compact_block(x_ref, row_len, thr, need_eq, eq_before, out_off, o_ref, r, b
     plgpu.store(o_ref.at[r, dest], n, mask=sel)
 
 
+_INT_MIN = np.int32(-(2**31))  # the sign bit: u = key ^ _INT_MIN orders keys as unsigned integers
+
+
+def _prefix_from_totals(tot_ref, r, passes: int, k: int):
+    """The threshold's leading ``4 * passes`` bits (unsigned domain, held in an int32) from the row's candidate
+    totals of the passes done: each pass keeps the largest digit whose candidate still has >= k keys at or above."""
+    prefix = jnp.int32(0)
+    for q in range(passes):
+        total = plgpu.load(tot_ref.at[r, jnp.int32(q), pl.ds(0, _RADIX)])  # [16], non-increasing in the digit
+        digit = jnp.sum((total >= k).astype(jnp.int32)) - 1
+        prefix = prefix | (digit << (32 - _RADIX_BITS * (q + 1)))
+    return prefix
+
+
+def _radix_count_atomic_kernel(
+    x_ref,  # [block_n] f32 scores
+    len_ref,  # [1] int32 selectable positions of the row
+    tot_in_ref,  # aliased with tot_ref
+    tot_ref,  # [R, passes, 16] int32 per row, pass and candidate: keys >= it, summed over blocks (ANY)
+    *,
+    block_n: int,
+    p: int,
+    k: int,
+):
+    """Pass ``p`` of the radix select with the blocks' counts summed in place: every program reads the totals of
+    the passes before (so it derives this pass's candidates itself) and adds its own counts to this pass's row with
+    an integer atomic add. Integer sums do not depend on the order the programs add in, so the result is exact.
+
+    One scalar atomic per candidate, not one over the 16-vector: JAX's Triton lowering (0.10-0.11) picks the atomic's
+    op from the value's type and does not recognise a tensor of int32 as integer, so a vector add became a *float*
+    add on the integers' bits (``tt.atomic_rmw fadd``). Small counts are then float denormals, which the GPU flushes
+    to zero in some compiles: on the H200 the totals came back zero (8 of 9 compiled top-k tests failed at 7156d33).
+    ``tests/test_kernels_lower.py`` checks the lowered op is an integer add."""
+    del tot_in_ref
+    r = pl.program_id(0)
+    start = pl.program_id(1) * block_n
+
+    @pl.when(start < len_ref[0])
+    def _():
+        shift = 32 - _RADIX_BITS * (p + 1)
+        prefix = _prefix_from_totals(tot_ref, r, p, k)
+        n = start + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
+        key = _sortable_key(x_ref[...])
+        inside = n < len_ref[0]
+        for d in range(_RADIX):
+            digit_bits = np.uint32(d << shift).view(np.int32)  # the digit in place, as int32 bits
+            cand = (prefix | digit_bits) ^ _INT_MIN  # signed key domain
+            count = jnp.sum(((key >= cand) & inside).astype(jnp.int32))
+            plgpu.atomic_add(tot_ref, (r, jnp.int32(p), jnp.int32(d)), count)
+
+
+def _tie_count_atomic_kernel(x_ref, len_ref, tot_ref, gt_ref, eq_ref, *, block_n: int, k: int):
+    """``_tie_count_kernel`` with the threshold read from the passes' totals (``tot_ref``, ANY)."""
+    thr = _prefix_from_totals(tot_ref, pl.program_id(0), _NUM_PASSES, k) ^ _INT_MIN
+    _tie_count_block(x_ref, len_ref, thr, gt_ref, eq_ref, block_n)
+
+
+def _compact_atomic_kernel(x_ref, len_ref, tot_ref, gt_ref, eq_ref, o_ref, *, block_n: int, nb: int, k: int):
+    """``_compact_kernel`` with its per-row and per-block inputs derived in the kernel: the threshold from the
+    totals, and from every block's ``gt`` / ``eq`` counts (ANY, [R, next_pow2(nb)], the first nb written) the ties
+    the row still takes, the ties in earlier blocks and this block's output offset."""
+    r = pl.program_id(0)
+    b = pl.program_id(1)
+
+    @pl.when(b * block_n < len_ref[0])
+    def _():
+        thr = _prefix_from_totals(tot_ref, r, _NUM_PASSES, k) ^ _INT_MIN
+        width = _next_pow2(nb)
+        blk = lax.broadcasted_iota(jnp.int32, (width,), 0)
+        written = blk < nb
+        gt = plgpu.load(gt_ref.at[r, pl.ds(0, width)], mask=written, other=0)
+        eq = plgpu.load(eq_ref.at[r, pl.ds(0, width)], mask=written, other=0)
+        need_eq = k - jnp.sum(gt)  # >= 1
+        eq_before_all = jnp.cumsum(eq) - eq
+        taken = gt + jnp.clip(need_eq - eq_before_all, 0, eq)
+        out_off_all = jnp.cumsum(taken) - taken
+        mine = blk == b
+        _compact_block(x_ref, len_ref[0], thr, need_eq, jnp.sum(jnp.where(mine, eq_before_all, 0)),
+                       jnp.sum(jnp.where(mine, out_off_all, 0)), o_ref, r, b, block_n)
+
+
 def _row_block_spec(block_n: int):
     return pl.BlockSpec((None, block_n), lambda r, b: (r, b))
 
@@ -500,13 +580,17 @@ def selectable_positions(query_positions: jax.Array, k: int, N: int) -> jax.Arra
     return jnp.clip(jnp.maximum(query_positions.astype(jnp.int32) + 1, k), 1, N)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "block_n", "interpret"))
+BLOCK_TOTALS = ("xla", "atomic")
+
+
+@functools.partial(jax.jit, static_argnames=("k", "block_n", "block_totals", "interpret"))
 def topk_positions(
     scores: jax.Array,
     k: int,
     query_positions: jax.Array | None = None,
     *,
     block_n: int = 1024,
+    block_totals: str = "xla",
     interpret: bool = False,
 ) -> jax.Array:
     """Positions of the k highest scores per row, ascending (see module rule).
@@ -520,6 +604,12 @@ def topk_positions(
       block_n: scores per program (power of two); N is padded with -inf to a
         multiple of min(block_n, next_pow2(N)). Padding sits above every real
         position, so it is never chosen over a real -inf.
+      block_totals: how the blocks' counts reach the next kernel. ``"xla"``: XLA sums them between the kernels
+        (per radix pass a kernel and two small XLA fusions). ``"atomic"``: the kernels add them up in place with
+        integer atomic adds and derive each pass's candidates, the threshold and each block's output offset
+        themselves (one kernel per pass, no XLA work between them: 10 launches instead of ~28 per call). Both
+        select the same positions; which is faster on a GPU is measured by ``experiments.bench_kernels``. The
+        model keeps ``"xla"``: ``"atomic"`` has not run compiled since its integer-add fix (see the count kernel).
       interpret: run the Pallas interpreter (CPU tests).
 
     Returns:
@@ -530,6 +620,8 @@ def topk_positions(
         raise ValueError(f"k={k} must be in [1, N={N}]")
     if not _is_pow2(block_n):
         raise ValueError(f"block_n must be a power of two, got {block_n}")
+    if block_totals not in BLOCK_TOTALS:
+        raise ValueError(f"block_totals must be one of {BLOCK_TOTALS}, got {block_totals!r}")
     if query_positions is not None and query_positions.shape != (S, T):
         raise ValueError(f"query_positions must be [S, T] = {(S, T)}, got {query_positions.shape}")
     R = S * T
@@ -544,6 +636,9 @@ def topk_positions(
         row_len = selectable_positions(query_positions, k, N).reshape(R, 1)
     grid = (R, nb)
     common = dict(grid=grid, interpret=interpret)
+    if block_totals == "atomic":
+        return _topk_positions_atomic(x, row_len, k, block_n, nb, common).reshape(S, T, k)
+
     count_ge = pl.pallas_call(
         functools.partial(_radix_count_kernel, block_n=block_n),
         in_specs=[_row_block_spec(block_n), pl.BlockSpec((None, _RADIX), lambda r, b: (r, 0)), _per_row_spec()],
@@ -599,6 +694,44 @@ def topk_positions(
         **common,
     )(x, thr, row_len, need_eq, eq_before, out_off)
     return out.reshape(S, T, k)
+
+
+def _topk_positions_atomic(x, row_len, k: int, block_n: int, nb: int, common: dict) -> jax.Array:
+    """``topk_positions`` with ``block_totals="atomic"``: x f32[R, nb * block_n], row_len int32[R, 1]."""
+    R = x.shape[0]
+    row, per_row = _row_block_spec(block_n), _per_row_spec()
+    any_space = pl.BlockSpec(memory_space=pl.ANY)
+    totals = jnp.zeros((R, _NUM_PASSES, _RADIX), jnp.int32)
+    for p in range(_NUM_PASSES):
+        totals = pl.pallas_call(
+            functools.partial(_radix_count_atomic_kernel, block_n=block_n, p=p, k=k),
+            in_specs=[row, per_row, any_space],
+            out_specs=any_space,
+            out_shape=jax.ShapeDtypeStruct(totals.shape, jnp.int32),
+            input_output_aliases={2: 0},
+            compiler_params=_compiler_params(num_stages=1),
+            name=f"topk_radix_count_atomic_{p}",
+            **common,
+        )(x, row_len, totals)
+    width = _next_pow2(nb)
+    gt, eq = pl.pallas_call(
+        functools.partial(_tie_count_atomic_kernel, block_n=block_n, k=k),
+        in_specs=[row, per_row, any_space],
+        out_specs=[_per_block_spec(), _per_block_spec()],
+        out_shape=[jax.ShapeDtypeStruct((R, width), jnp.int32)] * 2,
+        compiler_params=_compiler_params(num_stages=1),
+        name="topk_tie_count_atomic",
+        **common,
+    )(x, row_len, totals)
+    return pl.pallas_call(
+        functools.partial(_compact_atomic_kernel, block_n=block_n, nb=nb, k=k),
+        in_specs=[row, per_row, any_space, any_space, any_space],
+        out_specs=any_space,
+        out_shape=jax.ShapeDtypeStruct((R, k), jnp.int32),
+        compiler_params=_compiler_params(num_stages=1),
+        name="topk_compact_atomic",
+        **common,
+    )(x, row_len, totals, gt, eq)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "block_n", "interpret"))

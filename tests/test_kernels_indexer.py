@@ -9,7 +9,7 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 from kernels_pallas import indexer_scores, indexer_scores_reference, topk_positions, topk_positions_reference
-from kernels_pallas.indexer_topk import (CHUNK_QUERIES, FP8_MAX, dequantize_index_keys,
+from kernels_pallas.indexer_topk import (BLOCK_TOTALS, CHUNK_QUERIES, FP8_MAX, dequantize_index_keys,
                                          quantize_index_keys, selectable_positions)
 
 # Interpreted on the CPU, compiled on a GPU: the same tests check the real kernels on the H200.
@@ -71,12 +71,14 @@ def test_scores_validation():
 
 
 def _check_topk(scores, k, block_n=64, query_positions=None):
-    """The kernel selects exactly the reference's positions."""
+    """Both ways of summing the blocks' counts select exactly the reference's positions."""
     scores = jnp.asarray(scores, jnp.float32)
     want = topk_positions_reference(scores, k)
-    got = topk_positions(scores, k, query_positions, block_n=block_n, interpret=INTERPRET)
-    assert got.shape == (*scores.shape[:-1], k) and got.dtype == jnp.int32
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for block_totals in BLOCK_TOTALS:
+        got = topk_positions(scores, k, query_positions, block_n=block_n, block_totals=block_totals,
+                             interpret=INTERPRET)
+        assert got.shape == (*scores.shape[:-1], k) and got.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=block_totals)
     got = np.asarray(got)
     assert np.all(np.diff(got, axis=-1) > 0), "ascending, no duplicates"
     return got
@@ -148,6 +150,8 @@ def test_topk_validation():
         topk_positions(x, 65, interpret=INTERPRET)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         topk_positions(x, 4, block_n=100, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="block_totals must be one of"):
+        topk_positions(x, 4, block_totals="sorted", interpret=INTERPRET)
 
 
 _VALUES = [-np.inf, -2.0, -1.0, -0.0, 0.0, 0.5, 1.0, 3.0, 1e30]

@@ -66,6 +66,11 @@ def _cases():
         S((1,), I32), S((1, TC), I32))
     yield "topk_positions_causal", lambda x, qpos: it.topk_positions(x, K, qpos), (
         S((1, TC, N), jnp.float32), S((1, TC), I32))
+    # the blocks' counts summed in place by atomic adds: decode lanes and a causal prefill chunk
+    yield "topk_positions_atomic", functools.partial(it.topk_positions, k=K, block_totals="atomic"), (
+        S((B, 1, N), jnp.float32),)
+    yield "topk_positions_causal_atomic", lambda x, qpos: it.topk_positions(x, K, qpos, block_totals="atomic"), (
+        S((1, TC, N), jnp.float32), S((1, TC), I32))
     # FP8 keys with their scales, in both kernels, at fp8 precision
     for name, t in (("decode", T), ("chunk", TC)):
         yield f"indexer_scores_fp8_{name}", functools.partial(it.indexer_scores, softmax_scale=128 ** -0.5,
@@ -133,3 +138,18 @@ def test_kernel_lowers_for_gpu(platform, name, fn, args):
     assert "__gpu$xla.gpu.triton" in text, name
     if any(getattr(a, "sharding", None) is HOST for a in jax.tree.leaves(args)):
         assert 'mhlo.memory_kind = "pinned_host"' in text, "the host operand reaches the kernel where it lives"
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def test_topk_atomic_totals_lower_to_integer_adds(platform, monkeypatch, capsys):
+    """The atomic top-k's totals are int32 counts: every atomic in its Triton IR must be an integer add. JAX's lowering
+    takes a vector of int32 for a float (``fadd`` on the integers' bits), which the interpreter cannot show and the
+    H200 turned into zero totals (7156d33), so the IR itself is checked. The shape is this test's own: ``debug`` is
+    part of the traced pallas_call, and a trace cached by another test would print nothing."""
+    monkeypatch.setattr(it.pl, "pallas_call", functools.partial(it.pl.pallas_call, debug=True))
+    export.export(jax.jit(functools.partial(it.topk_positions, k=64, block_totals="atomic")), platforms=[platform],
+                  disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        S((3, 1, 5000), jnp.float32))
+    rmw = [line for line in capsys.readouterr().out.splitlines() if "tt.atomic_rmw" in line]
+    assert rmw and all("tt.atomic_rmw add," in line for line in rmw), rmw[:2]
+    assert len(rmw) == 8 * 16, "one scalar add per radix pass and candidate"
