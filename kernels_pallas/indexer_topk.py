@@ -608,8 +608,9 @@ def topk_positions(
         (per radix pass a kernel and two small XLA fusions). ``"atomic"``: the kernels add them up in place with
         integer atomic adds and derive each pass's candidates, the threshold and each block's output offset
         themselves (one kernel per pass, no XLA work between them: 10 launches instead of ~28 per call). Both
-        select the same positions; which is faster on a GPU is measured by ``experiments.bench_kernels``. The
-        model keeps ``"xla"``: ``"atomic"`` has not run compiled since its integer-add fix (see the count kernel).
+        select the same positions. ``"atomic"`` measured slower in the model on the H200 (batch-1 decode at 8K
+        279.4 against 296.8 tok/s, prefill 154K against 242K tok/s:
+        ``experiments/results/generate_8k_topk_ab_50c9f4d.json``), so the model keeps ``"xla"``.
       interpret: run the Pallas interpreter (CPU tests).
 
     Returns:
