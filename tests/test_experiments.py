@@ -415,6 +415,12 @@ def test_generate_roofline(tmp_path):
     assert run["bytes"]["inputs"]["mode"] == "offload" and base["bytes"]["inputs"]["mode"] == "resident"
     assert run["bytes"]["host"]["copyback_to_host"] > 0 and base["bytes"]["host_total"] == 0
     assert run["bytes"]["routed_experts"]["per_layer"] == base["bytes"]["routed_experts"]["per_layer"]
+    # where the decode's pace came from: the host loop and the step calls within the decode time
+    fig = report["figures"]["run"]
+    calls, gaps = fig["decode_step_call_ms"], fig["decode_step_interval_ms"]
+    assert 0 < fig["decode_step_calls_s"] <= fig["decode_host_loop_s"]
+    assert 0 < calls["p50"] <= calls["p90"] <= calls["p99"] <= calls["max"]
+    assert 0 < gaps["p50"] <= gaps["max"]
 
 
 def test_generate_fp8_experts(tmp_path):
