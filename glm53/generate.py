@@ -34,6 +34,7 @@ class GenerateResult:
     decode_host_loop_s: float = 0.0
     decode_step_calls_s: float = 0.0
     decode_step_call_s: list[float] = dataclasses.field(default_factory=list)  # per step
+    decode_step_call_ms: dict = dataclasses.field(default_factory=dict)  # p50 / p90 / p99 / max of those
     # The time between the host's reads of consecutive decode steps, ms (p50 / p90 / p99 / max): the token latency
     # a caller sees, where a stall shows (``glm53.engine.RunReport.step_interval_ms``).
     decode_step_interval_ms: dict = dataclasses.field(default_factory=dict)
@@ -144,7 +145,8 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
         decode_tokens_per_s_per_session=run.decode_tokens / len(sids) / steady, prompt_lengths=lens,
         cache_stats=stats, text=text, engine=engine if keep_cache else None, compile_s=compile_s,
         decode_host_loop_s=run.host_loop_s, decode_step_calls_s=float(sum(run.step_call_s)),
-        decode_step_call_s=list(run.step_call_s), decode_step_interval_ms=run.step_interval_ms,
+        decode_step_call_s=list(run.step_call_s), decode_step_call_ms=run.step_call_ms,
+        decode_step_interval_ms=run.step_interval_ms,
         decode_copyback_steps=list(run.copyback_steps), mtp=mtp,
         mtp_acceptance=run.acceptance if mtp else None)
 
