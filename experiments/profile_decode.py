@@ -27,8 +27,8 @@ from ml_collections import config_flags
 
 import glm53
 from experiments import workloads
-from experiments.trace_util import (compiled_decode_hlo, device_events, find_xplane, kernel_op_name, kernel_scope,
-                                    op_names_from_hlo, trace_options)
+from experiments.trace_util import (compiled_decode_hlo, device_events, find_xplane, host_events, host_time,
+                                    kernel_op_name, kernel_scope, op_names_from_hlo, trace_options)
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
@@ -245,7 +245,15 @@ def main(_):
                 suffix = "_copy_free" if p == 0 and copy_pages else ""
                 with open(os.path.join(os.path.dirname(FLAGS.out) or ".", f"decode_hlo_{mode}{suffix}.txt"), "w") as f:
                     f.write(hlo)
-        summary = summarise(device_events(path), {p: op_names_from_hlo(h) for p, h in hlos.items()}, new - 1)
+        events = device_events(path)
+        summary = summarise(events, {p: op_names_from_hlo(h) for p, h in hlos.items()}, new - 1)
+        # The host's side of the same steps: what a step call spends its time on (dispatch, PJRT's execute, XLA's
+        # thunks and command buffers, the driver's launches), to tell a slow call's cause from the device's.
+        window = [e[1] for e in events if str(e[3].get("hlo_module", "")).startswith(DECODE_MODULE)]
+        window_end = [e[1] + e[2] for e in events if str(e[3].get("hlo_module", "")).startswith(DECODE_MODULE)]
+        if window:
+            summary["host"] = host_time(host_events(path), min(window), max(window_end), new - 1)
+        summary["step_call_ms_while_profiled"] = res.decode_step_call_ms
         summary["decode_tokens_per_s_while_profiled"] = res.decode_tokens_per_s
         if res.cache_stats:
             summary["decode_hit_rate"] = res.cache_stats["decode"]["hit_rate"]
@@ -257,6 +265,8 @@ def main(_):
               flush=True)
         for k, v in summary["per_scope_us_per_step"].items():
             print(f"    {k:>20}: {v:8.1f} us/step")
+        for k, v in list(summary.get("host", {}).get("self_us_per_step", {}).items())[:12]:
+            print(f"    host {v:8.1f} us/step  x{summary['host']['count_per_step'].get(k, 0):6.1f}  {k}")
         for r in summary["top_kernels"][:25]:
             print(f"    {r['us_per_step']:8.1f} us  x{r['calls_per_step']:5.1f}  {r['scope']:>18}  {r['kernel'][:60]}")
     if {"resident", "offload"} <= set(results["modes"]):

@@ -18,6 +18,7 @@ name (``fusion_12`` for the instruction ``fusion.12``) finds its metadata then.
 
 from __future__ import annotations
 
+import collections
 import glob
 import os
 import re
@@ -153,6 +154,60 @@ def device_events(path: str) -> list:
                 if "hlo_module" in stats:
                     out.append((ev.name, ev.start_ns, ev.duration_ns, stats))
     return out
+
+
+def host_events(path: str) -> list:
+    """(plane, thread, name, start_ns, duration_ns) of every host event: the TraceMe annotations of JAX's dispatch,
+    PJRT's execute and XLA's thunks, and, on GPUs, the CUDA driver calls the profiler records. Host and device
+    timestamps share one clock, so a host event can be placed against the device's decode window."""
+    from jax.profiler import ProfileData
+    out = []
+    for plane in ProfileData.from_file(path).planes:
+        if not plane.name.startswith("/host:"):
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                out.append((plane.name, line.name, ev.name, ev.start_ns, ev.duration_ns))
+    return out
+
+
+def _host_key(name: str) -> str:
+    """A host event's name without the per-call details TraceMe appends (``Thunk:#hlo_op=fusion.12#`` and the like
+    would list every kernel apart; the sum over a kind of event is what tells where a step call's time goes)."""
+    return re.sub(r"\d+", "N", name.split("#")[0].strip())[:80]
+
+
+def host_time(events: list, t0: int, t1: int, steps: int, top: int = 30) -> dict:
+    """Where the host's time went between ``t0`` and ``t1`` (ns, e.g. the device's decode window), per step: for
+    each thread the busy time (outermost events), and per kind of event the inclusive and the self time (nested
+    events subtracted) and the count. Events of one thread nest; the self time of the kinds sums to the busy time."""
+    steps = max(steps, 1)
+    by_thread = collections.defaultdict(list)
+    for plane, thread, name, start, dur in events:
+        if start >= t0 and start < t1:
+            by_thread[(plane, thread)].append((start, dur, _host_key(name)))
+    inclusive, self_time, count, busy = (collections.Counter() for _ in range(4))
+    for key, evs in by_thread.items():
+        evs.sort(key=lambda e: (e[0], -e[1]))
+        stack = []  # [end, key, self ns] of the open events
+        def close(until):
+            while stack and stack[-1][0] <= until:
+                end, k, own = stack.pop()
+                self_time[k] += own
+        for start, dur, k in evs:
+            close(start)
+            if stack:
+                stack[-1][2] -= min(dur, stack[-1][0] - start)
+            else:
+                busy[f"{key[0]} {key[1]}"] += dur
+            inclusive[k] += dur
+            count[k] += 1
+            stack.append([start + dur, k, dur])
+        close(float("inf"))
+    per_step = lambda c: {k: round(v / 1e3 / steps, 2) for k, v in c.most_common(top)}
+    return {"thread_busy_us_per_step": per_step(busy), "self_us_per_step": per_step(self_time),
+            "inclusive_us_per_step": per_step(inclusive),
+            "count_per_step": {k: round(count[k] / steps, 2) for k, _ in self_time.most_common(top)}}
 
 
 def kernel_scope(name: str, hlo_op: str, module: str, op_names: dict) -> tuple[str, str]:

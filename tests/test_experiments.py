@@ -73,6 +73,13 @@ def test_profile_decode(tmp_path):
     steady = off["steady_state"]
     assert steady["steps"] == off["decode_steps_profiled"] == len(steady["busy_us_by_step"])
     assert steady["median_us"]["offload_gather"] > 0 and steady["first_step_us"]["offload_gather"] > 0
+    # the host's side of the decode window: busy threads, and self times that never exceed the busy time
+    host = off["host"]
+    assert host["thread_busy_us_per_step"] and max(host["thread_busy_us_per_step"].values()) > 0
+    assert 0 < sum(host["self_us_per_step"].values()) <= sum(host["thread_busy_us_per_step"].values()) + 1
+    assert all(host["inclusive_us_per_step"][k] >= v - 0.01 for k, v in host["self_us_per_step"].items()
+               if k in host["inclusive_us_per_step"])
+    assert off["step_call_ms_while_profiled"]["p50"] > 0
     assert abs(sum(steady["busy_us_by_step"]) / steady["steps"] - off["busy_us_per_step"]) < 0.01 * off[
         "busy_us_per_step"] + 0.1
     assert "offload_gather" in report["offload_minus_resident_median_step_us"]

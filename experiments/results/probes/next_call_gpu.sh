@@ -4,7 +4,7 @@
 #   1. batch-1 generate at 8K and 50K over 1,024 tokens: generate's JSON now holds the host's dispatch loop, the
 #      step calls and the step intervals with their maximum, to tell whether the ~0.19 ms a step that 50K loses
 #      against its profiled device time (3d25d55) is one stall or a steady gap;
-#   2. the 10 x 50K A/B at MTP 3 forced on the one-launch experts (MTP 0 ran at 3d25d55), cut to the call.
+#   3. the 10 x 50K A/B at MTP 3 forced on the one-launch experts (MTP 0 ran at 3d25d55), cut to the call.
 # Use `python -m pip`: the machine's bare `pip` installs for another interpreter.
 set -u
 export JAX_PLATFORMS=cuda,cpu
@@ -17,6 +17,12 @@ for n in 8192 50000; do
     2>&1 | grep "decode\|roofline\|host:\|rror" | tail -4
   el gen $n
 done
+# 2. where a 10-lane x 50K offload decode step's host call goes (profile_decode's host summary: PJRT's execute, XLA's
+#    thunks and command buffers, the driver's launches), the step-call p99 target of issue 9.
+timeout 220 python -m experiments.profile_decode --config=configs/h200_bench.py --config.run.prompt_len=50000 \
+  --config.run.batch=10 --config.run.max_new_tokens=48 --workload=local99 --modes=offload \
+  --out=$OUT/profile_decode_50k_b10_host_$GLM53_GIT_REVISION.json 2>&1 | grep "busy\|host \|rror" | head -16
+el profile_b10
 LEFT=$(( 560 - $(date +%s) + T0 ))
 timeout $LEFT python -m experiments.sessions_ab --config=configs/h200_bench.py --config.run.prompt_len=50000 \
   --config.run.max_new_tokens=512 --sessions=10 --pairs=2 --max_pairs=8 --budget_s=$(( LEFT - 200 )) --mtp=3 \
