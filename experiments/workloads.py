@@ -76,6 +76,7 @@ def _rows_override(sets, sessions: int, K: int):
         if sessions == 1:
             return jnp.broadcast_to(rows[0], (len(positions), K))
         return rows if len(positions) == sessions else rows[np.arange(len(positions)) % sessions]
+    override.sets = sets  # the device-side state, for inspection (tests trace one step of it)
     return override
 
 
@@ -196,7 +197,10 @@ def _churn(chosen: jax.Array, key: jax.Array, *, n_new: int, history: int):
     key, k_slot, k_pos = jax.random.split(key, 3)
     slots = jax.random.randint(k_slot, (S, n_new), 0, K)
     fresh = jax.random.randint(k_pos, (S, n_new), 0, history, dtype=jnp.int32)
-    at = jnp.minimum(jax.vmap(jnp.searchsorted)(chosen, fresh), K - 1)
+    # compare_all, not the default binary search: that is a while loop, and on a GPU each trip copies its predicate
+    # to the host, so every step's override waited there for the device to finish the decode steps in flight
+    # (~12 trips a step in profile_decode_8k_b10_host_e0171ab.json). The [S, n_new, K] comparison is small.
+    at = jnp.minimum(jax.vmap(functools.partial(jnp.searchsorted, method="compare_all"))(chosen, fresh), K - 1)
     held = jnp.take_along_axis(chosen, at, 1) == fresh
     earlier = jnp.tril(jnp.ones((n_new, n_new), bool), -1)  # [i, j]: j drawn before i
     seen = ((fresh[:, :, None] == fresh[:, None, :]) & earlier).any(-1)

@@ -539,6 +539,22 @@ def test_synthetic_workloads_give_valid_selections(name):
         assert any((a != b).any() for a, b in zip(rows, rows[1:]))  # it moves
 
 
+@pytest.mark.parametrize("name", ["local99", "drift0.3", "uniform", "window32", "zipf1.0"])
+def test_synthetic_workloads_never_loop_on_the_device(name):
+    """A workload's step runs between two decode steps: a while loop in it copies its predicate to the host at every
+    trip on a GPU, so the host waits there for the device to finish the steps in flight (local99's binary search
+    did, ~12 trips a step: profile_decode_8k_b10_host_e0171ab.json)."""
+    import copy
+
+    import jax
+
+    from experiments import workloads
+
+    sets = workloads.selection(name, 64, 500, seed=1, sessions=3).sets
+    jaxpr = str(jax.make_jaxpr(copy.copy(sets).step)())  # a copy: step() stores its new state on the object
+    assert "while[" not in jaxpr and "scan[" not in jaxpr, jaxpr[:2000]
+
+
 def test_zipf_rows_reuse_the_popular_positions():
     """zipf<e>: the most popular positions come back step after step, the tail rarely, and a larger exponent
     concentrates the draws (what makes LFU beat circular in glm53.policies)."""
