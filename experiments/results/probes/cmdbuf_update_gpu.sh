@@ -11,6 +11,16 @@ export JAX_PLATFORMS=cuda,cpu
 T0=$(date +%s); el() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
 for whl in .whl/ml_collections-*.whl; do [ -e "$whl" ] && python -m pip install -q --no-deps "$whl"; done
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Running pip" | tail -2
+ab() {  # the 10 x 50K A/B at MTP 0, one pair; $1: variant, $2: XLA_FLAGS
+  LEFT=$(( 470 - $(date +%s) + T0 )); [ $LEFT -lt 60 ] && return
+  XLA_FLAGS="$2" timeout $LEFT python -m experiments.sessions_ab --config=configs/h200_bench.py \
+    --config.run.prompt_len=50000 --config.run.max_new_tokens=512 --sessions=10 --pairs=1 --max_pairs=1 --mtp=0 \
+    --append=0 --workload=local99 --out=$OUT/sessions_ab_10x50k_$1_$GLM53_GIT_REVISION.json 2>&1 | grep "^\[" | tail -6
+  el sessions_ab $1
+}
+# First the A/B on the local99 override without its per-step host sync (the binary search's while loop, fixed at
+# d23452f), default flags.
+ab default ""
 FLAG=""
 for mode in SKIP_TEMP VMM_PERSISTENT_TEMP; do
   if XLA_FLAGS=--xla_gpu_command_buffer_update_mode=$mode timeout 60 python -c \
@@ -31,14 +41,4 @@ for variant in default flag; do
     2>&1 | grep "decode\|roofline\|host:\|rror" | tail -4
   el gen $variant
 done
-# The 10 x 50K A/B at MTP 0, one pair, on the local99 override without its per-step host sync (the binary search's
-# while loop, fixed in this revision): default flags, then with the update mode, while the call's time lasts.
-for variant in default flag; do
-  F=""; [ $variant = flag ] && F="$FLAG"
-  LEFT=$(( 470 - $(date +%s) + T0 ))
-  [ $LEFT -lt 60 ] && break
-  XLA_FLAGS="$F" timeout $LEFT python -m experiments.sessions_ab --config=configs/h200_bench.py \
-    --config.run.prompt_len=50000 --config.run.max_new_tokens=512 --sessions=10 --pairs=1 --max_pairs=1 --mtp=0 \
-    --append=0 --workload=local99 --out=$OUT/sessions_ab_10x50k_${variant}_$GLM53_GIT_REVISION.json 2>&1 | grep "^\[" | tail -6
-  el sessions_ab $variant
-done
+ab flag "$FLAG"
