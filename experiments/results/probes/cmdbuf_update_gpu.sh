@@ -12,15 +12,16 @@ T0=$(date +%s); el() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
 for whl in .whl/ml_collections-*.whl; do [ -e "$whl" ] && python -m pip install -q --no-deps "$whl"; done
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Running pip" | tail -2
 ab() {  # the 10 x 50K A/B at MTP 0, one pair; $1: variant, $2: XLA_FLAGS
-  LEFT=$(( 470 - $(date +%s) + T0 )); [ $LEFT -lt 60 ] && return
+  LEFT=$(( LIMIT - $(date +%s) + T0 )); [ $LEFT -lt 60 ] && return
   XLA_FLAGS="$2" timeout $LEFT python -m experiments.sessions_ab --config=configs/h200_bench.py \
     --config.run.prompt_len=50000 --config.run.max_new_tokens=512 --sessions=10 --pairs=1 --max_pairs=1 --mtp=0 \
     --append=0 --workload=local99 --out=$OUT/sessions_ab_10x50k_$1_$GLM53_GIT_REVISION.json 2>&1 | grep "^\[" | tail -6
   el sessions_ab $1
 }
-# First the A/B on the local99 override without its per-step host sync (the binary search's while loop, fixed at
-# d23452f), default flags.
-ab default ""
+# LIMIT (s, default 470): the call's time; AB_DEFAULT=1 runs the A/B with default flags first (the local99 override
+# without its per-step host sync: the binary search's while loop, fixed at d23452f).
+LIMIT=${LIMIT:-470}
+[ -n "${AB_DEFAULT:-}" ] && ab default ""
 FLAG=""
 for mode in SKIP_TEMP VMM_PERSISTENT_TEMP; do
   if XLA_FLAGS=--xla_gpu_command_buffer_update_mode=$mode timeout 60 python -c \
@@ -31,13 +32,13 @@ for mode in SKIP_TEMP VMM_PERSISTENT_TEMP; do
   fi
 done
 el flags
-[ -z "$FLAG" ] && exit 0
+if [ -z "$FLAG" ]; then ab default ""; exit 0; fi
 echo "$FLAG" > $OUT/flag.txt
 for variant in default flag; do
   F=""; [ $variant = flag ] && F="$FLAG"
-  XLA_FLAGS="$F" timeout 100 python -m experiments.generate --config=configs/h200_bench.py \
-    --config.run.prompt_len=8192 --config.run.max_new_tokens=512 \
-    --config.run.output_json=$OUT/generate_8192_512_${variant}_$GLM53_GIT_REVISION.json \
+  XLA_FLAGS="$F" timeout 90 python -m experiments.generate --config=configs/h200_bench.py \
+    --config.run.prompt_len=8192 --config.run.max_new_tokens=${GEN_TOKENS:-512} \
+    --config.run.output_json=$OUT/generate_8192_${GEN_TOKENS:-512}_${variant}_$GLM53_GIT_REVISION.json \
     2>&1 | grep "decode\|roofline\|host:\|rror" | tail -4
   el gen $variant
 done
