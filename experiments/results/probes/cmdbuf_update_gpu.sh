@@ -23,7 +23,7 @@ ab() {  # the 10 x 50K A/B at MTP 0, one pair; $1: variant, $2: XLA_FLAGS
 LIMIT=${LIMIT:-470}
 [ -n "${AB_DEFAULT:-}" ] && ab default ""
 FLAG=""
-for mode in SKIP_TEMP VMM_PERSISTENT_TEMP; do
+for mode in SKIP_TEMP NEVER_UPDATE; do  # the newer name, then the one jaxlib 0.10 knows (it remaps every referenced buffer)
   if XLA_FLAGS=--xla_gpu_command_buffer_update_mode=$mode timeout 60 python -c \
       "import jax, jax.numpy as jnp; print(float(jax.jit(lambda x: (x * 2).sum())(jnp.ones(8))))" >/tmp/flag_$mode.log 2>&1; then
     FLAG="--xla_gpu_command_buffer_update_mode=$mode"; echo "accepted: $mode"; break
