@@ -541,9 +541,9 @@ def test_synthetic_workloads_give_valid_selections(name):
 
 @pytest.mark.parametrize("name", ["local99", "drift0.3", "uniform", "window32", "zipf1.0"])
 def test_synthetic_workloads_never_loop_on_the_device(name):
-    """A workload's step runs between two decode steps: a while loop in it copies its predicate to the host at every
-    trip on a GPU, so the host waits there for the device to finish the steps in flight (local99's binary search
-    did, ~12 trips a step: profile_decode_8k_b10_host_e0171ab.json)."""
+    """A workload's step runs between two decode steps: a while loop in it copies its predicate to the host and waits
+    for it at every trip on a GPU (local99's binary search did, ~12 trips a step:
+    profile_decode_8k_b10_host_e0171ab.json)."""
     import copy
 
     import jax
