@@ -118,6 +118,8 @@ def figures(res: dict, n_sessions: int) -> dict:
         "step_call_ms": pct, "step_call_p99_over_median": pct["p99"] / pct["p50"] if pct else None,
         # the token latency a caller sees (RunReport.step_interval_ms): where a stall of the device shows
         "step_interval_ms": gaps, "step_interval_p99_over_median": gaps["p99"] / gaps["p50"] if gaps else None,
+        # how long each read waited for the device (RunReport.step_wait_ms): near zero, the host set the pace
+        "step_wait_ms": r.step_wait_ms,
         "copyback_steps": r.copyback_steps, "copy_steps": len(r.copy_steps),  # steps dispatched with the copyback
         "hit_rate": res.get("hit_rate"), "misses": res.get("misses"),
         # which calls are slow: the p99 target is about them (copyback steps against the others, the slowest)

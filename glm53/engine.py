@@ -150,6 +150,9 @@ class RunReport:
     # When each step's outputs reached the host (perf_counter seconds), in step order: its tokens go to the sessions
     # (and ``on_token``) then, so the gaps are the token latency a caller sees (``step_interval_ms``).
     step_read_s: list
+    # How long the host waited in each read for the step's outputs (the device still running it, or the transfer):
+    # a host that keeps ahead of the device waits here; a host that paces the decode barely does.
+    step_wait_s: list
     host_loop_s: float  # the decode loop's host time up to its last dispatch
     compile_s: float  # tracing + compilation inside this call
     decode_compile_s: float  # of it, between the first token and the last: nonzero means decode_s timed a compiler
@@ -177,6 +180,16 @@ class RunReport:
             return {}
         calls = np.asarray(self.step_call_s) * 1e3
         return dict(zip(("p50", "p90", "p99", "max"), np.percentile(calls, [50, 90, 99, 100]).tolist()))
+
+    @property
+    def step_wait_ms(self) -> dict:
+        """The reads' waits for the device, ms: p50 / p90 / p99 / max and the mean ({} when no step ran). A median
+        near zero at a step interval near the step calls says the host sets the decode's pace."""
+        if not self.step_wait_s:
+            return {}
+        waits = np.asarray(self.step_wait_s) * 1e3
+        return {**dict(zip(("p50", "p90", "p99", "max"), np.percentile(waits, [50, 90, 99, 100]).tolist())),
+                "mean": float(waits.mean())}
 
     @property
     def step_interval_ms(self) -> dict:
@@ -975,6 +988,7 @@ class _Run:
         self.remaining[: len(sessions)] = [reqs[s.sid] for s in sessions]
         self.call_s: list[float] = []
         self.read_s: list[float] = []
+        self.wait_s: list[float] = []
         self.copyback_steps: list[int] = []
         self.copy_steps: list[int] = []
         self.proposed = [0] * MAX_MTP_DEPTH
@@ -1201,7 +1215,10 @@ class _Run:
     def _absorb_decode(self, tokens, remaining, logits, remaining_in, rounds=None) -> None:
         """``remaining_in``: what the step was given (the device's own count): a lane was active iff it was > 0."""
         self._record(rounds)
-        tokens, remaining, remaining_in = np.asarray(tokens), np.asarray(remaining), np.asarray(remaining_in)
+        t = time.perf_counter()
+        tokens = np.asarray(tokens)  # waits for the step
+        self.wait_s.append(time.perf_counter() - t)
+        remaining, remaining_in = np.asarray(remaining), np.asarray(remaining_in)
         logits = None if logits is None else np.asarray(logits)
         self.read_s.append(time.perf_counter())
         before = [self.e._committed(s) for s in self.sessions]
@@ -1279,7 +1296,10 @@ class _Run:
 
     def _absorb_verify(self, emitted, n_emit, remaining, accepted, logits, rounds=None) -> None:
         self._record(rounds)
-        emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
+        t = time.perf_counter()
+        emitted = np.asarray(emitted)  # waits for the step
+        self.wait_s.append(time.perf_counter() - t)
+        n_emit = np.asarray(n_emit)
         remaining, accepted = np.asarray(remaining), np.asarray(accepted)
         logits = None if logits is None else np.asarray(logits)
         self.read_s.append(time.perf_counter())
@@ -1313,7 +1333,7 @@ class _Run:
             sids=[s.sid for s in self.sessions], tokens={k: list(v) for k, v in self.out.items()}, logits=logits,
             first_token_s=self.t_first - self.t0, decode_s=max(self.t_end - self.t_first, 0.0),
             decode_tokens=self.decode_tokens, steps=self.steps, step_call_s=list(self.call_s),
-            step_read_s=list(self.read_s),
+            step_read_s=list(self.read_s), step_wait_s=list(self.wait_s),
             host_loop_s=self.t_loop, compile_s=compile_seconds() - self.compile0,
             decode_compile_s=self.decode_compile_s, bucket=self.bucket, mtp=self.mtp,
             # a page that became final in the run's last step is written by the settle after the run

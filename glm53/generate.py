@@ -38,6 +38,9 @@ class GenerateResult:
     # The time between the host's reads of consecutive decode steps, ms (p50 / p90 / p99 / max): the token latency
     # a caller sees, where a stall shows (``glm53.engine.RunReport.step_interval_ms``).
     decode_step_interval_ms: dict = dataclasses.field(default_factory=dict)
+    # How long the host waited in each read for a step's tokens, ms (p50 / p90 / p99 / max / mean): near zero, the
+    # host set the pace (``glm53.engine.RunReport.step_wait_ms``).
+    decode_step_wait_ms: dict = dataclasses.field(default_factory=dict)
     # Offload: the decode steps (1-based, as in decode_step_call_s[step - 1]) whose copyback wrote host pages.
     decode_copyback_steps: list[int] = dataclasses.field(default_factory=list)
     mtp: int = 0
@@ -146,7 +149,7 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
         cache_stats=stats, text=text, engine=engine if keep_cache else None, compile_s=compile_s,
         decode_host_loop_s=run.host_loop_s, decode_step_calls_s=float(sum(run.step_call_s)),
         decode_step_call_s=list(run.step_call_s), decode_step_call_ms=run.step_call_ms,
-        decode_step_interval_ms=run.step_interval_ms,
+        decode_step_interval_ms=run.step_interval_ms, decode_step_wait_ms=run.step_wait_ms,
         decode_copyback_steps=list(run.copyback_steps), mtp=mtp,
         mtp_acceptance=run.acceptance if mtp else None)
 

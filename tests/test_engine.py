@@ -420,6 +420,12 @@ def test_step_interval_shows_a_stall(model):
     assert len(run.step_read_s) == run.steps and np.all(np.diff(run.step_read_s) >= 0)
     gaps = run.step_interval_ms
     assert gaps["max"] >= 1e3 * stall_s > 10 * gaps["p50"], gaps
+    # each read's wait for the device falls inside the gap since the read before it
+    waits = np.asarray(run.step_wait_s)
+    assert len(waits) == run.steps and (waits >= 0).all()
+    assert (waits[1:] <= np.diff(run.step_read_s) + 1e-6).all()
+    w = run.step_wait_ms
+    assert 0 <= w["p50"] <= w["max"] and w["mean"] <= w["max"]
 
 
 def test_memory_report_matches_jax_allocations(model):

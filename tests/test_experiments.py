@@ -258,6 +258,7 @@ def test_sessions_ab(tmp_path):
         gaps = f["step_interval_ms"]
         assert 0 <= gaps["p50"] <= gaps["p99"] <= gaps["max"]
         assert f["step_interval_p99_over_median"] == pytest.approx(gaps["p99"] / gaps["p50"])
+        assert 0 <= f["step_wait_ms"]["p50"] <= f["step_wait_ms"]["max"]
         # which steps ran the copying executable: offload MTP verify steps always copy; resident has no copyback
         assert len(f["copy_step_numbers"]) == f["copy_steps"]
         if mode == "offload":
@@ -428,6 +429,8 @@ def test_generate_roofline(tmp_path):
     assert 0 < fig["decode_step_calls_s"] <= fig["decode_host_loop_s"]
     assert 0 < calls["p50"] <= calls["p90"] <= calls["p99"] <= calls["max"]
     assert 0 < gaps["p50"] <= gaps["max"]
+    waits = fig["decode_step_wait_ms"]  # the reads' waits for the device
+    assert 0 <= waits["p50"] <= waits["p99"] <= waits["max"] and 0 <= waits["mean"] <= waits["max"]
 
 
 def test_generate_fp8_experts(tmp_path):
