@@ -14,6 +14,16 @@ memory apart, at the run's measured miss rate), and the ideal vs achieved step t
 ``num_experts_per_tok`` distinct experts) and otherwise runs ``--probe_tokens`` more tokens through an instrumented
 decode step that reports the model's expert choices (one extra compile); ``uniform`` uses the uniform-routing
 expectation (labelled as such); ``probe`` always probes.
+
+XLA options for the engine's steps (``--compiler_options=name=value,...``), and their A/B in one process
+(``--baseline_compiler_options=...``, '' for none): two processes autotune their GEMMs apart and their greedy
+tokens part within tens of tokens, so only a same-process pair can check that an option leaves the outputs alone.
+An option that needs a process-wide setting as well (``xla_gpu_command_buffer_update_mode=SKIP_TEMP`` needs the VMM
+allocator, which only ``XLA_FLAGS`` selects) then runs both sides on that setting:
+
+    XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP python -m experiments.generate \
+        --config=configs/h200_bench.py --compiler_options=xla_gpu_command_buffer_update_mode=SKIP_TEMP \
+        --baseline_compiler_options=xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE
 """
 
 import json
@@ -43,8 +53,37 @@ _COMPARE_ONE_DEVICE = flags.DEFINE_integer(
     "device and on the mesh (an untimed run each) and compare tokens and logits: bit-identical for stage-only layouts, "
     "within 1e-5 relative in float32 with tp > 1 (split reductions sum in another order); the one-device copy of the "
     "weights needs room on the first device beside its share of the mesh's")
+_COMPILER_OPTIONS = flags.DEFINE_list(
+    "compiler_options", [], "XLA options the engine's steps compile with, name=value (glm53.Engine's "
+    "compiler_options), e.g. xla_gpu_command_buffer_update_mode=SKIP_TEMP")
+_BASELINE_COMPILER_OPTIONS = flags.DEFINE_list(
+    "baseline_compiler_options", None, "also run the same generate with these step options instead (name=value; "
+    "'' for none) in this process, compare tokens and logits and report both speeds: an A/B of XLA options with the "
+    "same autotuned GEMMs (two processes pick their own, and their greedy tokens part)")
 _BANDWIDTH_MIB = flags.DEFINE_integer("bandwidth_mib", 0, "array size of the bandwidth benchmark (0: 1 GiB on "
                                       "accelerators, 64 MiB on a CPU)")
+
+
+def parse_options(items) -> dict:
+    """``name=value`` strings as XLA compiler options: true / false as bools, integers and floats as numbers."""
+    out = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise app.UsageError(f"compiler option {item!r}: expected name=value")
+        value = value.strip()
+        if value.lower() in ("true", "false"):
+            out[name.strip()] = value.lower() == "true"
+            continue
+        for kind in (int, float):
+            try:
+                out[name.strip()] = kind(value)
+                break
+            except ValueError:
+                pass
+        else:
+            out[name.strip()] = value
+    return out
 
 
 def build_model(config, expert_weights: str = "model", one_device: bool = False) -> glm53.Model:
@@ -206,11 +245,21 @@ def main(argv):
     rooflines = {}
     routing_cache = []
 
-    def timed(mode):
+    options = parse_options(_COMPILER_OPTIONS.value)
+    baseline_options = (None if _BASELINE_COMPILER_OPTIONS.value is None
+                        else parse_options([o for o in _BASELINE_COMPILER_OPTIONS.value if o]))
+    compare_options = baseline_options is not None
+    if compare_options and baseline_options == options:
+        raise app.UsageError("--baseline_compiler_options equal --compiler_options: nothing to compare")
+
+    def timed(mode, step_options, label=None):
         cache = model.cache_config.replace(mode=mode, max_len=capacity)
-        glm53.generate(model, prompts, max_new_tokens=warm_tokens, cache=cache, **kw)  # compile: not timed
+        opts = dict(kw, compiler_options=step_options)
+        glm53.generate(model, prompts, max_new_tokens=warm_tokens, cache=cache, **opts)  # compile: not timed
         res = glm53.generate(model, prompts, max_new_tokens=run.max_new_tokens, cache=cache, progress=True,
-                             return_logits=run.compare_resident, keep_cache=_ROOFLINE.value, **kw)
+                             return_logits=run.compare_resident or compare_options, keep_cache=_ROOFLINE.value,
+                             **opts)
+        mode = label or mode
         if _ROOFLINE.value:
             engine, res.engine = res.engine, None
             timed_run = engine.last_run
@@ -228,7 +277,9 @@ def main(argv):
     print(f"{run.batch} x {run.prompt_len}-token prompts, {run.max_new_tokens} new tokens, cache {mode}/"
           f"{model.cache_config.kv_format} (an untimed warm-up generate with the same shapes ran first: compile is "
           "not timed)")
-    result = timed(mode)
+    if options:
+        print(f"the engine's steps compile with {options}")
+    result = timed(mode, options)
     for b, toks in enumerate(result.tokens):
         print(f"session {b}: {toks[:32]}{' ...' if len(toks) > 32 else ''}")
     print(f"[{mode}] {result.summary()}")
@@ -245,10 +296,25 @@ def main(argv):
     if result.cache_stats is not None:
         print("cache stats:")
         print_cache_stats(result.cache_stats)
-    out = {"mode": mode, "run": figures(result)}
+    out = {"mode": mode, "run": figures(result), "compiler_options": options}
+
+    if compare_options:
+        label = f"{mode}, baseline options"
+        other = timed(mode, baseline_options, label)
+        same_tokens = result.tokens == other.tokens
+        same_logits = bool(np.array_equal(result.logits, other.logits))
+        ratio = result.decode_tokens_per_s / other.decode_tokens_per_s
+        print(f"[{label}] {other.summary()}")
+        print(f"options {options} vs {baseline_options} (same process, same inputs): tokens identical {same_tokens}, "
+              f"logits bit-identical {same_logits}; decode {result.decode_tokens_per_s:,.2f} vs "
+              f"{other.decode_tokens_per_s:,.2f} tok/s (ratio {ratio:.3f}); step calls p50 "
+              f"{result.decode_step_call_ms['p50']:.3f} vs {other.decode_step_call_ms['p50']:.3f} ms")
+        out["baseline_options"] = {"compiler_options": baseline_options, "run": figures(other),
+                                   "tokens_identical": same_tokens, "logits_bit_identical": same_logits,
+                                   "decode_ratio": ratio}
 
     if run.compare_resident:
-        base = timed("resident")
+        base = timed("resident", options)
         same_tokens = result.tokens == base.tokens
         same_logits = bool(np.array_equal(result.logits, base.logits))
         ratio = result.decode_tokens_per_s / base.decode_tokens_per_s
@@ -275,6 +341,8 @@ def main(argv):
                                                       entry["decode_s"] / entry["steps"], entry["tokens_per_step"]))
                 print(f"[{name}] roofline: {roofline.summary_line(entry['bytes'], entry)}", flush=True)
         out_roofline = {"bandwidth": bandwidth, "run": rooflines.get(mode)}
+        if compare_options:
+            out_roofline["baseline_options"] = rooflines.get(f"{mode}, baseline options")
         if run.compare_resident and mode != "resident":
             out_roofline["resident_baseline"] = rooflines.get("resident")
     if run.output_json and distributed.is_writer():

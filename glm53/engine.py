@@ -206,6 +206,29 @@ class RunReport:
         return dict(zip(("p50", "p90", "p99", "max"), np.percentile(gaps, [50, 90, 99, 100]).tolist()))
 
 
+def check_compiler_options(options: Mapping | None, *, pipeline: bool = False) -> tuple:
+    """``options`` as sorted (name, value) pairs, checked by compiling a trivial program with them: XLA names an
+    unknown option or a value it cannot parse here, not at the first step's compile."""
+    if not options:
+        return ()
+    if pipeline:
+        raise ConfigError("compiler_options are not applied to pipeline stages' programs: leave them out with "
+                          "mesh.stages > 1")
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"compiler_options must be a mapping of XLA option names to values, got "
+                          f"{type(options).__name__}")
+    for name, value in options.items():
+        if not isinstance(name, str) or not isinstance(value, (str, bool, int, float)):
+            raise ConfigError(f"compiler_options: {name!r}: {value!r} is not an option name with a str, bool, int or "
+                              "float value")
+    pairs = tuple(sorted(options.items()))
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=dict(pairs)).lower(np.int32(0)).compile()
+    except Exception as err:  # noqa: BLE001 - XLA's own message names the option
+        raise ConfigError(f"compiler_options {dict(pairs)} were refused: {err}") from None
+    return pairs
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -228,11 +251,14 @@ class Engine:
     ``host_budget_bytes`` sizes offload's host page pool (default: every slot's full capacity);
     ``device_budget_bytes`` is checked against the cache, the parameters and the largest transient buffer when the
     engine is built. ``kernels`` picks the Pallas kernels or their jnp references (``"auto"``: kernels on GPUs).
+    ``compiler_options`` (``{"xla_...": value}``) are XLA options the engine's steps compile with (``jax.jit``'s
+    ``compiler_options``; not on pipeline stages): two engines of one model in one process then A/B an option with
+    the same autotuned GEMMs, which two processes do not share (their greedy tokens part within tens of tokens).
     """
 
     def __init__(self, model, cache: CacheConfig | str | None = None, *, max_sessions: int = 1,
                  host_budget_bytes: int | None = None, device_budget_bytes: int | None = None,
-                 kernels: str = "auto"):
+                 kernels: str = "auto", compiler_options: Mapping | None = None):
         if isinstance(cache, str):
             cache = model.cache_config.replace(mode=cache)
         cc = cache or model.cache_config
@@ -253,6 +279,7 @@ class Engine:
         # built yet). Pipeline stages each hold their layers' cache (glm53.pipeline).
         self.mesh = getattr(model, "mesh", None)
         self.pipeline = getattr(model, "pipeline", None)
+        self.compiler_options = check_compiler_options(compiler_options, pipeline=self.pipeline is not None)
         if self.offload:
             offload.validate(self.cfg, cc)
         rows = cc.max_len or self.cfg.max_position_embeddings
@@ -445,7 +472,7 @@ class Engine:
         """The jitted step ``name`` for this engine's cache (its placement never changes)."""
         fn = self._steps.get(name)
         if fn is None:
-            fn = self._steps[name] = self.model.steps.for_cache(name, self.cache)
+            fn = self._steps[name] = self.model.steps.for_cache(name, self.cache, self.compiler_options)
         return fn
 
     def _run(self, name: str, *args, **kw):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -76,7 +76,7 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, return_logits: bool = False,
              on_token: Callable[[int, int, int], None] | None = None, stop_tokens: Sequence[int] | None = None,
              progress: bool = False, keep_cache: bool = False, mtp: int = 0, accept_override: int | None = None,
-             kernels: str = "auto",
+             kernels: str = "auto", compiler_options: Mapping | None = None,
              selection_override: Callable[[int, np.ndarray], np.ndarray] | None = None) -> GenerateResult:
     """Decode ``max_new_tokens`` tokens after each prompt.
 
@@ -84,7 +84,8 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     lengths may differ. ``cache``: "resident", "offload" or a ``CacheConfig``. ``temperature == 0`` is greedy.
     ``mtp``: MTP speculative decoding depth (0-3). ``on_token(prompt_index, step, token_id)`` is called for every
     generated token. ``stop_tokens`` defaults to the model's eos ids; a session stops at the first one (included).
-    ``keep_cache=True`` keeps the engine (``result.engine``) with the sessions open.
+    ``keep_cache=True`` keeps the engine (``result.engine``) with the sessions open. ``compiler_options``: XLA options
+    for the engine's steps (``Engine``).
 
     Benchmarks only: ``selection_override(step, positions) -> [B, K]`` replaces the DSA selection of decode steps
     (the indexer still runs, so the cost of a step is unchanged; a ``jax.Array`` result is used without host
@@ -114,7 +115,7 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
                          f"needs (longest prompt {max(lens)} + {max_new_tokens} new tokens + MTP depth {mtp}); "
                          "raise cache.max_len or shorten the run")
     cc = cache_config.replace(max_len=cache_config.max_len or min(total, model.config.max_position_embeddings))
-    engine = Engine(model, cc, max_sessions=len(toks), kernels=kernels)
+    engine = Engine(model, cc, max_sessions=len(toks), kernels=kernels, compiler_options=compiler_options)
 
     t0, c0 = time.perf_counter(), compile_seconds()
     sids = [engine.open(t, progress=progress) for t in toks]

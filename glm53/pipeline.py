@@ -607,7 +607,9 @@ class PipelineSteps:
                 part, out = self.last(name, part, *self._to(args, s), **kw)
         return part, (self.pipeline.publish(out, shapes, s) if shapes is not None else out)
 
-    def for_cache(self, name: str, cache):
+    def for_cache(self, name: str, cache, compiler_options: tuple = ()):
+        if compiler_options:  # Engine refuses them on pipeline stages before it gets here
+            raise ConfigError("compiler_options are not applied to pipeline stages' programs")
         return functools.partial(self.__call__, name)
 
     def __call__(self, name: str, *args, **kw):

@@ -419,9 +419,10 @@ class Steps:
         self._jits: dict = {}
         self._others: dict = {}  # (name, mesh or None) -> jitted sample_first / read_slot / read_pages
 
-    def _jit(self, name: str, cache):
+    def _jit(self, name: str, cache, compiler_options: tuple = ()):
         shardings = jax.tree_util.tree_map(lambda x: x.sharding, cache)
-        key = (name, jax.tree_util.tree_structure(cache), tuple(jax.tree_util.tree_leaves(shardings)))
+        key = (name, jax.tree_util.tree_structure(cache), tuple(jax.tree_util.tree_leaves(shardings)),
+               compiler_options)
         fn = self._jits.get(key)
         if fn is None:
             f, static, with_model = STEPS[name]
@@ -431,7 +432,8 @@ class Steps:
             else:
                 donate = (0,)
             fn = jax.jit(_named(f, name), static_argnames=static, donate_argnums=donate,
-                         out_shardings=(shardings, self.outputs_placement(cache)))
+                         out_shardings=(shardings, self.outputs_placement(cache)),
+                         compiler_options=dict(compiler_options) or None)
             self._jits[key] = fn
         return fn
 
@@ -457,10 +459,11 @@ class Steps:
         cache = args[1] if with_model else args[0]
         return self._jit(name, cache)(*args, **kw)
 
-    def for_cache(self, name: str, cache):
+    def for_cache(self, name: str, cache, compiler_options: tuple = ()):
         """The jitted step ``name`` for caches placed like ``cache``: callers whose cache keeps its placement (an
-        engine) look it up once instead of walking the cache's leaves at every call (~15 us a step)."""
-        return self._jit(name, cache)
+        engine) look it up once instead of walking the cache's leaves at every call (~15 us a step).
+        ``compiler_options``: sorted (name, value) pairs of XLA options the step compiles with (``Engine``'s)."""
+        return self._jit(name, cache, compiler_options)
 
     def _other(self, name: str, cache):
         """The jitted ``name`` for a cache placed like ``cache``. On a mesh its outputs are replicated over it: the

@@ -451,6 +451,21 @@ def test_generate_rejects_bad_numbers_up_front(model):
         glm53.generate(model, [P1], max_new_tokens=2, accept_override=2)
 
 
+def test_compiler_options_are_checked_up_front(model):
+    """Engine's compiler_options: XLA's own words for an unknown option or an unparsable value, before any session
+    (the check compiles a trivial program, not a step)."""
+    with pytest.raises(glm53.ConfigError, match="No such compile option"):
+        glm53.Engine(model, "resident", compiler_options={"xla_no_such_option": True})
+    with pytest.raises(glm53.ConfigError, match="xla_cpu_enable_fast_math"):
+        glm53.Engine(model, "resident", compiler_options={"xla_cpu_enable_fast_math": "maybe"})
+    with pytest.raises(glm53.ConfigError, match="str, bool, int or float"):
+        glm53.Engine(model, "resident", compiler_options={"xla_dump_to": None})
+    with pytest.raises(glm53.ConfigError, match="mapping"):
+        glm53.Engine(model, "resident", compiler_options=["xla_dump_to=/tmp"])
+    e = glm53.Engine(model, "resident", compiler_options={"xla_cpu_enable_fast_math": False})
+    assert e.compiler_options == (("xla_cpu_enable_fast_math", False),)
+
+
 def test_generate_reports_compilation_apart(model):
     fresh = glm53.from_config(CFG, seed=0, dtype="float32", cache_config=CacheConfig(kv_format="f32"))
     first = glm53.generate(fresh, [P1[:7]], max_new_tokens=3)

@@ -433,6 +433,21 @@ def test_generate_roofline(tmp_path):
     assert 0 <= waits["p50"] <= waits["p99"] <= waits["max"] and 0 <= waits["mean"] <= waits["max"]
 
 
+def test_generate_compiler_options_ab(tmp_path):
+    """--compiler_options reach the engine's steps (an XLA dump of them appears), and --baseline_compiler_options
+    runs the same generate without them in the same process: outputs compared, both speeds reported."""
+    out, dump = tmp_path / "gen.json", tmp_path / "dump"
+    _run("experiments.generate", "--config.run.max_new_tokens=5", "--config.cache.mode=offload",
+         f"--compiler_options=xla_dump_to={dump}", "--baseline_compiler_options=", "--roofline=False",
+         f"--config.run.output_json={out}")
+    report = json.loads(out.read_text())
+    assert report["figures"]["compiler_options"] == {"xla_dump_to": str(dump)}
+    ab = report["figures"]["baseline_options"]
+    assert ab["compiler_options"] == {} and ab["tokens_identical"] and ab["logits_bit_identical"]
+    assert ab["run"]["decode_tokens_per_s"] > 0 and ab["decode_ratio"] > 0
+    assert any(".jit_decode." in f.name for f in dump.iterdir())
+
+
 def test_generate_fp8_experts(tmp_path):
     """--expert_weights=fp8: the experts stay FP8 on the device, the roofline counts their bytes, offload equals
     resident on the same FP8 model."""

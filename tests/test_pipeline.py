@@ -259,6 +259,8 @@ def test_pipeline_errors_name_the_problem():
     m = model(MESH_CFG, stages=2)
     with pytest.raises(ConfigError, match="not built for pipeline stages"):
         m.steps.lower("decode")
+    with pytest.raises(ConfigError, match="compiler_options are not applied to pipeline stages"):
+        glm53.Engine(m, OFFLOAD, compiler_options={"xla_cpu_enable_fast_math": False})
     with pytest.raises(ConfigError, match="it needs mesh.stages > 1"):
         glm53.MeshConfig(tp=2, microbatches=2)
     assert sharding.make_mesh(glm53.MeshConfig(stages=2, tp=2)).shape == {"stage": 2, "tp": 2}

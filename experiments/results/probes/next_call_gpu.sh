@@ -5,8 +5,9 @@
 #   1. the 10 x 50K A/B at MTP 0 on the local99 override without its host round trips (d23452f), default flags:
 #      does the step-call p99 / median of issue 9 come under 1.25 now?
 #   2. the same with --xla_gpu_command_buffer_update_mode=SKIP_TEMP (23230c7: batch-1 step calls 2.24 -> 1.99 ms);
-#   3. batch-1 8K with and without SKIP_TEMP, both with --xla_gpu_autotune_level=0 so the two processes pick the
-#      same GEMMs: tokens must then be identical (23230c7's pair, autotuned apart, parted at token 22);
+#   3. batch-1 8K with and without SKIP_TEMP in one process (experiments.generate --baseline_compiler_options: the
+#      same autotuned GEMMs on both sides, so tokens and logits must be identical; 23230c7's pair ran in two
+#      processes and parted at token 22), both on the VMM allocator the process-wide flag selects;
 #   4. the 10 x 50K A/B at MTP 3 forced, if the call's time lasts.
 # Use `python -m pip`: the machine's bare `pip` installs for another interpreter.
 set -u
@@ -25,13 +26,12 @@ ab() {  # $1: name, $2: XLA_FLAGS, $3: MTP depth, $4: pairs
 }
 ab mtp0 "" 0 2
 ab mtp0_skip_temp "$SKIP" 0 2
-for variant in default skip_temp; do
-  F="--xla_gpu_autotune_level=0"; [ $variant = skip_temp ] && F="$F $SKIP"
-  LEFT=$(( LIMIT - $(date +%s) + T0 )); [ $LEFT -lt 90 ] && break
-  XLA_FLAGS="$F" timeout 90 python -m experiments.generate --config=configs/h200_bench.py \
-    --config.run.prompt_len=8192 --config.run.max_new_tokens=512 \
-    --config.run.output_json=$OUT/generate_8k_512_autotune0_${variant}_$GLM53_GIT_REVISION.json \
-    2>&1 | grep "decode\|roofline\|host:\|rror" | tail -4
-  el gen $variant
-done
+LEFT=$(( LIMIT - $(date +%s) + T0 ))
+[ $LEFT -ge 120 ] && XLA_FLAGS="$SKIP" timeout 150 python -m experiments.generate --config=configs/h200_bench.py \
+  --config.run.prompt_len=8192 --config.run.max_new_tokens=512 \
+  --compiler_options=xla_gpu_command_buffer_update_mode=SKIP_TEMP \
+  --baseline_compiler_options=xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE \
+  --config.run.output_json=$OUT/generate_8k_512_skip_temp_ab_$GLM53_GIT_REVISION.json \
+  2>&1 | grep "decode\|roofline\|host:\|options\|rror" | tail -8
+el gen_ab
 ab mtp3 "" 3 2
