@@ -113,6 +113,13 @@ def figures(result: glm53.GenerateResult) -> dict:
             **host_pace(result)}
 
 
+def compared(result: glm53.GenerateResult, baseline: glm53.GenerateResult) -> dict:
+    """Outputs and decode speed of ``result`` against a baseline run of the same inputs (both with logits)."""
+    return {"tokens_identical": result.tokens == baseline.tokens,
+            "logits_bit_identical": bool(np.array_equal(result.logits, baseline.logits)),
+            "decode_ratio": result.decode_tokens_per_s / baseline.decode_tokens_per_s}
+
+
 def host_pace(result: glm53.GenerateResult) -> dict:
     """Whether the host or the device set the decode's pace: reads that barely wait for the device, step calls near
     the step interval, mean the device waited for the host (at batch 1 on the H200 the step calls take 2.0-2.7 ms
@@ -301,31 +308,25 @@ def main(argv):
     if compare_options:
         label = f"{mode}, baseline options"
         other = timed(mode, baseline_options, label)
-        same_tokens = result.tokens == other.tokens
-        same_logits = bool(np.array_equal(result.logits, other.logits))
-        ratio = result.decode_tokens_per_s / other.decode_tokens_per_s
+        c = compared(result, other)
         print(f"[{label}] {other.summary()}")
-        print(f"options {options} vs {baseline_options} (same process, same inputs): tokens identical {same_tokens}, "
-              f"logits bit-identical {same_logits}; decode {result.decode_tokens_per_s:,.2f} vs "
-              f"{other.decode_tokens_per_s:,.2f} tok/s (ratio {ratio:.3f}); step calls p50 "
-              f"{result.decode_step_call_ms['p50']:.3f} vs {other.decode_step_call_ms['p50']:.3f} ms")
-        out["baseline_options"] = {"compiler_options": baseline_options, "run": figures(other),
-                                   "tokens_identical": same_tokens, "logits_bit_identical": same_logits,
-                                   "decode_ratio": ratio}
+        print(f"options {options} vs {baseline_options} (same process, same inputs): tokens identical "
+              f"{c['tokens_identical']}, logits bit-identical {c['logits_bit_identical']}; decode "
+              f"{result.decode_tokens_per_s:,.2f} vs {other.decode_tokens_per_s:,.2f} tok/s (ratio "
+              f"{c['decode_ratio']:.3f}); step calls p50 {result.decode_step_call_ms['p50']:.3f} vs "
+              f"{other.decode_step_call_ms['p50']:.3f} ms")
+        out["baseline_options"] = {"compiler_options": baseline_options, "run": figures(other), **c}
 
     if run.compare_resident:
         base = timed("resident", options)
-        same_tokens = result.tokens == base.tokens
-        same_logits = bool(np.array_equal(result.logits, base.logits))
-        ratio = result.decode_tokens_per_s / base.decode_tokens_per_s
+        c = compared(result, base)
         print(f"[resident] {base.summary()}")
-        print(f"{mode} vs resident (same build, same inputs): tokens identical {same_tokens}, logits bit-identical "
-              f"{same_logits}; decode {result.decode_tokens_per_s:,.2f} vs {base.decode_tokens_per_s:,.2f} tok/s "
-              f"(ratio {ratio:.3f}), prefill {result.prefill_tokens_per_s:,.1f} vs {base.prefill_tokens_per_s:,.1f} "
-              "tok/s")
+        print(f"{mode} vs resident (same build, same inputs): tokens identical {c['tokens_identical']}, logits "
+              f"bit-identical {c['logits_bit_identical']}; decode {result.decode_tokens_per_s:,.2f} vs "
+              f"{base.decode_tokens_per_s:,.2f} tok/s (ratio {c['decode_ratio']:.3f}), prefill "
+              f"{result.prefill_tokens_per_s:,.1f} vs {base.prefill_tokens_per_s:,.1f} tok/s")
         out["resident_baseline"] = figures(base)
-        out["comparison"] = {"tokens_identical": same_tokens, "logits_bit_identical": same_logits,
-                             "decode_ratio": ratio}
+        out["comparison"] = c
 
     if _COMPARE_ONE_DEVICE.value:
         out["one_device"] = compare_one_device(config, model, prompts, kw, capacity, _COMPARE_ONE_DEVICE.value)
