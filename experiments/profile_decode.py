@@ -249,10 +249,10 @@ def main(_):
         summary = summarise(events, {p: op_names_from_hlo(h) for p, h in hlos.items()}, new - 1)
         # The host's side of the same steps: what a step call spends its time on (dispatch, PJRT's execute, XLA's
         # thunks and command buffers, the driver's launches), to tell a slow call's cause from the device's.
-        window = [e[1] for e in events if str(e[3].get("hlo_module", "")).startswith(DECODE_MODULE)]
-        window_end = [e[1] + e[2] for e in events if str(e[3].get("hlo_module", "")).startswith(DECODE_MODULE)]
-        if window:
-            summary["host"] = host_time(host_events(path), min(window), max(window_end), new - 1)
+        decode = [e for e in events if str(e[3].get("hlo_module", "")).startswith(DECODE_MODULE)]
+        if decode:
+            summary["host"] = host_time(host_events(path), min(e[1] for e in decode),
+                                        max(e[1] + e[2] for e in decode), new - 1)
         summary["step_call_ms_while_profiled"] = res.decode_step_call_ms
         summary["decode_tokens_per_s_while_profiled"] = res.decode_tokens_per_s
         if res.cache_stats:

@@ -187,15 +187,17 @@ def host_time(events: list, t0: int, t1: int, steps: int, top: int = 30) -> dict
         if start >= t0 and start < t1:
             by_thread[(plane, thread)].append((start, dur, _host_key(name)))
     inclusive, self_time, count, busy = (collections.Counter() for _ in range(4))
+
+    def close(stack, until):  # the open events that ended by ``until`` take their self time
+        while stack and stack[-1][0] <= until:
+            _, k, own = stack.pop()
+            self_time[k] += own
+
     for key, evs in by_thread.items():
         evs.sort(key=lambda e: (e[0], -e[1]))
         stack = []  # [end, key, self ns] of the open events
-        def close(until):
-            while stack and stack[-1][0] <= until:
-                end, k, own = stack.pop()
-                self_time[k] += own
         for start, dur, k in evs:
-            close(start)
+            close(stack, start)
             if stack:
                 stack[-1][2] -= min(dur, stack[-1][0] - start)
             else:
@@ -203,7 +205,7 @@ def host_time(events: list, t0: int, t1: int, steps: int, top: int = 30) -> dict
             inclusive[k] += dur
             count[k] += 1
             stack.append([start + dur, k, dur])
-        close(float("inf"))
+        close(stack, float("inf"))
     per_step = lambda c: {k: round(v / 1e3 / steps, 2) for k, v in c.most_common(top)}
     return {"thread_busy_us_per_step": per_step(busy), "self_us_per_step": per_step(self_time),
             "inclusive_us_per_step": per_step(inclusive),

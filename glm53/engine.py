@@ -176,10 +176,7 @@ class RunReport:
     @property
     def step_call_ms(self) -> dict:
         """Host time of the step calls, ms: p50 / p90 / p99 / max ({} when no step ran)."""
-        if not self.step_call_s:
-            return {}
-        calls = np.asarray(self.step_call_s) * 1e3
-        return dict(zip(("p50", "p90", "p99", "max"), np.percentile(calls, [50, 90, 99, 100]).tolist()))
+        return _percentiles_ms(self.step_call_s)
 
     @property
     def step_wait_ms(self) -> dict:
@@ -187,9 +184,7 @@ class RunReport:
         near zero at a step interval near the step calls says the host sets the decode's pace."""
         if not self.step_wait_s:
             return {}
-        waits = np.asarray(self.step_wait_s) * 1e3
-        return {**dict(zip(("p50", "p90", "p99", "max"), np.percentile(waits, [50, 90, 99, 100]).tolist())),
-                "mean": float(waits.mean())}
+        return {**_percentiles_ms(self.step_wait_s), "mean": 1e3 * float(np.mean(self.step_wait_s))}
 
     @property
     def step_interval_ms(self) -> dict:
@@ -200,10 +195,15 @@ class RunReport:
         returns once XLA has launched the step's kernels, which can wait for the device's launch queue): call
         times then vary with the device's progress without the device ever waiting. A step that stalls the
         device (or a host that falls behind it) delays the read of that step and every later one."""
-        if len(self.step_read_s) < 2:
-            return {}
-        gaps = np.diff(np.asarray(self.step_read_s)) * 1e3
-        return dict(zip(("p50", "p90", "p99", "max"), np.percentile(gaps, [50, 90, 99, 100]).tolist()))
+        return _percentiles_ms(np.diff(np.asarray(self.step_read_s)))
+
+
+def _percentiles_ms(seconds) -> dict:
+    """p50 / p90 / p99 / max of durations in seconds, as ms ({} when there are none)."""
+    if len(seconds) == 0:
+        return {}
+    ms = np.asarray(seconds, np.float64) * 1e3
+    return dict(zip(("p50", "p90", "p99", "max"), np.percentile(ms, [50, 90, 99, 100]).tolist()))
 
 
 def check_compiler_options(options: Mapping | None, *, pipeline: bool = False) -> tuple:
