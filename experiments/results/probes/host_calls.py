@@ -1,6 +1,8 @@
 """Probe: where the host time of a 10-lane offload decode step goes, copy steps vs copy-free steps.
 
-Variants (same engine, 10 sessions x 50K): default; LAG=1; always-copy executable; gc disabled.
+Variants (same engine, 10 sessions x 50K; ``PROBE_VARIANTS``, comma-separated): default; lag1, lag3 (LAG); always_copy
+(every step the copy executable); gc_off (Python's collector off during the decode); always_copy_gc_off; old_rule
+(the copy-step rule up to 902d246: a page copies at every step until the host's reads catch up, 3 steps a page).
 Per step: call ms, absorb wait ms (block_until_ready of the oldest in-flight step), absorb processing ms.
 """
 import gc
@@ -84,22 +86,34 @@ def run_variant(name):
     return res
 
 
+def old_rule(self, pages, copied, in_flight):
+    """The copy-step rule before the exact one (902d246): a page that may be due copies until the reads catch up."""
+    e = self.e
+    n, P = len(self.sessions), e.page_rows
+    known = np.array([e._committed(s) for s in self.sessions], np.int64)
+    may_be_due = (self.remaining[:n] > 0) & ((known + in_flight) // P > copied // P)
+    if may_be_due.any() or (self.bucket, pages) not in e._decode_variants:
+        np.maximum(copied, known // P * P, out=copied)
+        return pages
+    return 0
+
+
 results = []
 tag = os.environ.get("PROBE_TAG", "cmdbuf_on")
+variants = os.environ.get("PROBE_VARIANTS", "default,lag1,lag3,always_copy,gc_off").split(",")
 run_variant("warmup")
 for rep in range(2):
-    results.append(run_variant(f"{tag}/default"))
-    eng._Run.LAG = 1
-    results.append(run_variant(f"{tag}/lag1"))
-    eng._Run.LAG = 3
-    results.append(run_variant(f"{tag}/lag3"))
-    eng._Run.LAG = 2
-    eng._Run._copy_pages = lambda self, pages, copied, n: pages
-    results.append(run_variant(f"{tag}/always_copy"))
-    eng._Run._copy_pages = orig_copy_pages
-    gc.disable()
-    results.append(run_variant(f"{tag}/gc_off"))
-    gc.enable()
+    for v in variants:
+        eng._Run.LAG = {"lag1": 1, "lag3": 3}.get(v, 2)
+        eng._Run._copy_pages = {"always_copy": lambda self, pages, copied, n: pages,
+                                "old_rule": old_rule}.get(v, orig_copy_pages)
+        if v in ("gc_off", "always_copy_gc_off"):
+            gc.disable()
+        if v == "always_copy_gc_off":
+            eng._Run._copy_pages = lambda self, pages, copied, n: pages
+        results.append(run_variant(f"{tag}/{v}"))
+        gc.enable()
+    eng._Run.LAG, eng._Run._copy_pages = 2, orig_copy_pages
 out = os.environ.get("OUT", "/tmp")
 with open(os.path.join(out, f"host_calls_{tag}.json"), "w") as f:
     json.dump(results, f, indent=1)
