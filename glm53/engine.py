@@ -1183,37 +1183,28 @@ class _Run:
         when no lane can have a page due at its start. The copyback's bookkeeping runs whether a page is due or not
         (seven small kernels, 12.3 us of a 4.9 ms 10-lane step on the H200:
         ``profile_decode_50k_b10_drift0.001_7c8b9f2.json``), and a lane completes a page once in ``page_rows``
-        steps; a step with it costs the host ~0.7 ms more to call (``copy_step_call_ms_median`` against
-        ``copy_free_step_call_ms_median`` of ``sessions_ab_10x50k_mtp0_902d246.json``).
+        steps. A plain decode step commits at most one row a lane, so the host bounds each lane's committed rows at
+        the step's start by what it has read plus the steps in flight; ``copied`` bounds from below the rows in
+        host memory (the device's ``host_len``), raised at every step that copies. A page that can be due gets a
+        step that copies, so none waits in the ring past the step that would have written it (verify steps, which
+        commit up to D + 1 rows, always copy). The first step of a bucket copies, and the variant without the
+        copyback compiles only in the first decode loop of a bucket (at many lanes one may never come: a step is
+        free of copies only when no lane is near a page end), so neither compiles later inside a timed decode.
 
-        The host reads a step ``LAG`` steps after dispatching it, so it knows each lane's committed rows only up to
-        the steps in flight. A lane active in a plain decode step commits one row in it, except where the MTP layer
-        does not lag the main layers by exactly one row (after a rollback, say), and stops committing for good once
-        it stops (a stop token, or ``remaining`` spent). So for a lane in that steady state the rows at the step's
-        start are exactly ``known + min(in_flight, remaining)`` unless it stopped in flight, and a stopped lane
-        never completes another page in this loop: one step copies the page, at the step where it becomes final,
-        and ``copied`` (the rows in host memory once the copies dispatched so far run) takes that bound. Other lanes
-        get the bound only from below (``known``), so a page that may be due copies at every step until the reads
-        catch up, as before 3 steps a page at ``LAG`` 2 for every lane. Only lanes active in the step are copied
-        (the device's ``want``), so only theirs count. A page that can be due gets a step that copies, so none waits
-        in the ring past the step that would have written it (verify steps, which commit up to D + 1 rows, always
-        copy). The first step of a bucket copies, and the variant without the copyback compiles only in the first
-        decode loop of a bucket (at many lanes one may never come: a step is free of copies only when no lane is
-        near a page end), so neither compiles later inside a timed decode."""
+        A lane that commits a row every step could be bounded exactly, one copy step a page instead of 3 at ``LAG``
+        2 (tried at ffe5736). The host pays for switching between the two executables, 1.7-2.5 ms a page on the H200
+        however many steps copy; in one step it set the 10-session step-call p99 (3.7-3.9 ms against 2.6-3.1 ms over
+        3 steps, the same tokens/s: ``probes/host_calls_exact_ffe5736.json``), so the looser bound stays."""
         e = self.e
         n = len(self.sessions)
         P = e.page_rows
         known = np.array([e._committed(s) for s in self.sessions], np.int64)
-        rem = self.remaining[:n]
-        in_step = rem > in_flight  # active in the step being dispatched, unless it stops in flight
-        steady = np.array([not e._has_mtp or s.mtp_processed == s.processed - 1 for s in self.sessions])
-        at_start = known + np.minimum(in_flight, rem)  # an upper bound for every lane, exact for steady ones
-        may_be_due = in_step & (at_start // P > copied // P)
+        live = self.remaining[:n] > 0
+        may_be_due = live & ((known + in_flight) // P > copied // P)
         copy_free_ready = (self.bucket, 0) in e._decode_variants or self.bucket not in e._decode_buckets
         if may_be_due.any() or (self.bucket, pages) not in e._decode_variants or not copy_free_ready:
             e._decode_variants.add((self.bucket, pages))
-            final = np.where(steady, at_start, known) // P * P
-            np.maximum(copied, np.where(in_step, final, copied), out=copied)
+            np.maximum(copied, known // P * P, out=copied)  # the copy writes every page final at the step's start
             return pages
         e._decode_variants.add((self.bucket, 0))
         return 0

@@ -1,8 +1,9 @@
 """Probe: where the host time of a 10-lane offload decode step goes, copy steps vs copy-free steps.
 
 Variants (same engine, 10 sessions x 50K; ``PROBE_VARIANTS``, comma-separated): default; lag1, lag3 (LAG); always_copy
-(every step the copy executable); gc_off (Python's collector off during the decode); always_copy_gc_off; old_rule
-(the copy-step rule up to 902d246: a page copies at every step until the host's reads catch up, 3 steps a page).
+(every step the copy executable); gc_off (Python's collector off during the decode); always_copy_gc_off; exact_rule
+(ffe5736's copy-step rule: one copy step a page instead of 3). At ffe5736 the engine's own rule was the exact one and
+the variant then called old_rule was today's default (host_calls_exact_ffe5736.json).
 Per step: call ms, absorb wait ms (block_until_ready of the oldest in-flight step), absorb processing ms.
 """
 import gc
@@ -86,14 +87,20 @@ def run_variant(name):
     return res
 
 
-def old_rule(self, pages, copied, in_flight):
-    """The copy-step rule before the exact one (902d246): a page that may be due copies until the reads catch up."""
+def exact_rule(self, pages, copied, in_flight):
+    """The copy-step rule of ffe5736 (not kept): a lane that commits one row every step it is active (no MTP layer,
+    or one lagging by exactly one row) is bounded exactly, ``known + min(in_flight, remaining)``, so only the step
+    that completes its page copies (1 step a page, not 3); a lane that stops in flight never completes another."""
     e = self.e
     n, P = len(self.sessions), e.page_rows
     known = np.array([e._committed(s) for s in self.sessions], np.int64)
-    may_be_due = (self.remaining[:n] > 0) & ((known + in_flight) // P > copied // P)
-    if may_be_due.any() or (self.bucket, pages) not in e._decode_variants:
-        np.maximum(copied, known // P * P, out=copied)
+    rem = self.remaining[:n]
+    in_step = rem > in_flight
+    steady = np.array([not e._has_mtp or s.mtp_processed == s.processed - 1 for s in self.sessions])
+    at_start = known + np.minimum(in_flight, rem)
+    if (in_step & (at_start // P > copied // P)).any() or (self.bucket, pages) not in e._decode_variants:
+        final = np.where(steady, at_start, known) // P * P
+        np.maximum(copied, np.where(in_step, final, copied), out=copied)
         return pages
     return 0
 
@@ -106,7 +113,7 @@ for rep in range(2):
     for v in variants:
         eng._Run.LAG = {"lag1": 1, "lag3": 3}.get(v, 2)
         eng._Run._copy_pages = {"always_copy": lambda self, pages, copied, n: pages,
-                                "old_rule": old_rule}.get(v, orig_copy_pages)
+                                "exact_rule": exact_rule}.get(v, orig_copy_pages)
         if v in ("gc_off", "always_copy_gc_off"):
             gc.disable()
         if v == "always_copy_gc_off":
