@@ -1179,23 +1179,33 @@ class _Run:
             self.copyback_steps.append(self.steps - len(self.inflight) + 1)
 
     def _copy_pages(self, pages: int, copied: np.ndarray, in_flight: int) -> int:
-        """The copyback pages of the next plain decode step: ``pages``, or 0 (a step compiled without the copyback)
-        when no lane can have a page due at its start. The copyback's bookkeeping runs whether a page is due or not
-        (seven small kernels, 12.3 us of a 4.9 ms 10-lane step on the H200:
+        """The copyback pages of the next plain decode step: ``pages``, or, in a single lane's loop, 0 (a step
+        compiled without the copyback) when no page can be due at its start. The copyback's bookkeeping runs whether
+        a page is due or not (seven small kernels, 12.3 us of a 4.9 ms 10-lane step on the H200:
         ``profile_decode_50k_b10_drift0.001_7c8b9f2.json``), and a lane completes a page once in ``page_rows``
-        steps. A plain decode step commits at most one row a lane, so the host bounds each lane's committed rows at
+        steps. A plain decode step commits at most one row a lane, so the host bounds the lane's committed rows at
         the step's start by what it has read plus the steps in flight; ``copied`` bounds from below the rows in
         host memory (the device's ``host_len``), raised at every step that copies. A page that can be due gets a
         step that copies, so none waits in the ring past the step that would have written it (verify steps, which
         commit up to D + 1 rows, always copy). The first step of a bucket copies, and the variant without the
-        copyback compiles only in the first decode loop of a bucket (at many lanes one may never come: a step is
-        free of copies only when no lane is near a page end), so neither compiles later inside a timed decode.
+        copyback compiles only in the first decode loop of a bucket, so neither compiles later inside a timed decode.
+
+        Only a single lane's steps go without the copyback. The host pays for switching between the two
+        executables, 1.7-2.5 ms a page on the H200 however many steps copy (``probes/host_calls_exact_ffe5736.json``),
+        and at 10 lanes the device sets the pace (the host waits ~1.45 ms a step for it:
+        ``sessions_ab_10x50k_mtp0_902d246.json``). There every step copying ran as fast (2,061-2,087 against
+        2,055-2,092 tok/s at 10 x 50K) with a lower step-call p99 / median (1.28 / 1.38 / 1.69 / 1.61 against 1.79 /
+        1.63 / 1.66 / 1.82, there and in ``probes/host_calls_cmdbuf_on_24e896a.json``), and sessions whose lengths
+        differ would switch at every lane's page end. A single lane keeps the copy-free steps: there the host's call
+        sets the pace (``generate_8k_1024_2a6c374.json``), and it switches once a page. 2 to 8 lanes: not measured.
 
         A lane that commits a row every step could be bounded exactly, one copy step a page instead of 3 at ``LAG``
-        2 (tried at ffe5736). The host pays for switching between the two executables, 1.7-2.5 ms a page on the H200
-        however many steps copy; in one step it set the 10-session step-call p99 (3.7-3.9 ms against 2.6-3.1 ms over
-        3 steps, the same tokens/s: ``probes/host_calls_exact_ffe5736.json``), so the looser bound stays."""
+        2 (tried at ffe5736): the switch's cost, in one step, then set the 10-session step-call p99 (3.7-3.9 ms
+        against 2.6-3.1 ms over 3 steps, the same tokens/s), so the looser bound stays."""
         e = self.e
+        if self.bucket > 1:
+            e._decode_variants.add((self.bucket, pages))
+            return pages
         n = len(self.sessions)
         P = e.page_rows
         known = np.array([e._committed(s) for s in self.sessions], np.int64)

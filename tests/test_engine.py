@@ -384,7 +384,7 @@ def test_copyback_steps_are_the_steps_that_copied(model, mtp, monkeypatch):
     monkeypatch.setattr(e, "_step", lambda name: counting(real(name)) if name in ("decode", "verify") else real(name))
     a, b = e.open(ids(25, seed=41)), e.open(ids(20, seed=42))
     seen = 0
-    for reqs in ({a: 8, b: 30}, {a: 20, b: 3}):
+    for reqs in ({a: 8, b: 30}, {a: 20, b: 3}, {b: 40}):
         device_steps.clear()
         start = int(np.asarray(e.cache.copybacks).sum())
         e.generate(reqs, mtp=mtp, accept_override=2 if mtp else None)
@@ -394,7 +394,7 @@ def test_copyback_steps_are_the_steps_that_copied(model, mtp, monkeypatch):
         assert run.copyback_steps == copied, (reqs, run.copyback_steps, copied)
         # every step that copied was dispatched with the copyback; plain decode leaves it out of the others
         assert set(copied) <= set(run.copy_steps), (run.copy_steps, copied)
-        if mtp:
+        if mtp or len(reqs) > 1:  # verify steps, and plain decode of several lanes, always copy (_Run._copy_pages)
             assert run.copy_steps == list(range(1, run.steps + 1))
         else:
             assert len(run.copy_steps) < run.steps, run.copy_steps
@@ -598,7 +598,8 @@ def test_decode_and_verify_compile_once_per_shape():
     e.generate({s: 5 for s in sids}, mtp=1)
     e.generate({sids[0]: 20})  # bucket 1: one more of each (long enough for steps with and without a copyback)
     e.generate({sids[0]: 3}, mtp=1)
-    # plain decode has two variants per bucket, with and without the copyback (``_Run._copy_pages``)
-    assert e._decode_variants == {(b, p) for b in (1, 2) for p in (0, glm53.offload.copy_pages_for(e.cache_config, 1))}
-    assert {n: e._step(n)._cache_size() for n in ("decode", "verify")} == {"decode": 4, "verify": 2}
+    # plain decode of one lane has two variants, with and without the copyback; of several, one (``_Run._copy_pages``)
+    pages = glm53.offload.copy_pages_for(e.cache_config, 1)
+    assert e._decode_variants == {(1, 0), (1, pages), (2, pages)}
+    assert {n: e._step(n)._cache_size() for n in ("decode", "verify")} == {"decode": 3, "verify": 2}
 

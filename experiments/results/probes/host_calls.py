@@ -3,7 +3,8 @@
 Variants (same engine, 10 sessions x 50K; ``PROBE_VARIANTS``, comma-separated): default; lag1, lag3 (LAG); always_copy
 (every step the copy executable); gc_off (Python's collector off during the decode); always_copy_gc_off; exact_rule
 (ffe5736's copy-step rule: one copy step a page instead of 3). At ffe5736 the engine's own rule was the exact one and
-the variant then called old_rule was today's default (host_calls_exact_ffe5736.json).
+the variant then called old_rule was the default of 902d246 and f7cd3bb (host_calls_exact_ffe5736.json). Since
+then plain decode of several lanes always copies, so at 10 lanes default and always_copy are the same executable.
 Per step: call ms, absorb wait ms (block_until_ready of the oldest in-flight step), absorb processing ms.
 """
 import gc

@@ -4,7 +4,8 @@
 # (a call can be taken back mid-run):
 #   1. the 10 x 50K A/B at MTP 3 forced, without the local99 override's host round trips (d23452f); its 2-pair run
 #      did not finish in 260 s, so one pair and more while --budget_s lasts;
-#   2. batch-1 decode at 8K and 50K, 1,024 tokens: issue 11's roofline figures on the current build.
+#   2. batch-1 decode at 8K and 50K, 1,024 tokens: issue 11's roofline figures on the current build;
+#   3. the 10 x 50K A/B at MTP 0 with plain decode of several lanes always copying (issue 9's step-call p99).
 # Done before (902d246, ffe5736): the MTP 0 A/B, SKIP_TEMP (dropped: segfault with the pinned pool, no gain in one
 # process), the copy-step rules (probes/host_calls_exact_ffe5736.json).
 # Use `python -m pip`: the machine's bare `pip` installs for another interpreter.
@@ -27,3 +28,9 @@ for n in 8192 50000; do
     | grep "decode\|roofline\|host:" | grep -v "it/s\]" | tail -4
   el generate $n
 done
+LEFT=$(( LIMIT - $(date +%s) + T0 ))
+[ $LEFT -ge 150 ] && timeout $LEFT python -m experiments.sessions_ab --config=configs/h200_bench.py \
+  --config.run.prompt_len=50000 --config.run.max_new_tokens=512 --sessions=10 --pairs=1 --max_pairs=2 \
+  --budget_s=$(( LEFT - 60 )) --mtp=0 --append=0 --workload=local99 --out=$OUT/sessions_ab_10x50k_mtp0_$R.json 2>&1 \
+  | grep "^\[" | tail -4
+el sessions_ab mtp0
