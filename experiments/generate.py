@@ -19,7 +19,8 @@ XLA options for the engine's steps (``--compiler_options=name=value,...``), and 
 (``--baseline_compiler_options=...``, '' for none): two processes autotune their GEMMs apart and their greedy
 tokens part within tens of tokens, so only a same-process pair can check that an option leaves the outputs alone.
 An option that needs a process-wide setting as well (``xla_gpu_command_buffer_update_mode=SKIP_TEMP`` needs the VMM
-allocator, which only ``XLA_FLAGS`` selects) then runs both sides on that setting:
+allocator, which only ``XLA_FLAGS`` selects) then runs both sides on that setting (resident only: the offload
+engine's pinned host pool segfaults under the VMM allocator, probes/sessions_ab_skip_temp_segfault_902d246.log):
 
     XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP python -m experiments.generate \
         --config=configs/h200_bench.py --compiler_options=xla_gpu_command_buffer_update_mode=SKIP_TEMP \

@@ -182,9 +182,8 @@ class RunReport:
     def step_wait_ms(self) -> dict:
         """The reads' waits for the device, ms: p50 / p90 / p99 / max and the mean ({} when no step ran). A median
         near zero at a step interval near the step calls says the host sets the decode's pace."""
-        if not self.step_wait_s:
-            return {}
-        return {**_percentiles_ms(self.step_wait_s), "mean": 1e3 * float(np.mean(self.step_wait_s))}
+        pct = _percentiles_ms(self.step_wait_s)
+        return {**pct, "mean": 1e3 * float(np.mean(self.step_wait_s))} if pct else {}
 
     @property
     def step_interval_ms(self) -> dict:
