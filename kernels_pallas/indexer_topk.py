@@ -22,18 +22,20 @@ every path selects the same rows bit for bit):
 The Pallas selection is a radix select on order-preserving int32 keys, exact and
 free of sorting (Triton has no sort primitive):
   1. ``_radix_count_kernel`` (8 passes, 4 bits each, most significant first):
-     counts per block how many keys are >= each of 16 candidate thresholds; jnp
-     glue sums blocks and keeps the largest candidate with count >= k. After 32
+     builds the 16 candidate thresholds (the digits found so far plus one more) and counts per block how many
+     keys are >= each; one XLA fusion sums the blocks and keeps the largest candidate with count >= k. After 32
      bits the threshold is exactly the k-th largest key.
   2. ``_tie_count_kernel``: per block, keys > threshold and keys == threshold.
-     Glue: exclusive prefix sums over blocks give each block its share of the
-     ties (lowest positions first) and its output offset.
-  3. ``_compact_kernel``: each block ranks its selected lanes with a cumsum and
-     scatters their positions (masked store) into the output row, which is
-     therefore written in ascending position order without sorting.
-Between the kernels, the blocks' counts are summed either by XLA (``block_totals="xla"``: per pass a kernel and two
-small fusions) or in place by the kernels themselves with integer atomic adds (``"atomic"``: each kernel derives
-its candidates, the threshold and its block's offsets from the totals; one launch per pass).
+  3. ``_compact_kernel``: each program takes from every block's tie counts its block's share of the ties (lowest
+     positions first) and output offset, ranks its selected lanes with a cumsum and scatters their positions
+     (masked store) into the output row, which is therefore written in ascending position order without sorting.
+Between the kernels, the blocks' counts are summed either by XLA (``block_totals="xla"``: per pass a kernel and one
+small fusion; 18 launches a call) or in place by the kernels themselves with integer atomic adds (``"atomic"``:
+each kernel derives its candidates, the threshold and its block's offsets from the totals; one launch per pass).
+Each launch costs ~1-3 us of a decode step however little it does (a batch-1 step at 8K ran 493 kernels under
+5 us, 861 us of its 3.45 ms: ``experiments/results/profile_decode_8k_model_50c9f4d.json``), so the candidates, the
+threshold's sign flip and the blocks' offsets are computed inside the kernels, not in fusions of their own (28
+launches a call before).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from jax.experimental.pallas import triton as plgpu
 _RADIX_BITS = 4
 _RADIX = 1 << _RADIX_BITS  # 16 candidate thresholds per pass.
 _NUM_PASSES = 32 // _RADIX_BITS
-_SIGN = np.uint32(0x80000000)
+_INT_MIN = np.int32(-(2**31))  # the sign bit: u = key ^ _INT_MIN orders keys as unsigned integers (held in int32)
 
 
 def _is_pow2(n: int) -> bool:
@@ -395,20 +397,26 @@ def _sortable_key(x: jax.Array) -> jax.Array:
 
 def _radix_count_kernel(
     x_ref,  # [block_n] f32 scores
-    cand_ref,  # [16] int32 candidate thresholds (signed key domain)
+    prefix_ref,  # [1] int32: the threshold's digits found so far (unsigned domain, see _INT_MIN)
     len_ref,  # [1] int32 positions of the row that can be selected (see topk_positions)
     o_ref,  # [16] int32: per candidate, how many keys of the block are >= it
     *,
     block_n: int,
+    p: int,
 ):
+    """Pass ``p``: per candidate threshold (the prefix with one more digit), how many keys of the block are >= it.
+    The kernel builds the candidates from the prefix itself: in XLA that was a small fusion of its own per pass."""
     start = pl.program_id(1) * block_n
     live = start < len_ref[0]
 
     @pl.when(live)
     def _():
+        shift = 32 - _RADIX_BITS * (p + 1)
+        digits = lax.broadcasted_iota(jnp.int32, (_RADIX,), 0)
+        cand = (prefix_ref[0] | (digits << shift)) ^ _INT_MIN  # signed key domain
         n = start + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
         key = _sortable_key(x_ref[...])
-        ge = (key[None, :] >= cand_ref[...][:, None]) & (n < len_ref[0])[None, :]  # [16, block_n]
+        ge = (key[None, :] >= cand[:, None]) & (n < len_ref[0])[None, :]  # [16, block_n]
         o_ref[...] = jnp.sum(ge.astype(jnp.int32), axis=1)
 
     @pl.when(jnp.logical_not(live))
@@ -418,14 +426,14 @@ def _radix_count_kernel(
 
 def _tie_count_kernel(
     x_ref,  # [block_n] f32 scores
-    thr_ref,  # [1] int32 threshold key of the row
+    prefix_ref,  # [1] int32 threshold key of the row, unsigned domain (all passes' digits)
     len_ref,  # [1] int32 selectable positions of the row
     gt_ref,  # [1] int32: keys > threshold in the block
     eq_ref,  # [1] int32: keys == threshold in the block
     *,
     block_n: int,
 ):
-    _tie_count_block(x_ref, len_ref, thr_ref[0], gt_ref, eq_ref, block_n)
+    _tie_count_block(x_ref, len_ref, prefix_ref[0] ^ _INT_MIN, gt_ref, eq_ref, block_n)
 
 
 def _tie_count_block(x_ref, len_ref, thr, gt_ref, eq_ref, block_n: int):
@@ -448,22 +456,41 @@ def _tie_count_block(x_ref, len_ref, thr, gt_ref, eq_ref, block_n: int):
 
 def _compact_kernel(
     x_ref,  # [block_n] f32 scores
-    thr_ref,  # [1] int32 threshold key of the row
+    prefix_ref,  # [1] int32 threshold key of the row, unsigned domain
     len_ref,  # [1] int32 selectable positions of the row
-    need_eq_ref,  # [1] int32 ties at the threshold the row still takes (>= 1)
-    eq_before_ref,  # [1] int32 ties in earlier blocks of the row
-    out_off_ref,  # [1] int32 output slot of the block's first selected position
+    gt_ref,  # [R, next_pow2(nb)] int32 per block: keys > threshold (ANY; the first nb written)
+    eq_ref,  # [R, next_pow2(nb)] int32 per block: keys == threshold (ANY; the first nb written)
     o_ref,  # [R, k] int32 selected positions, ANY (scattered into)
     *,
     block_n: int,
+    nb: int,
+    k: int,
 ):
     r = pl.program_id(0)
     b = pl.program_id(1)
 
     @pl.when(b * block_n < len_ref[0])
     def _():
-        _compact_block(x_ref, len_ref[0], thr_ref[0], need_eq_ref[0], eq_before_ref[0], out_off_ref[0], o_ref, r, b,
+        need_eq, eq_before, out_off = _block_offsets(gt_ref, eq_ref, r, b, nb, k)
+        _compact_block(x_ref, len_ref[0], prefix_ref[0] ^ _INT_MIN, need_eq, eq_before, out_off, o_ref, r, b,
                        block_n)
+
+
+def _block_offsets(gt_ref, eq_ref, r, b, nb: int, k: int):
+    """From every block's ``gt`` / ``eq`` counts of row ``r``: the ties at the threshold the row still takes, the
+    ties in blocks before ``b`` and block ``b``'s first output slot. Each program derives them from the row's few
+    counts (nb <= 1,024 even at a million positions) instead of XLA computing them in two fusions between kernels."""
+    width = _next_pow2(nb)
+    blk = lax.broadcasted_iota(jnp.int32, (width,), 0)
+    written = blk < nb
+    gt = plgpu.load(gt_ref.at[r, pl.ds(0, width)], mask=written, other=0)
+    eq = plgpu.load(eq_ref.at[r, pl.ds(0, width)], mask=written, other=0)
+    need_eq = k - jnp.sum(gt)  # >= 1
+    eq_before_all = jnp.cumsum(eq) - eq
+    taken = gt + jnp.clip(need_eq - eq_before_all, 0, eq)
+    out_off_all = jnp.cumsum(taken) - taken
+    mine = blk == b
+    return need_eq, jnp.sum(jnp.where(mine, eq_before_all, 0)), jnp.sum(jnp.where(mine, out_off_all, 0))
 
 
 def _compact_block(x_ref, row_len, thr, need_eq, eq_before, out_off, o_ref, r, b, block_n: int):
@@ -478,9 +505,6 @@ def _compact_block(x_ref, row_len, thr, need_eq, eq_before, out_off, o_ref, r, b
     dest = out_off + jnp.cumsum(sel_i) - sel_i  # [block_n]
     # Blocks own disjoint, contiguous slot ranges, so the scatter has no conflicts.
     plgpu.store(o_ref.at[r, dest], n, mask=sel)
-
-
-_INT_MIN = np.int32(-(2**31))  # the sign bit: u = key ^ _INT_MIN orders keys as unsigned integers
 
 
 def _prefix_from_totals(tot_ref, r, passes: int, k: int):
@@ -538,27 +562,15 @@ def _tie_count_atomic_kernel(x_ref, len_ref, tot_ref, gt_ref, eq_ref, *, block_n
 
 
 def _compact_atomic_kernel(x_ref, len_ref, tot_ref, gt_ref, eq_ref, o_ref, *, block_n: int, nb: int, k: int):
-    """``_compact_kernel`` with its per-row and per-block inputs derived in the kernel: the threshold from the
-    totals, and from every block's ``gt`` / ``eq`` counts (ANY, [R, next_pow2(nb)], the first nb written) the ties
-    the row still takes, the ties in earlier blocks and this block's output offset."""
+    """``_compact_kernel`` with the threshold read from the totals."""
     r = pl.program_id(0)
     b = pl.program_id(1)
 
     @pl.when(b * block_n < len_ref[0])
     def _():
         thr = _prefix_from_totals(tot_ref, r, _NUM_PASSES, k) ^ _INT_MIN
-        width = _next_pow2(nb)
-        blk = lax.broadcasted_iota(jnp.int32, (width,), 0)
-        written = blk < nb
-        gt = plgpu.load(gt_ref.at[r, pl.ds(0, width)], mask=written, other=0)
-        eq = plgpu.load(eq_ref.at[r, pl.ds(0, width)], mask=written, other=0)
-        need_eq = k - jnp.sum(gt)  # >= 1
-        eq_before_all = jnp.cumsum(eq) - eq
-        taken = gt + jnp.clip(need_eq - eq_before_all, 0, eq)
-        out_off_all = jnp.cumsum(taken) - taken
-        mine = blk == b
-        _compact_block(x_ref, len_ref[0], thr, need_eq, jnp.sum(jnp.where(mine, eq_before_all, 0)),
-                       jnp.sum(jnp.where(mine, out_off_all, 0)), o_ref, r, b, block_n)
+        need_eq, eq_before, out_off = _block_offsets(gt_ref, eq_ref, r, b, nb, k)
+        _compact_block(x_ref, len_ref[0], thr, need_eq, eq_before, out_off, o_ref, r, b, block_n)
 
 
 def _row_block_spec(block_n: int):
@@ -605,9 +617,9 @@ def topk_positions(
         multiple of min(block_n, next_pow2(N)). Padding sits above every real
         position, so it is never chosen over a real -inf.
       block_totals: how the blocks' counts reach the next kernel. ``"xla"``: XLA sums them between the kernels
-        (per radix pass a kernel and two small XLA fusions). ``"atomic"``: the kernels add them up in place with
+        (per radix pass a kernel and one small XLA fusion). ``"atomic"``: the kernels add them up in place with
         integer atomic adds and derive each pass's candidates, the threshold and each block's output offset
-        themselves (one kernel per pass, no XLA work between them: 10 launches instead of ~28 per call). Both
+        themselves (one kernel per pass, no XLA work between them: 10 launches instead of 18 per call). Both
         select the same positions. ``"atomic"`` measured slower in the model on the H200 (batch-1 decode at 8K
         279.4 against 296.8 tok/s, prefill 154K against 242K tok/s:
         ``experiments/results/generate_8k_topk_ab_50c9f4d.json``), so the model keeps ``"xla"``.
@@ -640,60 +652,53 @@ def topk_positions(
     if block_totals == "atomic":
         return _topk_positions_atomic(x, row_len, k, block_n, nb, common).reshape(S, T, k)
 
-    count_ge = pl.pallas_call(
-        functools.partial(_radix_count_kernel, block_n=block_n),
-        in_specs=[_row_block_spec(block_n), pl.BlockSpec((None, _RADIX), lambda r, b: (r, 0)), _per_row_spec()],
-        out_specs=pl.BlockSpec((None, None, _RADIX), lambda r, b: (r, b, 0)),
-        out_shape=jax.ShapeDtypeStruct((R, nb, _RADIX), jnp.int32),
-        compiler_params=_compiler_params(num_stages=1),
-        name="topk_radix_count",
-        **common,
-    )
+    per_row = _per_row_spec()
 
-    # Threshold search in the unsigned domain u = key ^ SIGN, where candidates are
-    # a prefix plus one more digit; invariant: count(keys >= prefix) >= k.
-    digits = jnp.arange(_RADIX, dtype=jnp.uint32)
+    def count_ge(p, prefix):
+        return pl.pallas_call(
+            functools.partial(_radix_count_kernel, block_n=block_n, p=p),
+            in_specs=[_row_block_spec(block_n), per_row, per_row],
+            out_specs=pl.BlockSpec((None, None, _RADIX), lambda r, b: (r, b, 0)),
+            out_shape=jax.ShapeDtypeStruct((R, nb, _RADIX), jnp.int32),
+            compiler_params=_compiler_params(num_stages=1),
+            name="topk_radix_count",
+            **common,
+        )(x, prefix, row_len)
 
-    def radix_pass(p, prefix):  # prefix: uint32[R]
-        shift = jnp.uint32(32 - _RADIX_BITS) - jnp.uint32(_RADIX_BITS) * p.astype(jnp.uint32)
-        cand_u = prefix[:, None] | (digits[None, :] << shift)
-        cand = lax.bitcast_convert_type(cand_u ^ _SIGN, jnp.int32)
-        counts = count_ge(x, cand, row_len).sum(axis=1)  # [R, 16], non-increasing in digit
-        digit = jnp.sum(counts >= k, axis=1).astype(jnp.uint32) - 1
-        return prefix | (digit << shift)
-
+    # Threshold search in the unsigned domain u = key ^ _INT_MIN (held in int32), where candidates are the prefix
+    # plus one more digit; invariant: count(keys >= prefix) >= k. Between two passes' kernels XLA runs one fusion:
+    # the blocks' counts summed, the digit kept, the prefix extended.
     # Unrolled: XLA's GPU runtime launches the kernels of a while loop one by one, outside the command buffers
     # (CUDA graphs) that carry the rest of the step, so a rolled loop cost 6 host launches x 8 passes per indexer
     # layer per decode step, and batch-1 decode was bound by how fast the host could launch (measured with
-    # experiments.profile_decode: 192 lone launches per step). The pass kernel is still compiled once.
-    prefix = lax.fori_loop(0, _NUM_PASSES, radix_pass, jnp.zeros((R,), jnp.uint32), unroll=True)
-    thr = lax.bitcast_convert_type(prefix ^ _SIGN, jnp.int32)[:, None]  # [R, 1]
+    # experiments.profile_decode: 192 lone launches per step).
+    prefix = jnp.zeros((R, 1), jnp.int32)
+    for p in range(_NUM_PASSES):
+        counts = count_ge(p, prefix).sum(axis=1)  # [R, 16], non-increasing in the digit
+        digit = jnp.sum(counts >= k, axis=1, keepdims=True, dtype=jnp.int32) - 1
+        prefix = prefix | (digit << (32 - _RADIX_BITS * (p + 1)))
 
+    width = _next_pow2(nb)  # the compact kernel loads every block's counts as one power-of-two vector
     gt, eq = pl.pallas_call(
         functools.partial(_tie_count_kernel, block_n=block_n),
-        in_specs=[_row_block_spec(block_n), _per_row_spec(), _per_row_spec()],
+        in_specs=[_row_block_spec(block_n), per_row, per_row],
         out_specs=[_per_block_spec(), _per_block_spec()],
-        out_shape=[jax.ShapeDtypeStruct((R, nb), jnp.int32)] * 2,
+        out_shape=[jax.ShapeDtypeStruct((R, width), jnp.int32)] * 2,
         compiler_params=_compiler_params(num_stages=1),
         name="topk_tie_count",
         **common,
-    )(x, thr, row_len)
+    )(x, prefix, row_len)
 
-    need_eq = k - jnp.sum(gt, axis=1, keepdims=True)  # [R, 1], >= 1
-    eq_before = jnp.cumsum(eq, axis=1) - eq
-    taken = gt + jnp.clip(need_eq - eq_before, 0, eq)
-    out_off = jnp.cumsum(taken, axis=1) - taken
-
+    any_space = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
-        functools.partial(_compact_kernel, block_n=block_n),
-        in_specs=[_row_block_spec(block_n), _per_row_spec(), _per_row_spec(), _per_row_spec(), _per_block_spec(),
-                  _per_block_spec()],
-        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        functools.partial(_compact_kernel, block_n=block_n, nb=nb, k=k),
+        in_specs=[_row_block_spec(block_n), per_row, per_row, any_space, any_space],
+        out_specs=any_space,
         out_shape=jax.ShapeDtypeStruct((R, k), jnp.int32),
         compiler_params=_compiler_params(num_stages=1),
         name="topk_compact",
         **common,
-    )(x, thr, row_len, need_eq, eq_before, out_off)
+    )(x, prefix, row_len, gt, eq)
     return out.reshape(S, T, k)
 
 
