@@ -23,8 +23,8 @@ The Pallas selection is a radix select on order-preserving int32 keys, exact and
 free of sorting (Triton has no sort primitive):
   1. ``_radix_count_kernel`` (8 passes, 4 bits each, most significant first):
      builds the 16 candidate thresholds (the digits found so far plus one more) and counts per block how many
-     keys are >= each; one XLA fusion sums the blocks and keeps the largest candidate with count >= k. After 32
-     bits the threshold is exactly the k-th largest key.
+     keys are >= each; one XLA fusion sums the blocks and keeps the pass's digit: the largest candidate with
+     count >= k. After 32 bits the threshold is exactly the k-th largest key.
   2. ``_tie_count_kernel``: per block, keys > threshold and keys == threshold.
   3. ``_compact_kernel``: each program takes from every block's tie counts its block's share of the ties (lowest
      positions first) and output offset, ranks its selected lanes with a cumsum and scatters their positions
@@ -34,8 +34,9 @@ small fusion; 18 launches a call) or in place by the kernels themselves with int
 each kernel derives its candidates, the threshold and its block's offsets from the totals; one launch per pass).
 Each launch costs ~1-3 us of a decode step however little it does (a batch-1 step at 8K ran 493 kernels under
 5 us, 861 us of its 3.45 ms: ``experiments/results/profile_decode_8k_model_50c9f4d.json``), so the candidates, the
-threshold's sign flip and the blocks' offsets are computed inside the kernels, not in fusions of their own (28
-launches a call before).
+threshold and the blocks' offsets are computed inside the kernels from the passes' digits, not in fusions of their
+own (28 launches a call before; 27 while the prefix was assembled between the passes, where XLA ran the shift and
+OR as a fusion apart from the digit's reduction: ``probes/profile_decode_8k_model_40ed69c.json``).
 """
 
 from __future__ import annotations
@@ -395,25 +396,22 @@ def _sortable_key(x: jax.Array) -> jax.Array:
     return bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))
 
 
-def _radix_count_kernel(
-    x_ref,  # [block_n] f32 scores
-    prefix_ref,  # [1] int32: the threshold's digits found so far (unsigned domain, see _INT_MIN)
-    len_ref,  # [1] int32 positions of the row that can be selected (see topk_positions)
-    o_ref,  # [16] int32: per candidate, how many keys of the block are >= it
-    *,
-    block_n: int,
-    p: int,
-):
-    """Pass ``p``: per candidate threshold (the prefix with one more digit), how many keys of the block are >= it.
-    The kernel builds the candidates from the prefix itself: in XLA that was a small fusion of its own per pass."""
+def _radix_count_kernel(x_ref, len_ref, *refs, block_n: int, p: int):
+    """Pass ``p``: per candidate threshold (the digits of the passes before plus one more), how many keys of the
+    block are >= it.
+
+    refs: the digits the passes before kept (``p`` refs of [1] int32, most significant first), then the output
+    [16] int32. The kernel assembles the prefix and the candidates itself: in XLA each was a small fusion of its own
+    per pass (an OR and a shift after the digit's reduction, which XLA did not fuse into it)."""
+    digit_refs, o_ref = refs[:-1], refs[-1]
     start = pl.program_id(1) * block_n
     live = start < len_ref[0]
 
     @pl.when(live)
     def _():
-        shift = 32 - _RADIX_BITS * (p + 1)
+        prefix = _prefix_of_digits(digit_refs)
         digits = lax.broadcasted_iota(jnp.int32, (_RADIX,), 0)
-        cand = (prefix_ref[0] | (digits << shift)) ^ _INT_MIN  # signed key domain
+        cand = (prefix | (digits << (32 - _RADIX_BITS * (p + 1)))) ^ _INT_MIN  # signed key domain
         n = start + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
         key = _sortable_key(x_ref[...])
         ge = (key[None, :] >= cand[:, None]) & (n < len_ref[0])[None, :]  # [16, block_n]
@@ -424,16 +422,20 @@ def _radix_count_kernel(
         o_ref[...] = jnp.zeros(o_ref.shape, jnp.int32)
 
 
-def _tie_count_kernel(
-    x_ref,  # [block_n] f32 scores
-    prefix_ref,  # [1] int32 threshold key of the row, unsigned domain (all passes' digits)
-    len_ref,  # [1] int32 selectable positions of the row
-    gt_ref,  # [1] int32: keys > threshold in the block
-    eq_ref,  # [1] int32: keys == threshold in the block
-    *,
-    block_n: int,
-):
-    _tie_count_block(x_ref, len_ref, prefix_ref[0] ^ _INT_MIN, gt_ref, eq_ref, block_n)
+def _prefix_of_digits(digit_refs):
+    """The threshold's leading ``4 * len(digit_refs)`` bits (unsigned domain, held in an int32) from the digits
+    the passes kept, most significant first."""
+    prefix = jnp.int32(0)
+    for q, ref in enumerate(digit_refs):
+        prefix = prefix | (ref[0] << (32 - _RADIX_BITS * (q + 1)))
+    return prefix
+
+
+def _tie_count_kernel(x_ref, len_ref, *refs, block_n: int):
+    """refs: the 8 passes' digits ([1] int32 each: the row's threshold key), then gt [1] (keys > threshold in the
+    block) and eq [1] (keys == threshold)."""
+    digit_refs, (gt_ref, eq_ref) = refs[:-2], refs[-2:]
+    _tie_count_block(x_ref, len_ref, _prefix_of_digits(digit_refs) ^ _INT_MIN, gt_ref, eq_ref, block_n)
 
 
 def _tie_count_block(x_ref, len_ref, thr, gt_ref, eq_ref, block_n: int):
@@ -454,26 +456,19 @@ def _tie_count_block(x_ref, len_ref, thr, gt_ref, eq_ref, block_n: int):
         eq_ref[0] = jnp.int32(0)
 
 
-def _compact_kernel(
-    x_ref,  # [block_n] f32 scores
-    prefix_ref,  # [1] int32 threshold key of the row, unsigned domain
-    len_ref,  # [1] int32 selectable positions of the row
-    gt_ref,  # [R, next_pow2(nb)] int32 per block: keys > threshold (ANY; the first nb written)
-    eq_ref,  # [R, next_pow2(nb)] int32 per block: keys == threshold (ANY; the first nb written)
-    o_ref,  # [R, k] int32 selected positions, ANY (scattered into)
-    *,
-    block_n: int,
-    nb: int,
-    k: int,
-):
+def _compact_kernel(x_ref, len_ref, *refs, block_n: int, nb: int, k: int):
+    """refs: the 8 passes' digits ([1] int32 each: the row's threshold key); gt and eq, [R, next_pow2(nb)] int32
+    per block: keys > and == the threshold (ANY; the first nb written); the output [R, k] int32 selected
+    positions (ANY, scattered into)."""
+    digit_refs, (gt_ref, eq_ref, o_ref) = refs[:-3], refs[-3:]
     r = pl.program_id(0)
     b = pl.program_id(1)
 
     @pl.when(b * block_n < len_ref[0])
     def _():
         need_eq, eq_before, out_off = _block_offsets(gt_ref, eq_ref, r, b, nb, k)
-        _compact_block(x_ref, len_ref[0], prefix_ref[0] ^ _INT_MIN, need_eq, eq_before, out_off, o_ref, r, b,
-                       block_n)
+        _compact_block(x_ref, len_ref[0], _prefix_of_digits(digit_refs) ^ _INT_MIN, need_eq, eq_before, out_off,
+                       o_ref, r, b, block_n)
 
 
 def _block_offsets(gt_ref, eq_ref, r, b, nb: int, k: int):
@@ -652,53 +647,51 @@ def topk_positions(
     if block_totals == "atomic":
         return _topk_positions_atomic(x, row_len, k, block_n, nb, common).reshape(S, T, k)
 
-    per_row = _per_row_spec()
+    row, per_row = _row_block_spec(block_n), _per_row_spec()
 
-    def count_ge(p, prefix):
-        return pl.pallas_call(
+    # Threshold search in the unsigned domain u = key ^ _INT_MIN (held in int32), where candidates are the digits
+    # found so far plus one more; invariant: count(keys >= prefix) >= k. Between two passes' kernels XLA runs one
+    # fusion: the blocks' counts summed and the pass's digit kept. Each kernel takes the digits as they are
+    # ([R, 1] each) and assembles the prefix itself.
+    # Unrolled: XLA's GPU runtime launches the kernels of a while loop one by one, outside the command buffers
+    # (CUDA graphs) that carry the rest of the step, so a rolled loop cost 6 host launches x 8 passes per indexer
+    # layer per decode step, and batch-1 decode was bound by how fast the host could launch (measured with
+    # experiments.profile_decode: 192 lone launches per step).
+    digits = []
+    for p in range(_NUM_PASSES):
+        block_counts = pl.pallas_call(
             functools.partial(_radix_count_kernel, block_n=block_n, p=p),
-            in_specs=[_row_block_spec(block_n), per_row, per_row],
+            in_specs=[row, per_row] + [per_row] * p,
             out_specs=pl.BlockSpec((None, None, _RADIX), lambda r, b: (r, b, 0)),
             out_shape=jax.ShapeDtypeStruct((R, nb, _RADIX), jnp.int32),
             compiler_params=_compiler_params(num_stages=1),
             name="topk_radix_count",
             **common,
-        )(x, prefix, row_len)
-
-    # Threshold search in the unsigned domain u = key ^ _INT_MIN (held in int32), where candidates are the prefix
-    # plus one more digit; invariant: count(keys >= prefix) >= k. Between two passes' kernels XLA runs one fusion:
-    # the blocks' counts summed, the digit kept, the prefix extended.
-    # Unrolled: XLA's GPU runtime launches the kernels of a while loop one by one, outside the command buffers
-    # (CUDA graphs) that carry the rest of the step, so a rolled loop cost 6 host launches x 8 passes per indexer
-    # layer per decode step, and batch-1 decode was bound by how fast the host could launch (measured with
-    # experiments.profile_decode: 192 lone launches per step).
-    prefix = jnp.zeros((R, 1), jnp.int32)
-    for p in range(_NUM_PASSES):
-        counts = count_ge(p, prefix).sum(axis=1)  # [R, 16], non-increasing in the digit
-        digit = jnp.sum(counts >= k, axis=1, keepdims=True, dtype=jnp.int32) - 1
-        prefix = prefix | (digit << (32 - _RADIX_BITS * (p + 1)))
+        )(x, row_len, *digits)
+        counts = block_counts.sum(axis=1)  # [R, 16], non-increasing in the digit
+        digits.append(jnp.sum(counts >= k, axis=1, keepdims=True, dtype=jnp.int32) - 1)
 
     width = _next_pow2(nb)  # the compact kernel loads every block's counts as one power-of-two vector
     gt, eq = pl.pallas_call(
         functools.partial(_tie_count_kernel, block_n=block_n),
-        in_specs=[_row_block_spec(block_n), per_row, per_row],
+        in_specs=[row, per_row] + [per_row] * _NUM_PASSES,
         out_specs=[_per_block_spec(), _per_block_spec()],
         out_shape=[jax.ShapeDtypeStruct((R, width), jnp.int32)] * 2,
         compiler_params=_compiler_params(num_stages=1),
         name="topk_tie_count",
         **common,
-    )(x, prefix, row_len)
+    )(x, row_len, *digits)
 
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
         functools.partial(_compact_kernel, block_n=block_n, nb=nb, k=k),
-        in_specs=[_row_block_spec(block_n), per_row, per_row, any_space, any_space],
+        in_specs=[row, per_row] + [per_row] * _NUM_PASSES + [any_space, any_space],
         out_specs=any_space,
         out_shape=jax.ShapeDtypeStruct((R, k), jnp.int32),
         compiler_params=_compiler_params(num_stages=1),
         name="topk_compact",
         **common,
-    )(x, prefix, row_len, gt, eq)
+    )(x, row_len, *digits, gt, eq)
     return out.reshape(S, T, k)
 
 
