@@ -36,7 +36,8 @@ Each launch costs ~1-3 us of a decode step however little it does (a batch-1 ste
 5 us, 861 us of its 3.45 ms: ``experiments/results/profile_decode_8k_model_50c9f4d.json``), so the candidates, the
 threshold and the blocks' offsets are computed inside the kernels from the passes' digits, not in fusions of their
 own (28 launches a call before; 27 while the prefix was assembled between the passes, where XLA ran the shift and
-OR as a fusion apart from the digit's reduction: ``probes/profile_decode_8k_model_40ed69c.json``).
+OR as a fusion apart from the digit's reduction: ``probes/profile_decode_8k_model_40ed69c.json``; 26 with the
+digit's ``- 1`` left between them, ``probes/profile_decode_8k_model_c993172.json``).
 """
 
 from __future__ import annotations
@@ -400,7 +401,8 @@ def _radix_count_kernel(x_ref, len_ref, *refs, block_n: int, p: int):
     """Pass ``p``: per candidate threshold (the digits of the passes before plus one more), how many keys of the
     block are >= it.
 
-    refs: the digits the passes before kept (``p`` refs of [1] int32, most significant first), then the output
+    refs: the digits the passes before kept (``p`` refs of [1] int32, each the digit + 1, most significant first),
+    then the output
     [16] int32. The kernel assembles the prefix and the candidates itself: in XLA each was a small fusion of its own
     per pass (an OR and a shift after the digit's reduction, which XLA did not fuse into it)."""
     digit_refs, o_ref = refs[:-1], refs[-1]
@@ -423,16 +425,18 @@ def _radix_count_kernel(x_ref, len_ref, *refs, block_n: int, p: int):
 
 
 def _prefix_of_digits(digit_refs):
-    """The threshold's leading ``4 * len(digit_refs)`` bits (unsigned domain, held in an int32) from the digits
-    the passes kept, most significant first."""
+    """The threshold's leading ``4 * len(digit_refs)`` bits (unsigned domain, held in an int32) from the passes'
+    results, most significant first. Each pass hands over how many of its candidates have >= k keys at or above
+    them (>= 1); its digit is one less. The kernels subtract: XLA ran the ``- 1`` as a fusion apart from the
+    reduction that counts (32 launches a batch-1 step, ``probes/profile_decode_8k_model_c993172.json``)."""
     prefix = jnp.int32(0)
     for q, ref in enumerate(digit_refs):
-        prefix = prefix | (ref[0] << (32 - _RADIX_BITS * (q + 1)))
+        prefix = prefix | ((ref[0] - 1) << (32 - _RADIX_BITS * (q + 1)))
     return prefix
 
 
 def _tie_count_kernel(x_ref, len_ref, *refs, block_n: int):
-    """refs: the 8 passes' digits ([1] int32 each: the row's threshold key), then gt [1] (keys > threshold in the
+    """refs: the 8 passes' digits + 1 ([1] int32 each: the row's threshold key), then gt [1] (keys > threshold in the
     block) and eq [1] (keys == threshold)."""
     digit_refs, (gt_ref, eq_ref) = refs[:-2], refs[-2:]
     _tie_count_block(x_ref, len_ref, _prefix_of_digits(digit_refs) ^ _INT_MIN, gt_ref, eq_ref, block_n)
@@ -457,7 +461,7 @@ def _tie_count_block(x_ref, len_ref, thr, gt_ref, eq_ref, block_n: int):
 
 
 def _compact_kernel(x_ref, len_ref, *refs, block_n: int, nb: int, k: int):
-    """refs: the 8 passes' digits ([1] int32 each: the row's threshold key); gt and eq, [R, next_pow2(nb)] int32
+    """refs: the 8 passes' digits + 1 ([1] int32 each: the row's threshold key); gt and eq, [R, next_pow2(nb)] int32
     per block: keys > and == the threshold (ANY; the first nb written); the output [R, k] int32 selected
     positions (ANY, scattered into)."""
     digit_refs, (gt_ref, eq_ref, o_ref) = refs[:-3], refs[-3:]
@@ -669,7 +673,7 @@ def topk_positions(
             **common,
         )(x, row_len, *digits)
         counts = block_counts.sum(axis=1)  # [R, 16], non-increasing in the digit
-        digits.append(jnp.sum(counts >= k, axis=1, keepdims=True, dtype=jnp.int32) - 1)
+        digits.append(jnp.sum(counts >= k, axis=1, keepdims=True, dtype=jnp.int32))  # the digit + 1
 
     width = _next_pow2(nb)  # the compact kernel loads every block's counts as one power-of-two vector
     gt, eq = pl.pallas_call(
