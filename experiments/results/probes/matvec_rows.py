@@ -1,0 +1,83 @@
+"""Probe for the next H200 call: does batch-1 decode get faster when its small projections are not strength-reduced?
+
+XLA's GPU algebraic simplifier rewrites a dot into a multiply and a reduce when one side is a vector and the two
+operand matrices hold fewer than 10M elements together (``ShouldStrengthReduceDotToReduce``,
+``IsMatrixMultiplicationTooSmallForRewriting``). At batch 1 every ``Linear`` of the model sees one row (its size-1
+dimensions are stripped), so the indexer's ``wq_b`` (2048 x 4096, 8.4M) became a bf16 multiply fusion writing the
+whole product plus a reduce fusion reading it back: ~21 us a layer for 16.8 MB of weights
+(``cmdbuf_split_40ed69c.json``, ``profile_decode_8k_model_d2060e0.json``); ``kv_a_proj_with_mqa`` (6144 x 576) and
+``wk`` are reduced too. This jaxlib has no compile option to turn that off.
+
+A dot whose lhs has two rows is no vector, so XLA keeps it a GEMM. The variant pads the one row to two (a zero row)
+for every ``Linear`` whose weight is under the threshold and takes the first row back. Both sides run in one process
+(the same autotuned GEMMs where they coincide): baseline first, then the variant after clearing the steps' jit
+cache. Prints tok/s, step-call p50 and whether greedy tokens agree (they need not: a GEMM sums in another order
+than the reduce).
+
+    JAX_PLATFORMS=cuda,cpu python experiments/results/probes/matvec_rows.py OUT.json [prompt_len] [new_tokens]
+
+``PROBE_CONFIG=tiny`` runs it on a CPU (a smoke test of the probe itself).
+"""
+import importlib
+import json
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+import glm53
+from glm53 import model as model_lib
+
+out_path = sys.argv[1]
+prompt_len = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
+new_tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 512
+THRESHOLD = 10_000_000  # XLA's size threshold (elements of both operand matrices)
+
+c = importlib.import_module("configs." + os.environ.get("PROBE_CONFIG", "h200_bench")).get_config()
+cc = glm53.CacheConfig.from_config_dict(c.cache)
+model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
+prompt = np.random.default_rng(0).integers(0, c.model.vocab_size, prompt_len).tolist()
+cache = cc.replace(mode="resident", max_len=prompt_len + max(new_tokens, 66) + 8)
+
+
+def run(label):
+    glm53.generate(model, [prompt], max_new_tokens=66, cache=cache)  # compile, untimed
+    r = glm53.generate(model, [prompt], max_new_tokens=new_tokens, cache=cache)
+    fig = {"decode_tokens_per_s": r.decode_tokens_per_s, "step_call_ms_p50": r.decode_step_call_ms["p50"],
+           "tokens": r.tokens[0]}
+    print(f"[{label}] {r.decode_tokens_per_s:.1f} tok/s, step calls p50 {r.decode_step_call_ms['p50']:.3f} ms",
+          flush=True)
+    return fig
+
+
+base = run("baseline")
+Linear = model_lib.Linear
+
+
+class TwoRowLinear(Linear):
+    """``Linear`` with one row padded to two below XLA's threshold: the same parameter (``kernel``), so the same
+    weights; the model's modules look ``Linear`` up in ``glm53.model`` each time they are set up."""
+
+    @model_lib.nn.compact
+    def __call__(self, x):
+        w = self.param("kernel", model_lib._normal(self.cfg), (self.features_in, self.features_out), self.dtype)
+        w = w.astype(x.dtype) if x.dtype != w.dtype else w
+        if int(np.prod(x.shape[:-1])) != 1 or self.features_in * self.features_out >= THRESHOLD:
+            return jnp.dot(x, w)
+        x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)], axis=0)
+        return jnp.dot(x2, w)[:1].reshape(*x.shape[:-1], self.features_out)
+
+
+model_lib.Linear = TwoRowLinear
+model.steps._jits.clear()
+model.steps._others.clear()
+variant = run("two-row small projections")
+same = base["tokens"] == variant["tokens"]
+first_diff = next((i for i, (a, b) in enumerate(zip(base["tokens"], variant["tokens"])) if a != b), None)
+print(f"greedy tokens identical: {same} (first difference at {first_diff}); ratio "
+      f"{variant['decode_tokens_per_s'] / base['decode_tokens_per_s']:.3f}")
+json.dump({"prompt_len": prompt_len, "new_tokens": new_tokens, "baseline": base, "two_row": variant,
+           "tokens_identical": same, "first_difference": first_diff,
+           "command": "python experiments/results/probes/matvec_rows.py " + " ".join(sys.argv[1:])},
+          open(out_path, "w"), indent=1)
