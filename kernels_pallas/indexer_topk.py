@@ -402,9 +402,9 @@ def _radix_count_kernel(x_ref, len_ref, *refs, block_n: int, p: int):
     block are >= it.
 
     refs: the digits the passes before kept (``p`` refs of [1] int32, each the digit + 1, most significant first),
-    then the output
-    [16] int32. The kernel assembles the prefix and the candidates itself: in XLA each was a small fusion of its own
-    per pass (an OR and a shift after the digit's reduction, which XLA did not fuse into it)."""
+    then the output [16] int32. The kernel assembles the prefix and the candidates itself: in XLA each was a small
+    fusion of its own per pass (an OR and a shift after the digit's reduction, which XLA did not fuse into it). Each
+    pass compiles a kernel of its own (``p`` is static)."""
     digit_refs, o_ref = refs[:-1], refs[-1]
     start = pl.program_id(1) * block_n
     live = start < len_ref[0]
