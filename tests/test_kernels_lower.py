@@ -153,3 +153,20 @@ def test_topk_atomic_totals_lower_to_integer_adds(platform, monkeypatch, capsys)
     rmw = [line for line in capsys.readouterr().out.splitlines() if "tt.atomic_rmw" in line]
     assert rmw and all("tt.atomic_rmw add," in line for line in rmw), rmw[:2]
     assert len(rmw) == 8 * 16, "one scalar add per radix pass and candidate"
+
+
+def test_topk_glue_between_kernels_is_one_reduction_a_pass():
+    """The "xla" top-k launches 10 kernels (8 radix passes, the tie count, the compact) and between two passes XLA
+    does only the digit's reduction: the candidates, the threshold's prefix and sign, the digit's ``- 1`` and the
+    blocks' offsets are computed in the kernels. Each elementwise op left between them became a launch of its own on
+    the H200 (582 -> 541 kernels a batch-1 step once they moved in: ``probes/profile_decode_8k_model_*.json``), so the
+    lowered program must have none of the ops that built them."""
+    exported = export.export(jax.jit(lambda x, qpos: it.topk_positions(x, K, qpos)), platforms=["cuda"],
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        S((B, 1, N), jnp.float32), S((B, 1), I32))
+    text = exported.mlir_module()
+    for op in ("stablehlo.xor", "stablehlo.or", "stablehlo.shift_left", "stablehlo.subtract",
+               "stablehlo.bitcast_convert"):
+        assert op not in text, f"{op} between the top-k's kernels"
+    # one Triton kernel per pass (each pass's candidates are static in its kernel), the tie count and the compact
+    assert text.count("__gpu$xla.gpu.triton") == 10
