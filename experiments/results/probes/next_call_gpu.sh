@@ -17,7 +17,7 @@ LIMIT=${LIMIT:-560}
 R=$GLM53_GIT_REVISION
 for whl in .whl/ml_collections-*.whl; do [ -e "$whl" ] && python -m pip install -q --no-deps "$whl"; done
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Running pip" | tail -2
-JAX_PLATFORMS=cuda,cpu timeout 200 python experiments/results/probes/matvec_rows.py $OUT/matvec_rows_8k_$R.json 8192 512 2>&1 | tail -3
+PYTHONPATH=$PWD JAX_PLATFORMS=cuda,cpu timeout 200 python experiments/results/probes/matvec_rows.py $OUT/matvec_rows_8k_$R.json 8192 512 2>&1 | tail -3
 el matvec rows
 JAX_PLATFORMS=cuda timeout 200 python -m pytest -q -x -p no:cacheprovider tests/test_indexer_cache.py tests/test_engine.py 2>&1 | tail -2
 el engine tests
