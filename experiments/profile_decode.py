@@ -123,6 +123,10 @@ def summarise(events, op_names_by_pages: dict, decode_steps: int) -> dict:
         "kernels_outside_command_buffers_by_scope_per_step": {k: v / decode_steps
                                                               for k, v in outside_by_scope.most_common()},
         "kernels_per_step": sum(v[0] for v in per_kernel.values()) / decode_steps,
+        # 0 on a GPU means XLA built no command buffers for this run's step: not the program users run (XLA's
+        # --xla_dump_to flags did that on the H200: 573 launch units a step instead of ~150).
+        "kernels_in_command_buffers_per_step": (sum(v[0] for v in per_kernel.values())
+                                                - sum(outside_buffers.values())) / decode_steps,
         # One decode step in device order: which kernels ran alone (host-launched one by one) and where the device
         # waited; the runs of lone kernels show what splits the command buffers.
         "middle_step_sequence": sequence,
@@ -263,6 +267,9 @@ def main(_):
               f"kernels and {summary['launch_units_per_step']:.0f} launch units/step; idle before (us/step): "
               + ", ".join(f"{k} {v:.1f}" for k, v in list(summary["idle_before_scope_us_per_step"].items())[:8]),
               flush=True)
+        if jax.default_backend() == "gpu" and summary["kernels_in_command_buffers_per_step"] == 0:
+            print(f"[{mode}] WARNING: no decode kernel ran from a command buffer (CUDA graph): this step is not the "
+                  "program users run (XLA_FLAGS with --xla_dump_to turned them off on the H200)", flush=True)
         for k, v in summary["per_scope_us_per_step"].items():
             print(f"    {k:>20}: {v:8.1f} us/step")
         for k, v in list(summary.get("host", {}).get("self_us_per_step", {}).items())[:12]:

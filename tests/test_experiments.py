@@ -60,6 +60,10 @@ def test_profile_decode(tmp_path):
         assert scope not in res["per_scope_us_per_step"]
     assert res["per_scope_us_per_step"].get("resident_gather", 0) > 0
     assert off["busy_us_per_step"] > 0 and off["kernels_per_step"] > res["kernels_per_step"]
+    # the CPU has no command buffers: every kernel is its own launch (on a GPU, 0 here is warned about)
+    assert res["kernels_in_command_buffers_per_step"] == 0
+    assert sum(res["kernels_outside_command_buffers_by_scope_per_step"].values()) == pytest.approx(
+        res["kernels_per_step"])
     assert off["idle_us_per_step"] >= 0 and off["idle_before_scope_us_per_step"]
     # one step's kernels, in order, with offload's scopes among them (5 decode steps profiled: the middle one)
     seq = off["middle_step_sequence"]
