@@ -429,9 +429,14 @@ def _prefix_of_digits(digit_refs):
     results, most significant first. Each pass hands over how many of its candidates have >= k keys at or above
     them (>= 1); its digit is one less. The kernels subtract: XLA ran the ``- 1`` as a fusion apart from the
     reduction that counts (32 launches a batch-1 step, ``probes/profile_decode_8k_model_c993172.json``)."""
+    return _prefix_of([ref[0] for ref in digit_refs])
+
+
+def _prefix_of(candidates_at_least_k):
+    """The prefix from each pass's count of candidates with >= k keys at or above them (the digit + 1)."""
     prefix = jnp.int32(0)
-    for q, ref in enumerate(digit_refs):
-        prefix = prefix | ((ref[0] - 1) << (32 - _RADIX_BITS * (q + 1)))
+    for q, n in enumerate(candidates_at_least_k):
+        prefix = prefix | ((n - 1) << (32 - _RADIX_BITS * (q + 1)))
     return prefix
 
 
@@ -478,7 +483,7 @@ def _compact_kernel(x_ref, len_ref, *refs, block_n: int, nb: int, k: int):
 def _block_offsets(gt_ref, eq_ref, r, b, nb: int, k: int):
     """From every block's ``gt`` / ``eq`` counts of row ``r``: the ties at the threshold the row still takes, the
     ties in blocks before ``b`` and block ``b``'s first output slot. Each program derives them from the row's few
-    counts (nb <= 1,024 even at a million positions) instead of XLA computing them in two fusions between kernels."""
+    counts (about 1,000 blocks at a million positions) instead of XLA computing them in two fusions between kernels."""
     width = _next_pow2(nb)
     blk = lax.broadcasted_iota(jnp.int32, (width,), 0)
     written = blk < nb
@@ -509,12 +514,8 @@ def _compact_block(x_ref, row_len, thr, need_eq, eq_before, out_off, o_ref, r, b
 def _prefix_from_totals(tot_ref, r, passes: int, k: int):
     """The threshold's leading ``4 * passes`` bits (unsigned domain, held in an int32) from the row's candidate
     totals of the passes done: each pass keeps the largest digit whose candidate still has >= k keys at or above."""
-    prefix = jnp.int32(0)
-    for q in range(passes):
-        total = plgpu.load(tot_ref.at[r, jnp.int32(q), pl.ds(0, _RADIX)])  # [16], non-increasing in the digit
-        digit = jnp.sum((total >= k).astype(jnp.int32)) - 1
-        prefix = prefix | (digit << (32 - _RADIX_BITS * (q + 1)))
-    return prefix
+    totals = [plgpu.load(tot_ref.at[r, jnp.int32(q), pl.ds(0, _RADIX)]) for q in range(passes)]  # non-increasing
+    return _prefix_of([jnp.sum((total >= k).astype(jnp.int32)) for total in totals])
 
 
 def _radix_count_atomic_kernel(
