@@ -125,6 +125,42 @@ class RMSNorm(nn.Module):
         return rms_norm(x, w, self.eps)
 
 
+# XLA's GPU simplifier rewrites a dot whose lhs is a single row (per batch index), when the operands hold fewer than
+# 10M elements together (``IsMatrixMultiplicationTooSmallForRewriting``), into a multiply and a reduce instead of a
+# GEMM. At batch 1 that is every small projection of a decode step, and those ran at half the bandwidth or worse:
+# the indexer's wq_b wrote its whole [in, out] product and read it back (~21 us a layer where its weight reads in
+# ~4), and the absorbed w_uk / w_uv took 6.2 / 7.9 us against 3.1 / 4.2 (profile_decode_8k_model_d2060e0.json). No
+# compile option turns the rewrite off in jaxlib 0.11. Two rows are no vector, so XLA keeps a GEMM that reads the
+# weight once: padding the token with a zero row made batch-1 8K decode 2.7% faster on the H200 when only the
+# Linears had it (experiments/results/probes/matvec_rows_8k_9ad9454.json). Outputs equal the one-row dot up to
+# summation order, and resident and offloaded caches run the same program, so they stay bit-identical.
+_XLA_DOT_TO_REDUCE_MAX_ELEMENTS = 10_000_000
+
+
+def _strength_reduced(x: Array, w: Array, token_axes: int) -> bool:
+    return int(np.prod(x.shape[:token_axes])) == 1 and x.size + w.size < _XLA_DOT_TO_REDUCE_MAX_ELEMENTS
+
+
+def _one_token_as_two(x: Array, axis: int) -> Array:
+    return jnp.concatenate([x, jnp.zeros_like(x)], axis=axis)
+
+
+def matmul(x: Array, w: Array) -> Array:
+    """``x @ w`` over ``x``'s last axis, kept a GEMM when ``x`` holds one token (see above)."""
+    if not _strength_reduced(x, w, x.ndim - 1):
+        return jnp.dot(x, w)
+    y = jnp.dot(_one_token_as_two(x.reshape(1, x.shape[-1]), 0), w)
+    return y[:1].reshape(*x.shape[:-1], w.shape[-1])
+
+
+def token_einsum(spec: str, x: Array, w: Array) -> Array:
+    """``jnp.einsum(spec, x, w)`` for ``x`` of ``[B, T, ...]`` (``spec`` keeps B and T first in its output), kept a
+    batched GEMM when ``B * T == 1`` (see above)."""
+    if not _strength_reduced(x, w, 2):
+        return jnp.einsum(spec, x, w)
+    return jnp.einsum(spec, _one_token_as_two(x, 1), w)[:, :1]
+
+
 class Linear(nn.Module):
     features_in: int
     features_out: int
@@ -134,7 +170,7 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x):
         w = self.param("kernel", _normal(self.cfg), (self.features_in, self.features_out), self.dtype)
-        return jnp.dot(x, w.astype(x.dtype) if x.dtype != w.dtype else w)
+        return matmul(x, w.astype(x.dtype) if x.dtype != w.dtype else w)
 
 
 class Indexer(nn.Module):
@@ -171,7 +207,7 @@ class Indexer(nn.Module):
         at = _cache_index(self)
         cache = cache.write_index_keys(at, self.keys(x, step), step)
         key_planes, key_scales, key_plane = cache.index_keys_for(at, step)
-        weights = jnp.dot(x.astype(F32), self.weights_proj) * (c.index_n_heads ** -0.5)
+        weights = matmul(x.astype(F32), self.weights_proj) * (c.index_n_heads ** -0.5)
         scores = ops.indexer_scores(q, weights, key_planes, key_plane, step.positions, key_scales,
                                     softmax_scale=c.index_head_dim ** -0.5, precision=cache.indexer_precision,
                                     impl=step.kernels)
@@ -247,7 +283,7 @@ class MLAttention(nn.Module):
 
         w_kv_b = self.kv_b_proj.reshape(c.kv_lora_rank, h, nope + v)
         w_uk, w_uv = w_kv_b[..., :nope].astype(x.dtype), w_kv_b[..., nope:].astype(x.dtype)
-        q_lat = jnp.einsum("bthd,chd->bthc", q_nope, w_uk)
+        q_lat = token_einsum("bthd,chd->bthc", q_nope, w_uk)
         # XLA's einsums, not kernels_pallas.mla_decode: that fused kernel measured slower at every decode size on the
         # H200 (14.3 against 13.8 us a layer at one row, 36.0 against 29.4 at ten; bench_mla_decode_c53beac.json).
         scores = (jnp.einsum("bthc,btkc->bthk", q_lat, lat_sel, preferred_element_type=F32)
@@ -256,7 +292,7 @@ class MLAttention(nn.Module):
         scores = jnp.where(attend[:, :, None, :], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         o_lat = jnp.einsum("bthk,btkc->bthc", probs, lat_sel)
-        o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv).reshape(B, T, h * v)
+        o = token_einsum("bthc,chv->bthv", o_lat, w_uv).reshape(B, T, h * v)
         return self.o_proj(o), cache, topk, round_
 
 
@@ -277,7 +313,7 @@ class MLP(nn.Module):
 def route(x: Array, router: Array, bias: Array, cfg: ModelConfig) -> tuple[Array, Array]:
     """Sigmoid router with bias-corrected, group-limited choice; weights from the uncorrected scores."""
     n = x.shape[0]
-    scores = jax.nn.sigmoid(jnp.dot(x.astype(F32), router))  # [N, E]
+    scores = jax.nn.sigmoid(matmul(x.astype(F32), router))  # [N, E]
     choice = scores + bias
     if cfg.n_group > 1:
         per = cfg.n_routed_experts // cfg.n_group

@@ -8,11 +8,13 @@ whole product plus a reduce fusion reading it back: ~21 us a layer for 16.8 MB o
 (``cmdbuf_split_40ed69c.json``, ``profile_decode_8k_model_d2060e0.json``); ``kv_a_proj_with_mqa`` (6144 x 576) and
 ``wk`` are reduced too. This jaxlib has no compile option to turn that off.
 
-A dot whose lhs has two rows is no vector, so XLA keeps it a GEMM. The variant pads the one row to two (a zero row)
-for every ``Linear`` whose weight is under the threshold and takes the first row back. Both sides run in one process
-(the same autotuned GEMMs where they coincide): baseline first, then the variant after clearing the steps' jit
-cache. Prints tok/s, step-call p50 and whether greedy tokens agree (they need not: a GEMM sums in another order
-than the reduce).
+A dot whose lhs has two rows is no vector, so XLA keeps it a GEMM. At 9ad9454 (``matvec_rows_8k_9ad9454.json``)
+the probe padded the one row to two in every small ``Linear`` against the plain model. Since then the model does it
+itself (``glm53.model.matmul``: the Linears, the indexer's ``weights_proj``, the router; ``token_einsum``: the
+absorbed ``w_uk`` / ``w_uv``), and the probe runs the model as it is first, then with the head einsums plain, then
+with every helper put back to a plain dot, clearing the steps' jit cache between, in one process (the same
+autotuned GEMMs where they coincide). Prints tok/s, step-call p50 and whether greedy tokens agree (they need not: a
+GEMM sums in another order than the reduce).
 
     JAX_PLATFORMS=cuda,cpu python experiments/results/probes/matvec_rows.py OUT.json [prompt_len] [new_tokens]
 
@@ -51,33 +53,26 @@ def run(label):
     return fig
 
 
-base = run("baseline")
-Linear = model_lib.Linear
-
-
-class TwoRowLinear(Linear):
-    """``Linear`` with one row padded to two below XLA's threshold: the same parameter (``kernel``), so the same
-    weights; the model's modules look ``Linear`` up in ``glm53.model`` each time they are set up."""
-
-    @model_lib.nn.compact
-    def __call__(self, x):
-        w = self.param("kernel", model_lib._normal(self.cfg), (self.features_in, self.features_out), self.dtype)
-        w = w.astype(x.dtype) if x.dtype != w.dtype else w
-        if int(np.prod(x.shape[:-1])) != 1 or self.features_in * self.features_out >= THRESHOLD:
-            return jnp.dot(x, w)
-        x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)], axis=0)
-        return jnp.dot(x2, w)[:1].reshape(*x.shape[:-1], self.features_out)
-
-
-model_lib.Linear = TwoRowLinear
-model.steps._jits.clear()
-model.steps._others.clear()
-variant = run("two-row small projections")
+# Since 9ad9454 the model pads itself (``glm53.model.matmul`` and ``token_einsum``). The runs: the model as it is,
+# then with the absorbed w_uk / w_uv einsums plain, then with every one-row dot plain (XLA strength-reduces them):
+# what each padding buys. Modules look both helpers up in glm53.model at trace time.
+plain_einsum = lambda spec, x, w: jnp.einsum(spec, x, w)
+plain_dot = lambda x, w: jnp.dot(x, w)
+runs = {}
+for label, einsum_fn, dot_fn in [("two_row", model_lib.token_einsum, model_lib.matmul),
+                                 ("plain_head_einsums", plain_einsum, model_lib.matmul),
+                                 ("plain_dot", plain_einsum, plain_dot)]:
+    model_lib.token_einsum, model_lib.matmul = einsum_fn, dot_fn
+    model.steps._jits.clear()
+    model.steps._others.clear()
+    runs[label] = run(label)
+base, variant = runs["two_row"], runs["plain_dot"]
 same = base["tokens"] == variant["tokens"]
 first_diff = next((i for i, (a, b) in enumerate(zip(base["tokens"], variant["tokens"])) if a != b), None)
-print(f"greedy tokens identical: {same} (first difference at {first_diff}); ratio "
-      f"{variant['decode_tokens_per_s'] / base['decode_tokens_per_s']:.3f}")
-json.dump({"prompt_len": prompt_len, "new_tokens": new_tokens, "baseline": base, "two_row": variant,
+for label, r in runs.items():
+    print(f"{label}: {r['decode_tokens_per_s'] / variant['decode_tokens_per_s']:.3f} x plain")
+print(f"greedy tokens identical (two-row vs plain): {same} (first difference at {first_diff})")
+json.dump({"prompt_len": prompt_len, "new_tokens": new_tokens, **runs,
            "tokens_identical": same, "first_difference": first_diff,
            "command": "python experiments/results/probes/matvec_rows.py " + " ".join(sys.argv[1:])},
           open(out_path, "w"), indent=1)
