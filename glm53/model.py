@@ -125,40 +125,26 @@ class RMSNorm(nn.Module):
         return rms_norm(x, w, self.eps)
 
 
-# XLA's GPU simplifier rewrites a dot whose lhs is a single row (per batch index), when the operands hold fewer than
-# 10M elements together (``IsMatrixMultiplicationTooSmallForRewriting``), into a multiply and a reduce instead of a
-# GEMM. At batch 1 that is every small projection of a decode step, and those ran at half the bandwidth or worse:
-# the indexer's wq_b wrote its whole [in, out] product and read it back (~21 us a layer where its weight reads in
-# ~4), and the absorbed w_uk / w_uv took 6.2 / 7.9 us against 3.1 / 4.2 (profile_decode_8k_model_d2060e0.json). No
-# compile option turns the rewrite off in jaxlib 0.11. Two rows are no vector, so XLA keeps a GEMM that reads the
-# weight once: padding the token with a zero row made batch-1 8K decode 2.7% faster on the H200 when only the
-# Linears had it (experiments/results/probes/matvec_rows_8k_9ad9454.json). Outputs equal the one-row dot up to
-# summation order, and resident and offloaded caches run the same program, so they stay bit-identical.
+# XLA's GPU simplifier rewrites a dot with a one-row side, when the operands hold fewer than 10M elements together
+# (``IsMatrixMultiplicationTooSmallForRewriting``), into a multiply and a reduce instead of a GEMM, and no compile
+# option turns that off in jaxlib 0.11. At batch 1 that took the small projections of a decode step: the indexer's
+# wq_b wrote its whole [2048, 4096] product and read it back, ~21 us a layer where its weight reads in ~4
+# (experiments/results/probes/profile_decode_8k_model_d2060e0.json). Two rows are no vector, so XLA keeps a GEMM
+# that reads the weight once: with the token padded by a zero row the indexer's wq_b takes 6.9 us a layer and a
+# batch-1 8K step's device time fell (probes/matvec_rows_8k_*.json, profile_decode_8k_model_26d9ee4.json). The
+# absorbed per-head einsums (w_uk, w_uv) are left alone: padded, their GEMMs saved ~23 us a step and the pad and
+# slice kernels around them cost ~47. Outputs equal the one-row dot up to summation order; resident and offloaded
+# caches run the same program, so they stay bit-identical to each other.
 _XLA_DOT_TO_REDUCE_MAX_ELEMENTS = 10_000_000
-
-
-def _strength_reduced(x: Array, w: Array, token_axes: int) -> bool:
-    return int(np.prod(x.shape[:token_axes])) == 1 and x.size + w.size < _XLA_DOT_TO_REDUCE_MAX_ELEMENTS
-
-
-def _one_token_as_two(x: Array, axis: int) -> Array:
-    return jnp.concatenate([x, jnp.zeros_like(x)], axis=axis)
 
 
 def matmul(x: Array, w: Array) -> Array:
     """``x @ w`` over ``x``'s last axis, kept a GEMM when ``x`` holds one token (see above)."""
-    if not _strength_reduced(x, w, x.ndim - 1):
+    if int(np.prod(x.shape[:-1])) != 1 or x.size + w.size >= _XLA_DOT_TO_REDUCE_MAX_ELEMENTS:
         return jnp.dot(x, w)
-    y = jnp.dot(_one_token_as_two(x.reshape(1, x.shape[-1]), 0), w)
+    row = x.reshape(1, x.shape[-1])
+    y = jnp.dot(jnp.concatenate([row, jnp.zeros_like(row)], axis=0), w)
     return y[:1].reshape(*x.shape[:-1], w.shape[-1])
-
-
-def token_einsum(spec: str, x: Array, w: Array) -> Array:
-    """``jnp.einsum(spec, x, w)`` for ``x`` of ``[B, T, ...]`` (``spec`` keeps B and T first in its output), kept a
-    batched GEMM when ``B * T == 1`` (see above)."""
-    if not _strength_reduced(x, w, 2):
-        return jnp.einsum(spec, x, w)
-    return jnp.einsum(spec, _one_token_as_two(x, 1), w)[:, :1]
 
 
 class Linear(nn.Module):
@@ -283,7 +269,7 @@ class MLAttention(nn.Module):
 
         w_kv_b = self.kv_b_proj.reshape(c.kv_lora_rank, h, nope + v)
         w_uk, w_uv = w_kv_b[..., :nope].astype(x.dtype), w_kv_b[..., nope:].astype(x.dtype)
-        q_lat = token_einsum("bthd,chd->bthc", q_nope, w_uk)
+        q_lat = jnp.einsum("bthd,chd->bthc", q_nope, w_uk)
         # XLA's einsums, not kernels_pallas.mla_decode: that fused kernel measured slower at every decode size on the
         # H200 (14.3 against 13.8 us a layer at one row, 36.0 against 29.4 at ten; bench_mla_decode_c53beac.json).
         scores = (jnp.einsum("bthc,btkc->bthk", q_lat, lat_sel, preferred_element_type=F32)
@@ -292,7 +278,7 @@ class MLAttention(nn.Module):
         scores = jnp.where(attend[:, :, None, :], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         o_lat = jnp.einsum("bthk,btkc->bthc", probs, lat_sel)
-        o = token_einsum("bthc,chv->bthv", o_lat, w_uv).reshape(B, T, h * v)
+        o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv).reshape(B, T, h * v)
         return self.o_proj(o), cache, topk, round_
 
 

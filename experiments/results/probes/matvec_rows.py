@@ -9,12 +9,13 @@ whole product plus a reduce fusion reading it back: ~21 us a layer for 16.8 MB o
 ``wk`` are reduced too. This jaxlib has no compile option to turn that off.
 
 A dot whose lhs has two rows is no vector, so XLA keeps it a GEMM. At 9ad9454 (``matvec_rows_8k_9ad9454.json``)
-the probe padded the one row to two in every small ``Linear`` against the plain model. Since then the model does it
-itself (``glm53.model.matmul``: the Linears, the indexer's ``weights_proj``, the router; ``token_einsum``: the
-absorbed ``w_uk`` / ``w_uv``), and the probe runs the model as it is first, then with the head einsums plain, then
-with every helper put back to a plain dot, clearing the steps' jit cache between, in one process (the same
-autotuned GEMMs where they coincide). Prints tok/s, step-call p50 and whether greedy tokens agree (they need not: a
-GEMM sums in another order than the reduce).
+the probe padded the one row to two in every small ``Linear`` against the plain model; at 26d9ee4 the model did it
+itself and for the absorbed head einsums too (``matvec_rows_8k_26d9ee4.json``: the model, then the einsums plain,
+then every one-row dot plain). Now the model pads the Linears, the indexer's ``weights_proj`` and the router
+(``glm53.model.matmul``), and the probe runs it as it is, then with the row repeated instead of a zero row, then
+with every one-row dot plain, clearing the steps' jit cache between, in one process (the same autotuned GEMMs where
+they coincide). Prints tok/s, step-call p50 and whether greedy tokens agree (they need not: a GEMM sums in another
+order than the reduce).
 
     JAX_PLATFORMS=cuda,cpu python experiments/results/probes/matvec_rows.py OUT.json [prompt_len] [new_tokens]
 
@@ -53,16 +54,24 @@ def run(label):
     return fig
 
 
-# Since 9ad9454 the model pads itself (``glm53.model.matmul`` and ``token_einsum``). The runs: the model as it is,
-# then with the absorbed w_uk / w_uv einsums plain, then with every one-row dot plain (XLA strength-reduces them):
-# what each padding buys. Modules look both helpers up in glm53.model at trace time.
-plain_einsum = lambda spec, x, w: jnp.einsum(spec, x, w)
-plain_dot = lambda x, w: jnp.dot(x, w)
+# Since 26d9ee4 the model pads itself (``glm53.model.matmul``; 26d9ee4 also padded the absorbed head einsums, which
+# its run of this probe showed costing more than they saved). The runs: the model as it is (a zero row), then the
+# token's row repeated instead of a zero row (a broadcast XLA might fuse into the GEMM instead of a pad kernel),
+# then every one-row dot plain (XLA strength-reduces them). Modules look ``matmul`` up in glm53.model at trace time.
+model_matmul = model_lib.matmul
+
+
+def repeated_row(x, w):
+    if int(np.prod(x.shape[:-1])) != 1 or x.size + w.size >= model_lib._XLA_DOT_TO_REDUCE_MAX_ELEMENTS:
+        return jnp.dot(x, w)
+    y = jnp.dot(jnp.broadcast_to(x.reshape(1, x.shape[-1]), (2, x.shape[-1])), w)
+    return y[:1].reshape(*x.shape[:-1], w.shape[-1])
+
+
 runs = {}
-for label, einsum_fn, dot_fn in [("two_row", model_lib.token_einsum, model_lib.matmul),
-                                 ("plain_head_einsums", plain_einsum, model_lib.matmul),
-                                 ("plain_dot", plain_einsum, plain_dot)]:
-    model_lib.token_einsum, model_lib.matmul = einsum_fn, dot_fn
+for label, dot_fn in [("two_row", model_matmul), ("repeated_row", repeated_row),
+                      ("plain_dot", lambda x, w: jnp.dot(x, w))]:
+    model_lib.matmul = dot_fn
     model.steps._jits.clear()
     model.steps._others.clear()
     runs[label] = run(label)
