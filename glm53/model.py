@@ -127,20 +127,23 @@ class RMSNorm(nn.Module):
 
 # XLA's GPU simplifier rewrites a dot with a one-row side, when the operands hold fewer than 10M elements together
 # (``IsMatrixMultiplicationTooSmallForRewriting``), into a multiply and a reduce instead of a GEMM, and no compile
-# option turns that off in jaxlib 0.11. At batch 1 that took the small projections of a decode step: the indexer's
-# wq_b wrote its whole [2048, 4096] product and read it back, ~21 us a layer where its weight reads in ~4
+# option turns that off in jaxlib 0.11. At batch 1 that took the indexer's wq_b ([2048] x [2048, 4096]): a multiply
+# writing the whole product and a reduce reading it back, ~21 us a layer where its weight reads in ~4
 # (experiments/results/probes/profile_decode_8k_model_d2060e0.json). Two rows are no vector, so XLA keeps a GEMM
-# that reads the weight once: with the token padded by a zero row the indexer's wq_b takes 6.9 us a layer and a
-# batch-1 8K step's device time fell (probes/matvec_rows_8k_*.json, profile_decode_8k_model_26d9ee4.json). The
-# absorbed per-head einsums (w_uk, w_uv) are left alone: padded, their GEMMs saved ~23 us a step and the pad and
-# slice kernels around them cost ~47. Outputs equal the one-row dot up to summation order; resident and offloaded
-# caches run the same program, so they stay bit-identical to each other.
+# that reads the weight once: padded with a zero row, wq_b took ~7.7 us a layer with its pad kernel
+# (profile_decode_8k_model_d9ae3a9.json). Narrow outputs lose by it: the router ([6144] x [6144, 16], f32) became a
+# 4.8 us cuBLAS GEMM plus a pad where its reduce took ~1.5, and kv_a_proj_with_mqa (576 wide) about broke even; the
+# absorbed per-head einsums (w_uk, w_uv) gained less than their pad and slice kernels cost (26d9ee4). So only dots
+# at least ``_TWO_ROW_MIN_WIDTH`` wide are padded. Outputs equal the one-row dot up to summation order; resident and
+# offloaded caches run the same program, so they stay bit-identical to each other.
 _XLA_DOT_TO_REDUCE_MAX_ELEMENTS = 10_000_000
+_TWO_ROW_MIN_WIDTH = 1024
 
 
 def matmul(x: Array, w: Array) -> Array:
-    """``x @ w`` over ``x``'s last axis, kept a GEMM when ``x`` holds one token (see above)."""
-    if int(np.prod(x.shape[:-1])) != 1 or x.size + w.size >= _XLA_DOT_TO_REDUCE_MAX_ELEMENTS:
+    """``x @ w`` over ``x``'s last axis, kept a GEMM when ``x`` holds one token and ``w`` is wide (see above)."""
+    if (int(np.prod(x.shape[:-1])) != 1 or w.shape[-1] < _TWO_ROW_MIN_WIDTH
+            or x.size + w.size >= _XLA_DOT_TO_REDUCE_MAX_ELEMENTS):
         return jnp.dot(x, w)
     row = x.reshape(1, x.shape[-1])
     y = jnp.dot(jnp.concatenate([row, jnp.zeros_like(row)], axis=0), w)
@@ -193,7 +196,7 @@ class Indexer(nn.Module):
         at = _cache_index(self)
         cache = cache.write_index_keys(at, self.keys(x, step), step)
         key_planes, key_scales, key_plane = cache.index_keys_for(at, step)
-        weights = matmul(x.astype(F32), self.weights_proj) * (c.index_n_heads ** -0.5)
+        weights = jnp.dot(x.astype(F32), self.weights_proj) * (c.index_n_heads ** -0.5)
         scores = ops.indexer_scores(q, weights, key_planes, key_plane, step.positions, key_scales,
                                     softmax_scale=c.index_head_dim ** -0.5, precision=cache.indexer_precision,
                                     impl=step.kernels)
@@ -299,7 +302,7 @@ class MLP(nn.Module):
 def route(x: Array, router: Array, bias: Array, cfg: ModelConfig) -> tuple[Array, Array]:
     """Sigmoid router with bias-corrected, group-limited choice; weights from the uncorrected scores."""
     n = x.shape[0]
-    scores = jax.nn.sigmoid(matmul(x.astype(F32), router))  # [N, E]
+    scores = jax.nn.sigmoid(jnp.dot(x.astype(F32), router))  # [N, E]
     choice = scores + bias
     if cfg.n_group > 1:
         per = cfg.n_routed_experts // cfg.n_group

@@ -1,10 +1,11 @@
-"""A batch-1 decode step keeps its small projections GEMMs (``glm53.model.matmul``).
+"""A batch-1 decode step keeps its wide small projections GEMMs (``glm53.model.matmul``).
 
-XLA's GPU simplifier rewrites a dot with a vector side whose operands hold fewer than 10M elements into a multiply
-and a reduce, which ran the indexer's ``wq_b`` at a quarter of the bandwidth on the H200 (and ``kv_a_proj_with_mqa``,
-``wk``, ``weights_proj``, the router below it); the model pads the one token to two so they stay GEMMs. The step is
-lowered at GLM-5's widths (``configs/h200_bench.py``, abstract weights: nothing is allocated) and every dot of it
-with a vector side under the threshold must be one of those left so on purpose."""
+XLA's GPU simplifier rewrites a dot with a one-row side whose operands hold fewer than 10M elements into a multiply
+and a reduce, which ran the indexer's ``wq_b`` at a quarter of the bandwidth on the H200; the model pads the one
+token to two for dots at least ``_TWO_ROW_MIN_WIDTH`` wide so they stay GEMMs (narrower ones ran faster reduced).
+The step is lowered at GLM-5's widths (``configs/h200_bench.py``, abstract weights: nothing is allocated) and every
+dot of it with a one-row side, a wide other side and operands under the threshold must be one left so on purpose.
+"""
 
 import re
 
@@ -20,10 +21,9 @@ from glm53.config import CacheConfig, ModelConfig
 _DOT = re.compile(r"stablehlo\.dot_general %\S+, %\S+,(?: batching_dims = \[([\d, ]*)\] x \[([\d, ]*)\],)? "
                   r"contracting_dims = \[([\d, ]*)\] x \[([\d, ]*)\][^:]*: \(tensor<([^>]*)>, tensor<([^>]*)>\)"
                   r".*loc\((#loc\d+)\)")
-# the routed experts' outputs weighted by the token's 8 routing weights (a weighted sum by nature); the CPU
-# reference of the indexer's scores, one head at a time (a GPU step runs kernels_pallas' indexer_scores instead);
-# the absorbed per-head w_uk / w_uv, whose pad and slice kernels cost more than their GEMMs saved (glm53.model)
-_LEFT_ONE_ROW = ("nkh,nk->nh", "std,snd->stn", "bthd,chd->bthc", "bthc,chv->bthv")
+# the routed experts' outputs weighted by the token's 8 routing weights (a weighted sum by nature), and the CPU
+# reference of the indexer's scores, one head at a time (a GPU step runs kernels_pallas' indexer_scores instead)
+_LEFT_ONE_ROW = ("nkh,nk->nh", "std,snd->stn")
 
 
 def _vector_dots(text: str) -> list[str]:
@@ -41,7 +41,9 @@ def _vector_dots(text: str) -> list[str]:
         ls, rs = dims(m.group(5)), dims(m.group(6))
         lhs_rows = np.prod([d for i, d in enumerate(ls) if i not in lb + lc])
         rhs_cols = np.prod([d for i, d in enumerate(rs) if i not in rb + rc])
-        if min(lhs_rows, rhs_cols) == 1 and np.prod(ls) + np.prod(rs) < model_lib._XLA_DOT_TO_REDUCE_MAX_ELEMENTS:
+        other_width = rhs_cols if lhs_rows == 1 else lhs_rows if rhs_cols == 1 else 0
+        if (other_width >= model_lib._TWO_ROW_MIN_WIDTH
+                and np.prod(ls) + np.prod(rs) < model_lib._XLA_DOT_TO_REDUCE_MAX_ELEMENTS):
             found.append(f"{locs.get(m.group(7), m.group(7))}: {m.group(5)} x {m.group(6)}")
     return found
 
@@ -55,17 +57,20 @@ def test_batch1_decode_has_no_small_vector_dots(mode):
     text = lowered.as_text(debug_info=True)
     assert text.count("stablehlo.dot_general") > 50  # the parse below sees the step's dots
     assert len(_DOT.findall(text)) == text.count("stablehlo.dot_general")
+    assert "(tensor<2x2048xbf16>, tensor<2048x4096xbf16>)" in text, "the indexer's wq_b, padded"
     left = [d for d in _vector_dots(text) if not any(f"{n}/dot_general" in d for n in _LEFT_ONE_ROW)]
     assert left == [], left
 
 
 def test_padding_keeps_the_values():
     rng = np.random.default_rng(0)
-    w = jnp.asarray(rng.standard_normal((64, 48)), jnp.float32)
-    for shape in [(1, 1, 64), (64,), (1, 64), (3, 2, 64)]:
-        x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-        y = model_lib.matmul(x, w)
-        assert y.shape == shape[:-1] + (48,)
-        np.testing.assert_allclose(y, jnp.dot(x, w, precision="highest"), rtol=1e-5, atol=1e-5)
-    text = jax.jit(model_lib.matmul).lower(jnp.zeros((1, 1, 64)), w).as_text()
-    assert "tensor<2x64xf32>" in text, "one row is padded to two"
+    wide = model_lib._TWO_ROW_MIN_WIDTH
+    for n in (48, wide):
+        w = jnp.asarray(rng.standard_normal((64, n)), jnp.float32)
+        for shape in [(1, 1, 64), (64,), (1, 64), (3, 2, 64)]:
+            x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+            y = model_lib.matmul(x, w)
+            assert y.shape == shape[:-1] + (n,)
+            np.testing.assert_allclose(y, jnp.dot(x, w, precision="highest"), rtol=1e-5, atol=1e-5)
+        text = jax.jit(model_lib.matmul).lower(jnp.zeros((1, 1, 64)), w).as_text()
+        assert ("tensor<2x64xf32>" in text) == (n >= wide), "one row is padded to two when the dot is wide"

@@ -8,14 +8,16 @@ whole product plus a reduce fusion reading it back: ~21 us a layer for 16.8 MB o
 (``cmdbuf_split_40ed69c.json``, ``profile_decode_8k_model_d2060e0.json``); ``kv_a_proj_with_mqa`` (6144 x 576) and
 ``wk`` are reduced too. This jaxlib has no compile option to turn that off.
 
-A dot whose lhs has two rows is no vector, so XLA keeps it a GEMM. At 9ad9454 (``matvec_rows_8k_9ad9454.json``)
-the probe padded the one row to two in every small ``Linear`` against the plain model; at 26d9ee4 the model did it
-itself and for the absorbed head einsums too (``matvec_rows_8k_26d9ee4.json``: the model, then the einsums plain,
-then every one-row dot plain). Now the model pads the Linears, the indexer's ``weights_proj`` and the router
-(``glm53.model.matmul``), and the probe runs it as it is, then with the row repeated instead of a zero row, then
-with every one-row dot plain, clearing the steps' jit cache between, in one process (the same autotuned GEMMs where
-they coincide). Prints tok/s, step-call p50 and whether greedy tokens agree (they need not: a GEMM sums in another
-order than the reduce).
+A dot whose lhs has two rows is no vector, so XLA keeps it a GEMM. The probe's runs so far:
+- 9ad9454 (``matvec_rows_8k_9ad9454.json``): every small ``Linear`` padded against the plain model;
+- 26d9ee4: the model padded its Linears, the indexer's ``weights_proj``, the router and the absorbed head einsums;
+  runs: that, the einsums plain, everything plain;
+- d9ae3a9: the same without the einsums; runs: that, a repeated row instead of a zero row, everything plain.
+Their profiles (``profile_decode_8k_model_{26d9ee4,d9ae3a9}.json``) showed the narrow dots losing by it, so the model
+now pads only dots at least ``glm53.model._TWO_ROW_MIN_WIDTH`` wide (the indexer's ``wq_b``). This version runs the
+model as it is, then with the width lowered to 512 (``kv_a_proj_with_mqa`` padded too), then every one-row dot
+plain, clearing the steps' jit cache between, in one process (the same autotuned GEMMs where they coincide). Prints
+tok/s, step-call p50 and whether greedy tokens agree (they need not: a GEMM sums in another order than the reduce).
 
     JAX_PLATFORMS=cuda,cpu python experiments/results/probes/matvec_rows.py OUT.json [prompt_len] [new_tokens]
 
@@ -54,24 +56,13 @@ def run(label):
     return fig
 
 
-# Since 26d9ee4 the model pads itself (``glm53.model.matmul``; 26d9ee4 also padded the absorbed head einsums, which
-# its run of this probe showed costing more than they saved). The runs: the model as it is (a zero row), then the
-# token's row repeated instead of a zero row (a broadcast XLA might fuse into the GEMM instead of a pad kernel),
-# then every one-row dot plain (XLA strength-reduces them). Modules look ``matmul`` up in glm53.model at trace time.
-model_matmul = model_lib.matmul
-
-
-def repeated_row(x, w):
-    if int(np.prod(x.shape[:-1])) != 1 or x.size + w.size >= model_lib._XLA_DOT_TO_REDUCE_MAX_ELEMENTS:
-        return jnp.dot(x, w)
-    y = jnp.dot(jnp.broadcast_to(x.reshape(1, x.shape[-1]), (2, x.shape[-1])), w)
-    return y[:1].reshape(*x.shape[:-1], w.shape[-1])
-
-
+# The runs: the model as it is (``glm53.model.matmul`` pads one-row dots at least _TWO_ROW_MIN_WIDTH wide: the
+# indexer's wq_b), then with kv_a_proj_with_mqa (576 wide) padded too, then every one-row dot plain (XLA
+# strength-reduces them). ``matmul`` reads the width at trace time, so clearing the jit cache is enough.
 runs = {}
-for label, dot_fn in [("two_row", model_matmul), ("repeated_row", repeated_row),
-                      ("plain_dot", lambda x, w: jnp.dot(x, w))]:
-    model_lib.matmul = dot_fn
+for label, width in [("two_row", model_lib._TWO_ROW_MIN_WIDTH), ("two_row_from_512", 512),
+                     ("plain_dot", 1 << 40)]:
+    model_lib._TWO_ROW_MIN_WIDTH = width
     model.steps._jits.clear()
     model.steps._others.clear()
     runs[label] = run(label)
@@ -80,7 +71,7 @@ same = base["tokens"] == variant["tokens"]
 first_diff = next((i for i, (a, b) in enumerate(zip(base["tokens"], variant["tokens"])) if a != b), None)
 for label, r in runs.items():
     print(f"{label}: {r['decode_tokens_per_s'] / variant['decode_tokens_per_s']:.3f} x plain")
-print(f"greedy tokens identical (two-row vs plain): {same} (first difference at {first_diff})")
+print(f"greedy tokens identical (the model vs plain): {same} (first difference at {first_diff})")
 json.dump({"prompt_len": prompt_len, "new_tokens": new_tokens, **runs,
            "tokens_identical": same, "first_difference": first_diff,
            "command": "python experiments/results/probes/matvec_rows.py " + " ".join(sys.argv[1:])},

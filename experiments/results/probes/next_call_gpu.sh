@@ -2,12 +2,13 @@
 # The next H200 call (run from the repository root on the GPU machine, with GLM53_GIT_REVISION=<commit> and
 # OUT=<output folder>; carry .whl/ with the ml_collections wheel: the machine has no network). Most important first
 # (a call can be taken back mid-run):
-#   1. probes/matvec_rows.py: batch-1 8K decode with the model's one-token padding of its small dots
-#      (glm53.model.matmul) against a repeated row instead of a zero row and against every small dot plain;
-#   2. the decode step by kernel at 8K (kernel count and busy time against profile_decode_8k_model_{d2060e0,26d9ee4});
-#   3. compiled tests: test_decode_dots, test_engine (test_offload_model passed compiled at 26d9ee4).
-# Done before: 9ad9454 (matvec_rows on the Linears only: +2.7%; batch-1 50K 75.9%; 10 x 50K MTP 0 A/B, 2 pairs),
-# 26d9ee4 (the head einsums padded too: no gain; test_decode_dots + test_offload_model passed compiled).
+#   1. probes/matvec_rows.py: batch-1 8K decode with the model's one-token padding (glm53.model.matmul: dots at
+#      least 1,024 wide, the indexer's wq_b) against kv_a_proj_with_mqa padded too and against every small dot plain;
+#   2. the decode step by kernel at 8K (kernel count and busy time against profile_decode_8k_model_{d2060e0,d9ae3a9});
+#   3. compiled tests: test_decode_dots, test_engine (it needs more than 300 s compiled: give it a call of its own
+#      if this one runs short).
+# Done before: 9ad9454 (every small Linear padded: +2.7%; batch-1 50K 75.9%; 10 x 50K MTP 0 A/B, 2 pairs),
+# 26d9ee4 (the head einsums padded too: no gain), d9ae3a9 (the router and other narrow dots padded: they lost).
 # Use `python -m pip`: the machine's bare `pip` installs for another interpreter.
 set -u
 export PYTHONUNBUFFERED=1
