@@ -17,6 +17,7 @@ Figures are device time, not a speed benchmark: use ``experiments.offload_ab`` f
 import collections
 import json
 import os
+import re
 import tempfile
 
 import jax
@@ -55,6 +56,24 @@ def program_op_names(events, op_names_by_pages: dict) -> dict:
         merged = {**without, **with_copy}
         return {p: merged for p in programs}
     return {p: with_copy if p in copying else without for p in programs}
+
+
+def op_key(op_name: str, kernel: str) -> str:
+    """The op a kernel ran for, with its layer left out (``GLM5/layers_*/self_attn/indexer/wq_b/dot_general``); a
+    kernel without an op_name (a Pallas or library kernel) stands for itself."""
+    if not op_name:
+        return kernel
+    return re.sub(r"layers_\d+", "layers_*", op_name.removeprefix("jit(decode)/"))
+
+
+def by_op(rows, decode_steps: int) -> dict:
+    """``{op: [kernels a step, us a step]}``, the most time first."""
+    ops = collections.defaultdict(lambda: [0.0, 0.0])
+    for name, (calls, ns, op_name, _) in rows:
+        o = ops[op_key(op_name, name)]
+        o[0] += calls / decode_steps
+        o[1] += ns / 1e3 / decode_steps
+    return dict(sorted(ops.items(), key=lambda kv: -kv[1][1]))
 
 
 def summarise(events, op_names_by_pages: dict, decode_steps: int) -> dict:
@@ -137,7 +156,10 @@ def summarise(events, op_names_by_pages: dict, decode_steps: int) -> dict:
         "top_kernels": [{"kernel": n, "scope": v[3], "op_name": v[2][-160:],
                          "calls_per_step": v[0] / decode_steps, "us_per_step": v[1] / 1e3 / decode_steps}
                         for n, v in rows[: FLAGS.top]],
-        "all_kernels": [[n, v[3], v[0], v[1]] for n, v in rows],  # kernel, scope, calls, total ns
+        "all_kernels": [[n, v[3], v[0], v[1], v[2][-160:]] for n, v in rows],  # kernel, scope, calls, total ns, op
+        # Device time by the model's op summed over layers: what a change to one op did, comparable across builds
+        # whose XLA numbers its fusions apart (the padded wq_b, d9ae3a9: by kernel name this took the compiled HLO).
+        "us_per_step_by_op": by_op(rows, decode_steps),
         "device_ms_per_module": {k: v / 1e6 for k, v in per_module.most_common(12)},
         "example_event_stats": [{k: str(v)[:120] for k, v in e[3].items()} for e in events[:3]],
     }

@@ -59,6 +59,11 @@ def test_profile_decode(tmp_path):
         assert off["per_scope_us_per_step"].get(scope, 0) > 0, scope
         assert scope not in res["per_scope_us_per_step"]
     assert res["per_scope_us_per_step"].get("resident_gather", 0) > 0
+    # device time by op, layers summed: it adds up to the busy time, and both layers' cache writes are one entry
+    ops = res["us_per_step_by_op"]
+    assert sum(us for _, us in ops.values()) == pytest.approx(res["busy_us_per_step"])
+    assert not any("layers_0" in k or "layers_1" in k for k in ops), list(ops)
+    assert ops["GLM5/layers_*/self_attn/resident_write/scatter"][0] >= 2, list(ops)
     assert off["busy_us_per_step"] > 0 and off["kernels_per_step"] > res["kernels_per_step"]
     # the CPU has no command buffers: every kernel is its own launch (on a GPU, 0 here is warned about)
     assert res["kernels_in_command_buffers_per_step"] == 0
