@@ -17,7 +17,6 @@ Figures are device time, not a speed benchmark: use ``experiments.offload_ab`` f
 import collections
 import json
 import os
-import re
 import tempfile
 
 import jax
@@ -29,7 +28,7 @@ from ml_collections import config_flags
 import glm53
 from experiments import workloads
 from experiments.trace_util import (compiled_decode_hlo, device_events, find_xplane, host_events, host_time,
-                                    kernel_op_name, kernel_scope, op_names_from_hlo, trace_options)
+                                    kernel_op_name, kernel_scope, op_key, op_names_from_hlo, trace_options)
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
@@ -56,14 +55,6 @@ def program_op_names(events, op_names_by_pages: dict) -> dict:
         merged = {**without, **with_copy}
         return {p: merged for p in programs}
     return {p: with_copy if p in copying else without for p in programs}
-
-
-def op_key(op_name: str, kernel: str) -> str:
-    """The op a kernel ran for, with its layer left out (``GLM5/layers_*/self_attn/indexer/wq_b/dot_general``); a
-    kernel without an op_name (a Pallas or library kernel) stands for itself."""
-    if not op_name:
-        return kernel
-    return re.sub(r"layers_\d+", "layers_*", op_name.removeprefix("jit(decode)/"))
 
 
 def by_op(rows, decode_steps: int) -> dict:

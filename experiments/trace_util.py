@@ -123,6 +123,14 @@ def op_names_from_hlo(hlo_text: str, *, infer: bool = False) -> dict[str, str]:
     return out
 
 
+def op_key(op_name: str, kernel: str) -> str:
+    """The op a kernel ran for, with its layer left out (``GLM5/layers_*/self_attn/indexer/wq_b/dot_general``); a
+    kernel without an op_name (a Pallas or library kernel) stands for itself."""
+    if not op_name:
+        return kernel
+    return re.sub(r"layers_\d+", "layers_*", op_name.removeprefix("jit(decode)/"))
+
+
 def scope_of(op_name: str) -> str:
     """``offload_fill``, ``self_attn/indexer``, ``mlp``, ``lm_head``, ... for a kernel's op_name."""
     for s in CACHE_SCOPES:

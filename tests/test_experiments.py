@@ -9,6 +9,8 @@ import sys
 import numpy as np
 import pytest
 
+from experiments import compare_profiles
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # configs/tiny.py cut to its first two layers (dense + MoE, a full and a shared indexer; MTP kept): every code path
 # of the entry points at half the layers XLA compiles, each entry point being a process of its own
@@ -64,6 +66,15 @@ def test_profile_decode(tmp_path):
     assert sum(us for _, us in ops.values()) == pytest.approx(res["busy_us_per_step"])
     assert not any("layers_0" in k or "layers_1" in k for k in ops), list(ops)
     assert ops["GLM5/layers_*/self_attn/resident_write/scatter"][0] >= 2, list(ops)
+    # experiments.compare_profiles matches two reports by op: offload against resident shows offload's own ops
+    diff = compare_profiles.compare(report, {"modes": {"resident": off}}, "resident")
+    assert diff["matched_by"] == "op"
+    assert diff["busy_us_per_step"] == [res["busy_us_per_step"], off["busy_us_per_step"]]
+    moved = {r["op"]: r for r in diff["ops"]}
+    assert sum(r["us_delta"] for r in diff["ops"]) == pytest.approx(off["busy_us_per_step"] - res["busy_us_per_step"])
+    assert any("offload_fill" in op and r["us_before"] == 0 and r["us_delta"] > 0 for op, r in moved.items())
+    with pytest.raises(ValueError, match="no 'offload' profile"):
+        compare_profiles.compare(report, {"modes": {"resident": res}}, "offload")
     assert off["busy_us_per_step"] > 0 and off["kernels_per_step"] > res["kernels_per_step"]
     # the CPU has no command buffers: every kernel is its own launch (on a GPU, 0 here is warned about)
     assert res["kernels_in_command_buffers_per_step"] == 0
