@@ -4,9 +4,11 @@
 # (a call can be taken back mid-run):
 #   1. probes/matvec_rows.py: batch-1 8K decode with the model's one-token padding (glm53.model.matmul: dots at
 #      least 1,024 wide, the indexer's wq_b) against kv_a_proj_with_mqa padded too and against every small dot plain;
-#   2. the decode step by kernel at 8K (kernel count and busy time against profile_decode_8k_model_{d2060e0,d9ae3a9});
-#   3. compiled tests: test_decode_dots, test_engine (it needs more than 300 s compiled: give it a call of its own
-#      if this one runs short).
+#   2. the decode step by kernel at 8K (compare with `python -m experiments.compare_profiles` against the next
+#      profile; d9ae3a9's and older profiles carry no op per kernel: busy 3,387.2 us at d9ae3a9, 3,417.0 at d2060e0);
+#   3. batch-1 resident decode at 8K and 50K, 1,024 tokens, on the final code (issue 11's 75% at both);
+#   4. with the time left, the 10 x 50K MTP 0 A/B (issue 11's <= 1% on the fast path, issue 9's step-call p99).
+# next_call_gpu_b.sh holds the call after: test_engine compiled (over 300 s), then the throughput curves.
 # Done before: 9ad9454 (every small Linear padded: +2.7%; batch-1 50K 75.9%; 10 x 50K MTP 0 A/B, 2 pairs),
 # 26d9ee4 (the head einsums padded too: no gain), d9ae3a9 (the router and other narrow dots padded: they lost).
 # Use `python -m pip`: the machine's bare `pip` installs for another interpreter.
@@ -17,14 +19,23 @@ LIMIT=${LIMIT:-560}
 R=$GLM53_GIT_REVISION
 for whl in .whl/ml_collections-*.whl; do [ -e "$whl" ] && python -m pip install -q --no-deps "$whl"; done
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Running pip" | tail -2
-PYTHONPATH=$PWD JAX_PLATFORMS=cuda,cpu timeout 240 python experiments/results/probes/matvec_rows.py $OUT/matvec_rows_8k_$R.json 8192 512 2>&1 | tail -6
+export JAX_PLATFORMS=cuda,cpu
+PYTHONPATH=$PWD timeout 200 python experiments/results/probes/matvec_rows.py $OUT/matvec_rows_8k_$R.json 8192 512 2>&1 | tail -5
 el matvec rows
-LEFT=$(( LIMIT - $(date +%s) + T0 ))
-[ $LEFT -ge 90 ] && JAX_PLATFORMS=cuda,cpu timeout $LEFT python -m experiments.profile_decode --config=configs/h200_bench.py \
+timeout 120 python -m experiments.profile_decode --config=configs/h200_bench.py \
   --config.run.prompt_len=8192 --config.run.max_new_tokens=32 --workload=indexer --modes=resident \
-  --out=$OUT/profile_decode_8k_model_$R.json 2>&1 | grep -i "kernels\|busy" | tail -4
+  --out=$OUT/profile_decode_8k_model_$R.json 2>&1 | grep -i "kernels\|busy" | tail -2
 el profile
+for P in 8192 50000; do
+  LEFT=$(( LIMIT - $(date +%s) + T0 ))
+  [ $LEFT -ge 100 ] && timeout $LEFT python -m experiments.generate --config=configs/h200_bench.py \
+    --config.run.prompt_len=$P --config.run.max_new_tokens=1024 --config.run.output_json=$OUT/generate_${P}_1024_$R.json \
+    2>&1 | grep "roofline:\|host:" | tail -2
+  el generate $P
+done
 LEFT=$(( LIMIT - $(date +%s) + T0 ))
-JAX_PLATFORMS=cuda timeout $LEFT python -m pytest -q -p no:cacheprovider -rf tests/test_decode_dots.py \
-  tests/test_engine.py 2>&1 | tail -4
-el compiled tests
+[ $LEFT -ge 150 ] && timeout $LEFT python -m experiments.sessions_ab --config=configs/h200_bench.py \
+  --config.run.prompt_len=50000 --config.run.max_new_tokens=512 --sessions=10 --pairs=1 --max_pairs=3 \
+  --budget_s=$(( LEFT - 60 )) --mtp=0 --append=0 --workload=local99 --out=$OUT/sessions_ab_10x50k_mtp0_$R.json 2>&1 \
+  | grep "^\[" | tail -4
+el sessions_ab mtp0
