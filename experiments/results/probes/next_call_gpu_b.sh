@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The H200 call after next_call_gpu.sh (same setup: GLM53_GIT_REVISION, OUT, .whl/ carried):
 #   1. test_engine compiled (JAX_PLATFORMS=cuda): it has not run to its end compiled since the top-k moved its glue
-#      into its kernels (d2060e0); it needs more than 300 s, most of it compiling the tiny configs' steps;
+#      into its kernels (d2060e0); one process needed more than 300 s, most of it compiling the tiny configs' steps
+#      (CPU work: four xdist workers on the machine's 16 cores; tests/conftest.py turns GEMM autotuning off, so
+#      workers sharing the GPU pick the same algorithms);
 #   2. the throughput curve at 8K over 1-64 sessions, resident and offload (stale since f2a1453: issue 11).
 set -u
 export PYTHONUNBUFFERED=1
@@ -10,7 +12,8 @@ LIMIT=${LIMIT:-560}
 R=$GLM53_GIT_REVISION
 for whl in .whl/ml_collections-*.whl; do [ -e "$whl" ] && python -m pip install -q --no-deps "$whl"; done
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Running pip" | tail -2
-JAX_PLATFORMS=cuda timeout 400 python -m pytest -q -p no:cacheprovider -rf --durations=10 tests/test_engine.py 2>&1 | tail -16
+JAX_PLATFORMS=cuda timeout 400 python -m pytest -q -p no:cacheprovider -n 4 --dist worksteal -rf --durations=10 \
+  tests/test_engine.py 2>&1 | tail -16
 el test_engine
 LEFT=$(( LIMIT - $(date +%s) + T0 ))
 [ $LEFT -ge 120 ] && JAX_PLATFORMS=cuda,cpu timeout $LEFT python -m experiments.throughput --config=configs/h200_bench.py \
