@@ -12,7 +12,7 @@ import json
 
 from absl import app, flags
 
-from experiments.trace_util import op_key
+from experiments.trace_util import by_op
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("mode", "resident", "the cache mode whose profile to compare (a key of the reports' modes)")
@@ -21,17 +21,12 @@ flags.DEFINE_string("out", "", "also write the comparison here as JSON")
 
 
 def ops_of(mode_report: dict) -> tuple[dict, bool]:
-    """``({op or kernel: [kernels a step, us a step]}, by_op)``."""
+    """``({op or kernel: [kernels a step, us a step]}, by_op)``: reports from before ``us_per_step_by_op`` carry no
+    op per kernel, so theirs are keyed by kernel name."""
     if "us_per_step_by_op" in mode_report:
         return mode_report["us_per_step_by_op"], True
-    steps = mode_report["decode_steps_profiled"]
-    by_name = {}
-    for name, _, calls, ns, *op in mode_report["all_kernels"]:
-        key = op_key(op[0], name) if op else name
-        k = by_name.setdefault(key, [0.0, 0.0])
-        k[0] += calls / steps
-        k[1] += ns / 1e3 / steps
-    return by_name, bool(mode_report["all_kernels"] and len(mode_report["all_kernels"][0]) > 4)
+    rows = [(name, (calls, ns, "", scope)) for name, scope, calls, ns, *_ in mode_report["all_kernels"]]
+    return by_op(rows, mode_report["decode_steps_profiled"]), False
 
 
 def compare(before: dict, after: dict, mode: str) -> dict:

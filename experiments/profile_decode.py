@@ -27,8 +27,8 @@ from ml_collections import config_flags
 
 import glm53
 from experiments import workloads
-from experiments.trace_util import (compiled_decode_hlo, device_events, find_xplane, host_events, host_time,
-                                    kernel_op_name, kernel_scope, op_key, op_names_from_hlo, trace_options)
+from experiments.trace_util import (by_op, compiled_decode_hlo, device_events, find_xplane, host_events, host_time,
+                                    kernel_op_name, kernel_scope, op_names_from_hlo, trace_options)
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
@@ -55,16 +55,6 @@ def program_op_names(events, op_names_by_pages: dict) -> dict:
         merged = {**without, **with_copy}
         return {p: merged for p in programs}
     return {p: with_copy if p in copying else without for p in programs}
-
-
-def by_op(rows, decode_steps: int) -> dict:
-    """``{op: [kernels a step, us a step]}``, the most time first."""
-    ops = collections.defaultdict(lambda: [0.0, 0.0])
-    for name, (calls, ns, op_name, _) in rows:
-        o = ops[op_key(op_name, name)]
-        o[0] += calls / decode_steps
-        o[1] += ns / 1e3 / decode_steps
-    return dict(sorted(ops.items(), key=lambda kv: -kv[1][1]))
 
 
 def summarise(events, op_names_by_pages: dict, decode_steps: int) -> dict:

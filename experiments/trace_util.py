@@ -131,6 +131,17 @@ def op_key(op_name: str, kernel: str) -> str:
     return re.sub(r"layers_\d+", "layers_*", op_name.removeprefix("jit(decode)/"))
 
 
+def by_op(rows, decode_steps: int) -> dict:
+    """``{op: [kernels a step, us a step]}``, the most time first, from ``(kernel, (calls, ns, op_name, scope))``
+    rows (an empty op_name: the kernel stands for itself)."""
+    ops = collections.defaultdict(lambda: [0.0, 0.0])
+    for name, (calls, ns, op_name, _) in rows:
+        o = ops[op_key(op_name, name)]
+        o[0] += calls / decode_steps
+        o[1] += ns / 1e3 / decode_steps
+    return dict(sorted(ops.items(), key=lambda kv: -kv[1][1]))
+
+
 def scope_of(op_name: str) -> str:
     """``offload_fill``, ``self_attn/indexer``, ``mlp``, ``lm_head``, ... for a kernel's op_name."""
     for s in CACHE_SCOPES:

@@ -140,10 +140,15 @@ _XLA_DOT_TO_REDUCE_MAX_ELEMENTS = 10_000_000
 _TWO_ROW_MIN_WIDTH = 1024
 
 
+def pads_to_two_rows(x: Array, w: Array) -> bool:
+    """Whether ``matmul`` pads ``x @ w``: one token, a wide ``w``, and operands XLA would strength-reduce."""
+    return (int(np.prod(x.shape[:-1])) == 1 and w.shape[-1] >= _TWO_ROW_MIN_WIDTH
+            and x.size + w.size < _XLA_DOT_TO_REDUCE_MAX_ELEMENTS)
+
+
 def matmul(x: Array, w: Array) -> Array:
     """``x @ w`` over ``x``'s last axis, kept a GEMM when ``x`` holds one token and ``w`` is wide (see above)."""
-    if (int(np.prod(x.shape[:-1])) != 1 or w.shape[-1] < _TWO_ROW_MIN_WIDTH
-            or x.size + w.size >= _XLA_DOT_TO_REDUCE_MAX_ELEMENTS):
+    if not pads_to_two_rows(x, w):
         return jnp.dot(x, w)
     row = x.reshape(1, x.shape[-1])
     y = jnp.dot(jnp.concatenate([row, jnp.zeros_like(row)], axis=0), w)

@@ -17,7 +17,6 @@ import json
 import sys
 
 import jax.numpy as jnp
-import numpy as np
 from absl import app
 
 from experiments import profile_decode
@@ -27,8 +26,7 @@ variant = sys.argv[1]
 
 
 def repeated_row(x, w):
-    if (int(np.prod(x.shape[:-1])) != 1 or w.shape[-1] < model_lib._TWO_ROW_MIN_WIDTH
-            or x.size + w.size >= model_lib._XLA_DOT_TO_REDUCE_MAX_ELEMENTS):
+    if not model_lib.pads_to_two_rows(x, w):
         return jnp.dot(x, w)
     y = jnp.dot(jnp.broadcast_to(x.reshape(1, x.shape[-1]), (2, x.shape[-1])), w)
     return y[:1].reshape(*x.shape[:-1], w.shape[-1])
