@@ -14,7 +14,7 @@ LIMIT=${LIMIT:-560}
 R=$GLM53_GIT_REVISION
 for whl in .whl/ml_collections-*.whl; do [ -e "$whl" ] && python -m pip install -q --no-deps "$whl"; done
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Running pip" | tail -2
-JAX_PLATFORMS=cuda timeout 400 python -m pytest -q -p no:cacheprovider -n 4 --dist worksteal -rf --durations=10 \
+XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout 400 python -m pytest -q -p no:cacheprovider -n 4 --dist worksteal -rf --durations=10 \
   tests/test_decode_dots.py tests/test_offload_model.py tests/test_engine.py 2>&1 | tail -16
 el compiled tests
 LEFT=$(( LIMIT - $(date +%s) + T0 ))
