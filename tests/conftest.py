@@ -33,8 +33,9 @@ if "XLA_FLAGS" not in os.environ:
     _flags += " --xla_gpu_autotune_level=0"
     os.environ["XLA_FLAGS"] = _flags
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Workers sharing one GPU (pytest -n 4 on the H200) each claimed 75% of its memory at their first array and 31 of 39
-# decode / offload / engine tests failed (2ccf5c9); allocating on demand they all pass. No effect on the CPU.
+# Workers sharing one GPU (pytest -n 4 on the H200) each claim 75% of its memory at their first array: 31 of 39
+# decode / offload / engine tests failed with runtime errors (2ccf5c9); allocating on demand all 39 passed. No effect
+# on the CPU.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 # Compiled executables persist in a cache shared by the test processes (xdist workers, subprocess tests): tests of
