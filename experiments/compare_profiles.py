@@ -20,13 +20,13 @@ flags.DEFINE_integer("top", 25, "ops to list, the largest changes first")
 flags.DEFINE_string("out", "", "also write the comparison here as JSON")
 
 
-def ops_of(mode_report: dict) -> tuple[dict, bool]:
-    """``({op or kernel: [kernels a step, us a step]}, by_op)``: reports from before ``us_per_step_by_op`` carry no
-    op per kernel, so theirs are keyed by kernel name."""
-    if "us_per_step_by_op" in mode_report:
-        return mode_report["us_per_step_by_op"], True
+def ops_of(mode_report: dict, match_by_op: bool) -> dict:
+    """``{op or kernel: [kernels a step, us a step]}``: by op, or by kernel name for reports from before
+    ``us_per_step_by_op`` (they carry no op per kernel; then both sides must be keyed by name to meet)."""
+    if match_by_op:
+        return mode_report["us_per_step_by_op"]
     rows = [(name, (calls, ns, "", scope)) for name, scope, calls, ns, *_ in mode_report["all_kernels"]]
-    return by_op(rows, mode_report["decode_steps_profiled"]), False
+    return by_op(rows, mode_report["decode_steps_profiled"])
 
 
 def compare(before: dict, after: dict, mode: str) -> dict:
@@ -34,7 +34,8 @@ def compare(before: dict, after: dict, mode: str) -> dict:
         if mode not in report.get("modes", {}):
             raise ValueError(f"the {name} report has no {mode!r} profile (it has {sorted(report.get('modes', {}))})")
     b, a = before["modes"][mode], after["modes"][mode]
-    (ops_b, by_op_b), (ops_a, by_op_a) = ops_of(b), ops_of(a)
+    match_by_op = "us_per_step_by_op" in b and "us_per_step_by_op" in a
+    ops_b, ops_a = ops_of(b, match_by_op), ops_of(a, match_by_op)
     rows = []
     for key in set(ops_b) | set(ops_a):
         kb, ub = ops_b.get(key, [0.0, 0.0])
@@ -44,7 +45,7 @@ def compare(before: dict, after: dict, mode: str) -> dict:
     rows.sort(key=lambda r: -abs(r["us_delta"]))
     return {
         "mode": mode,
-        "matched_by": "op" if by_op_b and by_op_a else "kernel name",
+        "matched_by": "op" if match_by_op else "kernel name",
         "revisions": [before.get("git", {}).get("commit"), after.get("git", {}).get("commit")],
         "busy_us_per_step": [b["busy_us_per_step"], a["busy_us_per_step"]],
         "kernels_per_step": [b["kernels_per_step"], a["kernels_per_step"]],
