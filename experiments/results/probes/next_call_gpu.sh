@@ -6,14 +6,7 @@
 #   2. the 50K throughput curve on the build as it is (the committed one is 2d0e02c's).
 # Done at 2ccf5c9 / ed2de7b (the previous version of this script, next_call_gpu_b.sh, next_call_gpu_c.sh): batch-1
 # 8K / 50K, the final padding profiled, the 8K throughput curve, the compiled decode / offload / engine tests, FP8.
-# Use `python -m pip`: the machine's bare `pip` installs for another interpreter.
-set -u
-export PYTHONUNBUFFERED=1
-T0=$(date +%s); el() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
-LIMIT=${LIMIT:-560}
-R=$GLM53_GIT_REVISION
-for whl in .whl/ml_collections-*.whl; do [ -e "$whl" ] && python -m pip install -q --no-deps "$whl"; done
-python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Running pip" | tail -2
+source experiments/results/probes/gpu_setup.sh
 export JAX_PLATFORMS=cuda,cpu
 timeout 400 python -m experiments.sessions_ab --config=configs/h200_bench.py \
   --config.run.prompt_len=50000 --config.run.max_new_tokens=512 --sessions=10 --pairs=2 --max_pairs=8 \

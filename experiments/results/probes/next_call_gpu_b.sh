@@ -7,13 +7,7 @@
 #      (CPU work: four xdist workers on the machine's 16 cores; tests/conftest.py turns GEMM autotuning off, so
 #      workers sharing the GPU pick the same algorithms);
 #   2. the throughput curve at 8K over 1-64 sessions, resident and offload (stale since f2a1453: issue 11).
-set -u
-export PYTHONUNBUFFERED=1
-T0=$(date +%s); el() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
-LIMIT=${LIMIT:-560}
-R=$GLM53_GIT_REVISION
-for whl in .whl/ml_collections-*.whl; do [ -e "$whl" ] && python -m pip install -q --no-deps "$whl"; done
-python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Running pip" | tail -2
+source experiments/results/probes/gpu_setup.sh
 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout 400 python -m pytest -q -p no:cacheprovider -n 4 --dist worksteal -rf --durations=10 \
   tests/test_decode_dots.py tests/test_offload_model.py tests/test_engine.py 2>&1 | tail -16
 el compiled tests

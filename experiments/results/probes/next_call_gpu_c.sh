@@ -2,13 +2,8 @@
 # A short H200 call (same setup as next_call_gpu.sh: GLM53_GIT_REVISION, OUT, .whl/ carried), most important first:
 #   1. the 10 x 50K MTP 0 A/B on the build as it is (issue 11's <= 1% on the fast path, issue 9's step-call p99);
 #   2. batch-1 8K decode with FP8 experts beside the bf16 figure (issue 11; last measured at 62932c1).
-set -u
-export PYTHONUNBUFFERED=1
-T0=$(date +%s); el() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
 LIMIT=${LIMIT:-420}
-R=$GLM53_GIT_REVISION
-for whl in .whl/ml_collections-*.whl; do [ -e "$whl" ] && python -m pip install -q --no-deps "$whl"; done
-python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Running pip" | tail -2
+source experiments/results/probes/gpu_setup.sh
 export JAX_PLATFORMS=cuda,cpu
 LEFT=$(( LIMIT - $(date +%s) + T0 ))
 timeout $(( LEFT - 90 )) python -m experiments.sessions_ab --config=configs/h200_bench.py \
