@@ -22,9 +22,20 @@ def git_revision() -> dict:
         return {"commit": None, "dirty": None, "error": str(e)}
 
 
+# The environment a result depends on besides its command: XLA's flags change what compiles (an A/B under
+# --xla_gpu_autotune_level=0 is a different experiment), the pinned allocator's cap what fits, JAX_PLATFORMS where it ran.
+ENV_PREFIXES = ("XLA_", "JAX_", "TF_CPP_")
+
+
+def run_environment() -> dict:
+    """The ``XLA_*`` / ``JAX_*`` / ``TF_CPP_*`` variables set for this run, sorted by name."""
+    return {k: os.environ[k] for k in sorted(os.environ) if k.startswith(ENV_PREFIXES)}
+
+
 def provenance() -> dict:
     return {"git": git_revision(), "command": "python -m " + " ".join([_module_name()] + sys.argv[1:]),
-            "jax": jax.__version__, "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind}
+            "environment": run_environment(), "jax": jax.__version__, "backend": jax.default_backend(),
+            "device_kind": jax.devices()[0].device_kind}
 
 
 def _module_name() -> str:

@@ -2,6 +2,7 @@
 output equality checked): the resident/offload A/B, the decode profiler and the kernel benchmarks."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -18,17 +19,22 @@ TINY = ["--config=configs/tiny.py", "--config.run.prompt_len=100", "--config.run
         "--config.model.num_hidden_layers=2", "--config.model.indexer_types=('full','shared')"]
 
 
-def _run(module, *args):
+def _run(module, *args, env=None):
     p = subprocess.run([sys.executable, "-m", module, *TINY, *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
+                       timeout=600, env=None if env is None else {**os.environ, **env})
     assert p.returncode == 0, p.stderr[-3000:]
     return p
 
 
 def test_offload_ab(tmp_path):
     out = tmp_path / "ab.json"
-    _run("experiments.offload_ab", "--config.run.max_new_tokens=20", "--workloads=local99", f"--out={out}")
+    _run("experiments.offload_ab", "--config.run.max_new_tokens=20", "--workloads=local99", f"--out={out}",
+         env={"JAX_GLM53_PROVENANCE_CHECK": "set"})
     report = json.loads(out.read_text())
+    # what the run's XLA / JAX environment was travels with its command (an A/B under other XLA flags is another
+    # experiment)
+    assert report["environment"]["JAX_GLM53_PROVENANCE_CHECK"] == "set"
+    assert all(k.startswith(("XLA_", "JAX_", "TF_CPP_")) for k in report["environment"])
     (pair,) = report["workloads"]["local99"]
     assert pair["tokens_identical"] and pair["logits_identical"]
     assert pair["decode_hit_rate"] > 0.5 and pair["resident_decode_tok_s"] > 0 and pair["offload_decode_tok_s"] > 0
