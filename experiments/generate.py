@@ -230,9 +230,10 @@ def main(argv):
     distributed.initialize()
     config = _CONFIG.value
     run = config.run
-    model = build_model(config, _EXPERT_WEIGHTS.value)
-    if _COMPARE_ONE_DEVICE.value and model.mesh is None:  # before the runs, not after them
+    if _COMPARE_ONE_DEVICE.value and glm53.sharding.MeshConfig.from_config_dict(config.get("mesh")).devices == 1:
+        # before the model is built, not after it (or after the runs)
         raise app.UsageError("--compare_one_device compares a mesh layout with one device: set config.mesh")
+    model = build_model(config, _EXPERT_WEIGHTS.value)
     print(model)
     rng = np.random.default_rng(run.seed)
     prompts = [rng.integers(0, model.config.vocab_size, run.prompt_len).tolist() for _ in range(run.batch)]

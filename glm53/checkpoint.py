@@ -147,6 +147,24 @@ def _dequant_fp8_block(w: jax.Array, scale_inv: jax.Array, dtype) -> jax.Array:
     return dequantize_blocks(w, scale_inv, dtype)
 
 
+def read_hf_config(path: str) -> ModelConfig:
+    """The ``ModelConfig`` of an HF-format directory's ``config.json``, read without its weights."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise CheckpointError(f"{path} has no config.json")
+    with open(cfg_path) as f:
+        try:
+            hf_cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
+    try:
+        return ModelConfig.from_hf(hf_cfg)
+    except KeyError as e:
+        raise CheckpointError(f"{cfg_path} lacks the field {e.args[0]!r}") from e
+    except (ConfigError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{cfg_path} does not describe a model glm53 can run: {e}") from e
+
+
 def read_hf(path: str, dtype, expert_weights: str = "model") -> tuple[ModelConfig, Any, Tokenizer | None]:
     """Read an HF-format GLM-5 (``glm_moe_dsa``) directory: ``config.json`` plus ``model.safetensors`` or shards
     with ``model.safetensors.index.json``; per-expert tensor names (``mlp.experts.E.gate_proj.weight``) as published
@@ -164,20 +182,7 @@ def read_hf(path: str, dtype, expert_weights: str = "model") -> tuple[ModelConfi
     from safetensors import safe_open
 
     dtype = resolve_dtype(dtype)
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_path):
-        raise CheckpointError(f"{path} has no config.json")
-    with open(cfg_path) as f:
-        try:
-            hf_cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
-    try:
-        cfg = ModelConfig.from_hf(hf_cfg)
-    except KeyError as e:
-        raise CheckpointError(f"{cfg_path} lacks the field {e.args[0]!r}") from e
-    except (ConfigError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{cfg_path} does not describe a model glm53 can run: {e}") from e
+    cfg = read_hf_config(path)
     expected = {k: v for k, v in flatten_dict(param_shapes(cfg, dtype)).items()}
     loaded: dict[tuple[str, ...], jax.Array] = {}
     experts: dict[tuple[str, ...], dict[int, jax.Array]] = {}
@@ -338,9 +343,10 @@ def write_native(directory: str, cfg: ModelConfig, params, dtype, cache_config: 
         tokenizer.save(os.path.join(directory, "tokenizer.json"))
 
 
-def read_native(directory: str, dtype=None) -> tuple[ModelConfig, Any, Any, CacheConfig | None, Tokenizer | None]:
+def read_native(directory: str, dtype=None, check_config=None
+                ) -> tuple[ModelConfig, Any, Any, CacheConfig | None, Tokenizer | None]:
     """Read a directory written by ``write_native``: (config, params, dtype, cache config, tokenizer). The parameter
-    tree is checked against the config's."""
+    tree is checked against the config's. ``check_config(config)``, when given, runs before any parameter is read."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(directory)
@@ -367,6 +373,8 @@ def read_native(directory: str, dtype=None) -> tuple[ModelConfig, Any, Any, Cach
         cache_config = CacheConfig.from_config_dict(cc) if "cache_config" in meta else None
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{meta_path} is incomplete or inconsistent: {type(e).__name__}: {e}") from e
+    if check_config is not None:
+        check_config(cfg)
     dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev),
                                     param_shapes(cfg, saved_dtype, expert_weights))

@@ -158,6 +158,7 @@ def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype
             config = config.to_dict()
         config = ModelConfig.from_config_dict(config)
     dtype = resolve_dtype(dtype)
+    sharding.check_layout(config, mesh)
     model = Model(config, init_params(config, dtype, seed, expert_weights), dtype, cache_config=cache_config)
     return sharding.shard_model(model, mesh)
 
@@ -174,6 +175,7 @@ def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None
     bit-identical on the CPU; compiled on a GPU the kernel's summation order may differ). ``mesh``: as in
     ``from_config`` (the tensors are read onto one device first, then placed)."""
     dtype = resolve_dtype(dtype)
+    sharding.check_layout(checkpoint.read_hf_config(path), mesh)
     cfg, params, tokenizer = checkpoint.read_hf(path, dtype, expert_weights)
     if kv_format is not None:
         cache_config = (cache_config or CacheConfig()).replace(kv_format=kv_format)
@@ -182,7 +184,8 @@ def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None
 
 def load(directory: str, *, dtype=None, mesh=None) -> Model:
     """Read a directory written by ``Model.save`` (``mesh``: as in ``from_config``)."""
-    cfg, params, dtype, cache_config, tokenizer = checkpoint.read_native(directory, dtype)
+    cfg, params, dtype, cache_config, tokenizer = checkpoint.read_native(
+        directory, dtype, check_config=lambda cfg: sharding.check_layout(cfg, mesh))
     try:
         model = Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer)
     except ConfigError as e:

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from glm53 import memory
+from glm53 import memory, sharding
 from glm53.cache import Lanes, init_resident
 from glm53.config import CacheConfig, ConfigError, ModelConfig
 from glm53.model import F32, DecoderLayer, MTPModule, RMSNorm, head_logits
@@ -69,8 +69,7 @@ def split_layers(cfg: ModelConfig, stages: int, layer_bytes, first_extra: int = 
     ``last_extra`` on the last) is smallest; the MTP layer goes with the last stage (it reads the last layer's
     hidden state and the LM head)."""
     L = cfg.num_hidden_layers
-    if stages > L:
-        raise ConfigError(f"mesh.stages={stages} is more than the model's {L} layers (each stage needs one)")
+    sharding.check_stages(cfg, stages)
     w = np.asarray(layer_bytes, np.int64)
     prefix = np.concatenate([[0], np.cumsum(w)])
     INF = np.iinfo(np.int64).max

@@ -195,12 +195,29 @@ def param_shardings(params, mesh: Mesh):
 
 def check_model(cfg, mesh: Mesh) -> None:
     """Head counts a ``tp`` split must divide (a width divisible by tp but not on a head boundary would split a
-    head across devices)."""
+    head across devices), and a main layer for every pipeline stage."""
     tp = mesh.shape["tp"]
     for name in ("num_attention_heads", "index_n_heads"):
         n = getattr(cfg, name)
         if n % tp:
             raise ConfigError(f"mesh.tp={tp} does not divide {name}={n}")
+    check_stages(cfg, mesh.shape["stage"])
+
+
+def check_stages(cfg, stages: int) -> None:
+    if stages > cfg.num_hidden_layers:
+        raise ConfigError(f"mesh.stages={stages} is more than the model's {cfg.num_hidden_layers} layers (each stage "
+                          "needs one)")
+
+
+def check_layout(cfg, mesh: Mesh | MeshConfig | Mapping[str, Any] | None) -> None:
+    """``mesh`` (as ``shard_model`` takes it) against the model's config alone: enough devices, tp dividing the
+    heads, a layer per stage. The model constructors call it before they read or initialise any weight, so a layout
+    that cannot work is refused at once, not after minutes of loading a large model."""
+    if mesh is not None and not isinstance(mesh, Mesh):
+        mesh = make_mesh(mesh if isinstance(mesh, MeshConfig) else MeshConfig.from_config_dict(mesh))
+    if mesh is not None:
+        check_model(cfg, mesh)
 
 
 def shard_model(model, mesh: Mesh | MeshConfig | Mapping[str, Any] | None):

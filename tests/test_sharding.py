@@ -96,6 +96,39 @@ def test_engine_lifecycle_on_a_mesh_matches_one_device(one_device):
     assert decode._cache_size() == 2
 
 
+def test_a_layout_that_cannot_work_is_refused_before_any_weight(monkeypatch, tmp_path):
+    """Random init, an HF directory and a glm53 checkpoint: a mesh the model cannot take (too many devices, tp not
+    dividing the heads, more stages than layers) is refused from the config alone, before weights are initialised
+    or read (for a large model that is minutes)."""
+    import glm53.checkpoint
+    import glm53.models
+
+    saved = tmp_path / "native"
+    glm53.from_config(CFG, seed=0, dtype="float32", cache_config=CC).save(str(saved))
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights touched before the layout was checked")
+
+    monkeypatch.setattr(glm53.models, "init_params", no_weights)
+    monkeypatch.setattr(glm53.checkpoint, "read_hf", no_weights)
+    import orbax.checkpoint
+
+    monkeypatch.setattr(orbax.checkpoint.StandardCheckpointer, "restore", no_weights)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(__import__("json").dumps(CFG.to_hf()))
+    layers = CFG.num_hidden_layers
+    cases = [(glm53.MeshConfig(tp=32), "needs 32 devices"),
+             (glm53.MeshConfig(tp=8), "mesh.tp=8 does not divide num_attention_heads=4"),
+             (glm53.MeshConfig(stages=layers + 1), f"mesh.stages={layers + 1} is more than the model's {layers} layers")]
+    for mesh, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            glm53.from_config(CFG, seed=0, dtype="float32", cache_config=CC, mesh=mesh)
+        with pytest.raises(ConfigError, match=match):
+            glm53.from_pretrained(str(tmp_path / "hf"), dtype="float32", mesh=mesh)
+        with pytest.raises(ConfigError, match=match):
+            glm53.load(str(saved), mesh=mesh)
+
+
 def test_mesh_errors_name_the_problem():
     with pytest.raises(ConfigError, match="needs 32 devices"):
         sharding.make_mesh(glm53.MeshConfig(tp=32))
