@@ -23,7 +23,8 @@ def git_revision() -> dict:
 
 
 # The environment a result depends on besides its command: XLA's flags change what compiles (an A/B under
-# --xla_gpu_autotune_level=0 is a different experiment), the pinned allocator's cap what fits, JAX_PLATFORMS where it ran.
+# --xla_gpu_autotune_level=0 is a different experiment), the pinned allocator's cap what fits, JAX_PLATFORMS where
+# it ran.
 ENV_PREFIXES = ("XLA_", "JAX_", "TF_CPP_")
 
 

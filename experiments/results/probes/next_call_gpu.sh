@@ -7,6 +7,9 @@
 # different GEMMs, a difference that is no part of offloading and that no number of pairs in one process averages
 # out), then with the default autotuning, to see whether the choice moves the loss (ee2727c's 8 pairs with the
 # default: 1.28% pooled, undecided on a host whose runs of one mode scattered by 3-4%).
+# Ran at 57a4fc8: the heuristic GEMMs decoded 2.7x slower in both modes (787 against 2,105 tok/s), which dilutes
+# the loss (0.20%): not a speed setting; the default's pairs (1.01 / 0.99%) and two more processes on the same
+# machine (sessions_ab_10x50k_mtp0{_57a4fc8_b,_mtp3_57a4fc8}.json) gave 0.93% over 9 pairs.
 # Done at ee2727c (the previous version of this script): 8 default pairs, the 50K throughput curve.
 source experiments/results/probes/gpu_setup.sh
 export JAX_PLATFORMS=cuda,cpu
