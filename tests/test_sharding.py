@@ -119,7 +119,8 @@ def test_a_layout_that_cannot_work_is_refused_before_any_weight(monkeypatch, tmp
     layers = CFG.num_hidden_layers
     cases = [(glm53.MeshConfig(tp=32), "needs 32 devices"),
              (glm53.MeshConfig(tp=8), "mesh.tp=8 does not divide num_attention_heads=4"),
-             (glm53.MeshConfig(stages=layers + 1), f"mesh.stages={layers + 1} is more than the model's {layers} layers")]
+             (glm53.MeshConfig(stages=layers + 1),
+              f"mesh.stages={layers + 1} is more than the model's {layers} layers")]
     for mesh, match in cases:
         with pytest.raises(ConfigError, match=match):
             glm53.from_config(CFG, seed=0, dtype="float32", cache_config=CC, mesh=mesh)
