@@ -7,13 +7,8 @@
 #      wq_b, kv_a_proj, the absorbed MLA einsums) into a multiply and a reduce that run below the HBM bandwidth;
 #   3. the 8K decode step profiled by kernel (launches a step after the top-k's glue moved into its kernels);
 #   4. tests/test_offload_model.py compiled, while time is left.
-set -u
-export PYTHONUNBUFFERED=1
-T0=$(date +%s); el() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
 LIMIT=${LIMIT:-500}
-R=$GLM53_GIT_REVISION
-for whl in .whl/ml_collections-*.whl; do [ -e "$whl" ] && python -m pip install -q --no-deps "$whl"; done
-python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Running pip" | tail -2
+source experiments/results/probes/gpu_setup.sh
 JAX_PLATFORMS=cuda timeout 120 python -m pytest -q -p no:cacheprovider tests/test_kernels_indexer.py 2>&1 | tail -2
 el kernel tests
 export JAX_PLATFORMS=cuda,cpu

@@ -1,13 +1,8 @@
 #!/usr/bin/env bash
 # H200 (GLM53_GIT_REVISION, OUT; carry .whl): the top-k kernels compiled, the 8K decode step profiled by kernel,
 # the offload model tests compiled while time is left.
-set -u
-export PYTHONUNBUFFERED=1
-T0=$(date +%s); el() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
 LIMIT=${LIMIT:-230}
-R=$GLM53_GIT_REVISION
-for whl in .whl/ml_collections-*.whl; do [ -e "$whl" ] && python -m pip install -q --no-deps "$whl"; done
-python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Running pip" | tail -2
+source experiments/results/probes/gpu_setup.sh
 JAX_PLATFORMS=cuda timeout 100 python -m pytest -q -p no:cacheprovider tests/test_kernels_indexer.py 2>&1 | tail -1
 el kernel tests
 JAX_PLATFORMS=cuda,cpu timeout 100 python -m experiments.profile_decode --config=configs/h200_bench.py \
