@@ -980,6 +980,16 @@ class Engine:
 # ----------------------------------------------------------------------------------------------------------------
 # One generate call
 # ----------------------------------------------------------------------------------------------------------------
+def start_host_copies(*arrays) -> None:
+    """Enqueue the device-to-host copies of a step's small outputs as soon as the step is dispatched: they run when
+    the step ends, and the read ``_Run.LAG`` steps later finds them on the host instead of waiting for a copy of its
+    own (each ``np.asarray`` of a device array is one round trip of its own, after the step). Arrays other
+    processes hold shards of are left to the read."""
+    for a in arrays:
+        if a is not None and a.is_fully_addressable:
+            a.copy_to_host_async()
+
+
 class _Run:
     """The decode loop of one ``Engine.generate``: dispatch steps ahead of the device and read each step's small
     outputs ``LAG`` steps later (the device always has the next steps queued; the host learns lengths, acceptances
@@ -1239,6 +1249,7 @@ class _Run:
                 trace=self.trace is not None)
             tokens, logits, remaining = outs[:3]
             self.call_s.append(time.perf_counter() - t)
+            start_host_copies(tokens, remaining, logits if self.return_logits else None)
             self.steps += 1
             if step_pages:
                 self.copy_steps.append(self.steps)
@@ -1322,6 +1333,7 @@ class _Run:
                 trace=self.trace is not None)
             emitted, n_emit, logits, pending, drafts, draft_p, remaining, accepted = outs[:8]
             self.call_s.append(time.perf_counter() - t)
+            start_host_copies(emitted, n_emit, remaining, accepted, logits if self.return_logits else None)
             self.steps += 1
             if pages:
                 self.copy_steps.append(self.steps)

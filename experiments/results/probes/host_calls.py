@@ -4,10 +4,11 @@ Variants (same engine, 10 sessions x 50K; ``PROBE_VARIANTS``, comma-separated): 
 (every step the copy executable); gc_off (Python's collector off during the decode); always_copy_gc_off; exact_rule
 (ffe5736's copy-step rule: one copy step a page instead of 3); pinned (the dispatching thread alone on one core, every
 other thread of the process on the others); pinned_prio (that, and the dispatching thread's nice value lowered by 10
-where the host allows it). At ffe5736 the engine's own rule was the exact one and
+where the host allows it); no_prefetch (the steps' outputs not copied to the host until read: the engine before
+``glm53.engine.start_host_copies``). At ffe5736 the engine's own rule was the exact one and
 the variant then called old_rule was the default of 902d246 and f7cd3bb (host_calls_exact_ffe5736.json). Since
 then plain decode of several lanes always copies, so at 10 lanes default and always_copy are the same executable.
-Per step: call ms, absorb wait ms (block_until_ready of the oldest in-flight step), absorb processing ms.
+Sessions and history: PROBE_SESSIONS (10), PROBE_HISTORY (50000). Per step: call ms, absorb wait ms (block_until_ready of the oldest in-flight step), absorb processing ms.
 """
 import gc
 import json
@@ -57,6 +58,7 @@ def timed_absorb(self, tokens, *rest):
 
 eng._Run._absorb_decode = timed_absorb
 orig_copy_pages = eng._Run._copy_pages
+orig_start_host_copies = eng.start_host_copies
 
 
 def run_variant(name):
@@ -145,6 +147,7 @@ variants = os.environ.get("PROBE_VARIANTS", "default,lag1,lag3,always_copy,gc_of
 run_variant("warmup")
 for rep in range(int(os.environ.get("PROBE_REPS", "2"))):
     for v in variants:
+        eng.start_host_copies = (lambda *a: None) if v == "no_prefetch" else orig_start_host_copies
         pinned = pin_dispatch_thread(v == "pinned_prio") if v in ("pinned", "pinned_prio") else None
         eng._Run.LAG = {"lag1": 1, "lag3": 3}.get(v, 2)
         eng._Run._copy_pages = {"always_copy": lambda self, pages, copied, n: pages,
