@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gc
+import inspect
 import math
 import os
 import time
@@ -236,6 +237,64 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _check_on_token(on_token) -> None:
+    if on_token is None:
+        return
+    if not callable(on_token):
+        raise TypeError(f"on_token must be callable as on_token(sid, index, token), got {on_token!r}")
+    try:
+        signature = inspect.signature(on_token)
+    except (TypeError, ValueError):  # some builtins have none: called as they are
+        return
+    try:
+        signature.bind(0, 0, 0)
+    except TypeError as e:
+        raise TypeError(f"on_token must accept (sid, index, token): {e}") from None
+
+
+def _budget(name: str, value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(value) or value <= 0 or value != int(value):
+        raise ConfigError(f"{name} must be a whole number of bytes > 0 (or None), got {value!r}")
+    return int(value)
+
+
+def _saved_session(meta: dict, directory: str) -> dict:
+    """The session record of a save's metadata, every field checked before a restore changes anything: a save whose
+    record cannot be a session's is refused whole (its checksum already refuses one edited on disk)."""
+    def bad(what):
+        return session_io.SessionFileError(f"{directory}: {what}: the save is corrupted")
+
+    def integer(key, default=None):
+        v = meta.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise bad(f"{key} is {v!r}, not an int")
+        return v
+
+    tokens = meta.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise bad("its tokens are not a list of ints")
+    n, n_mtp, generated = integer("processed"), integer("mtp_processed"), integer("generated", 0)
+    # Tokens past the processed rows are pending: one sampled token, or more after an interrupted append (the
+    # next generate or append processes them, as it would have in the saving engine).
+    if not 0 < n <= len(tokens) or not 0 <= n_mtp <= n or generated < 0:
+        raise bad(f"inconsistent lengths (processed {n}, MTP {n_mtp}, {len(tokens)} tokens, {generated} generated)")
+    hidden_valid = meta.get("hidden_valid", True)
+    if not isinstance(hidden_valid, bool):
+        raise bad(f"hidden_valid is {hidden_valid!r}, not a bool")
+    sampler = meta.get("sampler", {"seed": 0, "temperature": 0.0, "top_p": 1.0})
+    if not isinstance(sampler, dict) or set(sampler) != {"seed", "temperature", "top_p"}:
+        raise bad(f"the sampler record {sampler!r} is not {{seed, temperature, top_p}}")
+    try:
+        check_sampling(0, sampler["temperature"], sampler["top_p"], sampler["seed"], None, has_mtp=False)
+    except ValueError as e:
+        raise bad(f"the sampler record: {e}") from None
+    return {"tokens": tokens, "processed": n, "mtp_processed": n_mtp, "generated": generated,
+            "hidden_valid": hidden_valid, "sampler": dict(sampler)}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Engine
 # ----------------------------------------------------------------------------------------------------------------
@@ -267,6 +326,8 @@ class Engine:
             raise ConfigError(f"max_sessions must be an int >= 1, got {max_sessions!r}")
         if kernels not in KERNEL_IMPLS:
             raise ConfigError(f"kernels={kernels!r} unknown; choose one of {KERNEL_IMPLS}")
+        host_budget_bytes = _budget("host_budget_bytes", host_budget_bytes)
+        device_budget_bytes = _budget("device_budget_bytes", device_budget_bytes)
         self.model = model
         self.cfg = model.config
         self.cache_config = cc
@@ -507,26 +568,30 @@ class Engine:
         pages = offload.copy_pages_for(self.cache_config, C) if self.offload else 0
         outs = []
         n_chunks = _ceil_div(n, C)
-        for i in tqdm(range(n_chunks), desc="prefill", unit="chunk", disable=not progress or n_chunks < 2,
-                      leave=False):
-            part = ids[i * C:(i + 1) * C]
-            toks = np.zeros((1, C), np.int32)
-            toks[0, : len(part)] = part
-            committed = min(s.processed, s.mtp_processed) if self._has_mtp else s.processed
-            # Bulk when the chunk's selections could touch more rows than the whole host history holds.
-            bulk = self.offload and C * self.topk >= (committed // self.page_rows) * self.page_rows
-            self.cache, out = self._step("chunk")(
-                self.model.params, self.cache, lanes, jnp.asarray(toks),
-                jnp.asarray([len(part)], jnp.int32), outputs=outputs or "none", kernels=self.kernels, bulk=bulk,
-                copy_pages=pages)
-            start = s.processed
-            s.processed += len(part)
-            if self._has_mtp:
-                s.mtp_processed = max(s.mtp_processed, start - 1 + len(part))
-            s.hidden_valid = True
-            if outputs:
-                outs.append(out)
-        self._settle([s])
+        try:
+            for i in tqdm(range(n_chunks), desc="prefill", unit="chunk", disable=not progress or n_chunks < 2,
+                          leave=False):
+                part = ids[i * C:(i + 1) * C]
+                toks = np.zeros((1, C), np.int32)
+                toks[0, : len(part)] = part
+                committed = min(s.processed, s.mtp_processed) if self._has_mtp else s.processed
+                # Bulk when the chunk's selections could touch more rows than the whole host history holds.
+                bulk = self.offload and C * self.topk >= (committed // self.page_rows) * self.page_rows
+                self.cache, out = self._step("chunk")(
+                    self.model.params, self.cache, lanes, jnp.asarray(toks),
+                    jnp.asarray([len(part)], jnp.int32), outputs=outputs or "none", kernels=self.kernels, bulk=bulk,
+                    copy_pages=pages)
+                start = s.processed
+                s.processed += len(part)
+                if self._has_mtp:
+                    s.mtp_processed = max(s.mtp_processed, start - 1 + len(part))
+                s.hidden_valid = True
+                if outputs:
+                    outs.append(out)
+        finally:
+            # Interrupted or not, every page the chunks completed goes to host memory, as between any two API calls:
+            # a save's flush writes only the partial page past them.
+            self._settle([s])
         return outs
 
     @property
@@ -712,6 +777,7 @@ class Engine:
         whatever they are. ``trace``: a ``glm53.trace.TraceRecorder`` that records every position the steps look
         up in the hot cache, for offline policy replays (``glm53.policies``; offload engines only)."""
         reqs = self._check_generate(requests, mtp, temperature, top_p, seed, accept_override)
+        _check_on_token(on_token)
         if trace is not None and not self.offload:
             raise ConfigError("trace: record with an offload engine (mode='offload'): the selections are the same "
                               "bit for bit, and only the offload steps classify what they read")
@@ -764,6 +830,13 @@ class Engine:
         if stop_tokens is None:
             eos = self.cfg.eos_token_id
             stop_tokens = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+        elif isinstance(stop_tokens, (int, np.integer)) and not isinstance(stop_tokens, bool):
+            stop_tokens = (stop_tokens,)
+        elif isinstance(stop_tokens, np.ndarray) and stop_tokens.ndim == 1:
+            stop_tokens = stop_tokens.tolist() if np.issubdtype(stop_tokens.dtype, np.integer) else list(stop_tokens)
+        if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, (list, tuple, set, frozenset)) or any(
+                isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in stop_tokens):
+            raise TypeError(f"stop_tokens must be token ids (an int, or a list of ints), got {stop_tokens!r}")
         ids = sorted({int(t) for t in stop_tokens})
         for t in ids:
             if not 0 <= t < self.cfg.vocab_size:
@@ -794,6 +867,7 @@ class Engine:
             self._admit(0, self._pages_needed(s, s.processed), f"save of session {sid} (its partial page)")
             if self._assign_pages(s, s.processed):
                 self._push_pages(s)
+            self._settle([s])  # every complete page in host memory: the flush writes only the one past them
             self._run("flush_slot", self.cache, jnp.int32(s.slot), kernels=self.kernels)
         data = self.model.steps.read_slot(self.cache, jnp.int32(s.slot), kernels=self.kernels)
         data = jax.device_get(data)  # waits for the flush and the reads: an enqueued copy is not a completed one
@@ -848,15 +922,15 @@ class Engine:
             meta, arrays = self._agreed(lambda: session_io.read(directory),
                                         f"{directory}: reading the save (nothing was restored)",
                                         session_io.SessionFileError)
-        self._check_fingerprint(meta.get("fingerprint", {}), directory)
+        self._check_fingerprint(meta.get("fingerprint"), directory)
+        saved = _saved_session(meta, directory)
+        tokens, n, n_mtp = saved["tokens"], saved["processed"], saved["mtp_processed"]
         try:
-            tokens = [int(t) for t in meta["tokens"]]
-            n, n_mtp = int(meta["processed"]), int(meta["mtp_processed"])
             rows_saved = arrays["rows"]
             keys_saved, hidden = arrays["index_keys"], arrays["hidden"]
             scale_saved = arrays["index_key_scale"] if self.cache_config.index_keys == "fp8" else None
-        except (KeyError, TypeError, ValueError) as e:
-            raise session_io.SessionFileError(f"{directory}: the save lacks {e}: it is corrupted") from e
+        except (KeyError, TypeError) as e:
+            raise session_io.SessionFileError(f"{directory}: the save lacks the array {e}: it is corrupted") from e
         L = self.cfg.num_cache_layers
         planes = kv_formats.get_format(self.cache_config.kv_format).plane_shapes(L, n)
         for name, (shape, dt) in planes.items():
@@ -865,11 +939,8 @@ class Engine:
                 raise session_io.SessionFileError(
                     f"{directory}: row plane {name!r} is {None if got is None else (got.dtype, got.shape)}, expected "
                     f"{dt}{shape}: the save is corrupted")
-        if not 0 < n <= len(tokens) or n_mtp > n or len(tokens) - n > 1:
-            raise session_io.SessionFileError(f"{directory}: inconsistent lengths (processed {n}, MTP {n_mtp}, "
-                                              f"{len(tokens)} tokens): the save is corrupted")
         self.model.check_tokens(tokens, f"the tokens saved in {directory}")
-        self._check_rows(len(tokens) + 1, f"restore of a session of {len(tokens)} tokens")
+        self._check_rows(len(tokens), f"restore of a session of {len(tokens)} tokens")
         self._admit(1, self._pages_needed(None, n), f"restore of a session of {len(tokens)} tokens")
         s = self._new_session([])
         s.tokens = tokens
@@ -888,12 +959,13 @@ class Engine:
             raise
         s.processed, s.mtp_processed = n, n_mtp
         s.host_rows = self._committed(s) // self.page_rows * self.page_rows if self.offload else 0
-        s.hidden_valid = bool(meta.get("hidden_valid", True))
-        s.sampler = dict(meta.get("sampler", s.sampler))
-        s.generated = int(meta.get("generated", 0))
+        s.hidden_valid, s.sampler, s.generated = saved["hidden_valid"], saved["sampler"], saved["generated"]
         return s.sid
 
-    def _check_fingerprint(self, saved: dict, directory: str) -> None:
+    def _check_fingerprint(self, saved, directory: str) -> None:
+        if not isinstance(saved, dict):
+            raise session_io.SessionFileError(f"{directory}: the save has no engine fingerprint (found "
+                                              f"{type(saved).__name__}): it is corrupted")
         mine = self.fingerprint()
         diffs = []
         for key in ("kv_format", "dtype", "index_keys"):

@@ -12,8 +12,10 @@ Layout of a save directory::
 A new save is written into a temporary directory, renamed into place, and only then named in ``LATEST``
 (``os.replace`` of a small file: atomic on POSIX). A crash anywhere before that leaves ``LATEST`` naming the
 previous save, which restores as it was; a half-written version directory is never named and is swept away by the
-next save. Restoring verifies every array against its checksum, so flipped bits on disk are an error that names the
-array, not a session that silently continues from different rows.
+next save. Restoring verifies every array and the metadata against their checksums, so flipped bits or an edited
+token list on disk are an error that names what changed, not a session that silently continues from a different
+history. A save goes only into a new or empty directory or one holding glm53 saves: it replaces older versions
+there, and must not delete anything it did not write.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import uuid
 import numpy as np
 
 FORMAT = "glm53-session"
-VERSION = 1
+# 2: the metadata has a checksum too (``meta_sha256``). Version 1 saves (arrays checksummed only) still restore.
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 _VERSION_RE = re.compile(r"^v(\d{6})$")
 
 
@@ -39,6 +43,11 @@ class SessionFileError(ValueError):
 
 def _digest(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).view(np.uint8).tobytes()).hexdigest()
+
+
+def _meta_digest(meta: dict) -> str:
+    """Of the metadata as JSON with sorted keys: what ``json.load`` gives back hashes the same (floats round-trip)."""
+    return hashlib.sha256(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
@@ -81,6 +90,30 @@ def latest(directory: str) -> str | None:
     return os.path.join(directory, name)
 
 
+def _ours(directory: str, name: str) -> bool:
+    """Whether ``name`` in a save directory is something saves write: the pointer, a version (with its
+    session.json: written before the version is renamed into place), or a crashed save's debris."""
+    if name == "LATEST" or name.startswith((".tmp-", ".LATEST-")):
+        return True
+    return bool(_VERSION_RE.match(name)) and os.path.isfile(os.path.join(directory, name, "session.json"))
+
+
+def _check_target(directory) -> str:
+    if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+        raise ValueError(f"the save directory must be a non-empty path, got {directory!r}")
+    directory = os.path.abspath(os.fspath(directory))
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise FileExistsError(f"{directory} exists and is not a directory")
+    if os.path.isdir(directory):
+        foreign = sorted(n for n in os.listdir(directory) if not _ours(directory, n))
+        if foreign:
+            raise FileExistsError(
+                f"{directory} is not a glm53 session directory (it holds {', '.join(foreign[:4])}"
+                f"{', ...' if len(foreign) > 4 else ''}): a save replaces what is there, so it goes only into a new "
+                "or empty directory or one that holds saves of a session. Nothing was written")
+    return directory
+
+
 def _this_process_only():
     """Orbax's options for a checkpoint this process reads or writes on its own: with several JAX processes
     (``glm53.distributed``) orbax would otherwise make every save and restore a collective of all of them. Sessions
@@ -98,9 +131,7 @@ def write(directory: str, arrays: dict, meta: dict, *, _before_commit=None) -> s
     before the save is named in LATEST: an exception there must leave the previous save intact."""
     import orbax.checkpoint as ocp
 
-    directory = os.path.abspath(directory)
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise FileExistsError(f"{directory} exists and is not a directory")
+    directory = _check_target(directory)
     os.makedirs(directory, exist_ok=True)
     for name in os.listdir(directory):  # debris of saves that crashed before their rename
         if name.startswith(".tmp-"):
@@ -113,7 +144,7 @@ def write(directory: str, arrays: dict, meta: dict, *, _before_commit=None) -> s
     ckptr.save(os.path.join(tmp, "arrays"), arrays)
     ckptr.wait_until_finished()
     flat = _flatten(arrays)
-    doc = {"format": FORMAT, "version": VERSION, "meta": meta,
+    doc = {"format": FORMAT, "version": VERSION, "meta": meta, "meta_sha256": _meta_digest(meta),
            "arrays": {k: {"shape": list(v.shape), "dtype": str(v.dtype), "sha256": _digest(v)} for k, v in flat.items()}}
     with open(os.path.join(tmp, "session.json"), "w") as f:
         json.dump(doc, f, indent=1)
@@ -141,7 +172,9 @@ def read(directory: str) -> tuple[dict, dict]:
     """(meta, arrays) of the newest save in ``directory``, every array checked against its checksum."""
     import orbax.checkpoint as ocp
 
-    directory = os.path.abspath(directory)
+    if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+        raise SessionFileError(f"no session save at {directory!r}: give the directory a save was written to")
+    directory = os.path.abspath(os.fspath(directory))
     if not os.path.isdir(directory):
         raise SessionFileError(f"no session save at {directory}: not a directory")
     version = latest(directory)
@@ -158,9 +191,21 @@ def read(directory: str) -> tuple[dict, dict]:
         raise SessionFileError(f"{doc_path} is not valid JSON: the save is corrupted ({e})") from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise SessionFileError(f"{doc_path} is not a glm53 session save")
-    if doc.get("version") != VERSION:
+    if doc.get("version") not in READABLE_VERSIONS:
         raise SessionFileError(f"{doc_path} has session format version {doc.get('version')}, this glm53 reads "
-                               f"version {VERSION}")
+                               f"versions {READABLE_VERSIONS}")
+    meta, expected = doc.get("meta"), doc.get("arrays")
+    if not isinstance(meta, dict):
+        raise SessionFileError(f"{doc_path}: its metadata is {type(meta).__name__}, not an object: the save is "
+                               "corrupted")
+    if doc["version"] >= 2 and doc.get("meta_sha256") != _meta_digest(meta):
+        raise SessionFileError(f"{doc_path}: the metadata (tokens, lengths, sampler) does not match its checksum: "
+                               "the save is corrupted or was edited")
+    if not isinstance(expected, dict) or not all(
+            isinstance(w, dict) and isinstance(w.get("shape"), list) and isinstance(w.get("dtype"), str)
+            and isinstance(w.get("sha256"), str) for w in expected.values()):
+        raise SessionFileError(f"{doc_path}: its array records are malformed (each needs a shape, dtype and "
+                               "sha256): the save is corrupted")
     try:
         arrays = ocp.StandardCheckpointer(multiprocessing_options=_this_process_only()).restore(
             os.path.join(version, "arrays"))
@@ -168,7 +213,6 @@ def read(directory: str) -> tuple[dict, dict]:
         raise SessionFileError(f"cannot read the arrays of {version}: the save is corrupted ({type(e).__name__}: "
                                f"{str(e)[:300]})") from e
     flat = _flatten(arrays)
-    expected = doc.get("arrays", {})
     if set(flat) != set(expected):
         raise SessionFileError(f"{version}: arrays {sorted(flat)} do not match the ones recorded "
                                f"{sorted(expected)}: the save is corrupted")
@@ -179,4 +223,4 @@ def read(directory: str) -> tuple[dict, dict]:
                                    f"{want['dtype']}{want['shape']}: the save is corrupted")
         if _digest(a) != want["sha256"]:
             raise SessionFileError(f"{version}: array {name} does not match its checksum: the save is corrupted")
-    return doc["meta"], arrays
+    return meta, arrays

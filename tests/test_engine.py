@@ -480,7 +480,21 @@ def test_inputs_accept_lists_arrays_and_check_them(model):
         e.generate({a: 2}, accept_override=1)
     with pytest.raises(ValueError, match="roll back between 1 and 29"):
         e.rollback(a, 30)
+    with pytest.raises(TypeError, match="on_token must be callable"):
+        e.generate({a: 2}, on_token=5)
+    with pytest.raises(TypeError, match="on_token must accept"):
+        e.generate({a: 2}, on_token=lambda sid, token: None)
+    for bad in ([1.5], ["7"], "ab", [None], [True]):
+        with pytest.raises(TypeError, match="stop_tokens must be token ids"):
+            e.generate({a: 2}, stop_tokens=bad)
     assert e.tokens(a) == ids(30)  # nothing changed by the refused calls
+    seq = e.generate({b: 3})[b]  # b holds a's history: greedy a would say the same
+    stop = seq[1]
+    assert e.generate({a: 3}, stop_tokens=np.int64(stop))[a] == seq[: seq.index(stop) + 1]  # one id, as an int
+    for name in ("host_budget_bytes", "device_budget_bytes"):
+        for bad in ("abc", -5, 0, 2.5, float("nan")):
+            with pytest.raises(glm53.ConfigError, match=f"{name} must be a whole number of bytes"):
+                glm53.Engine(model, CC, **{name: bad})
 
 
 def test_planes_stay_addressable_by_the_kernels():

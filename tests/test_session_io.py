@@ -146,3 +146,87 @@ def test_incompatible_and_corrupted_saves(model, tmp_path):
     with pytest.raises(SessionFileError, match="not valid JSON"):
         r.restore(d)
     assert r.sessions == [] and r.memory_report()["host"]["used_pages"] == 0  # nothing changed
+
+
+def test_saves_refuse_what_they_cannot_keep(model, tmp_path):
+    """A save edited on disk, or one whose record cannot be a session's, is refused whole (no session, no slot, no
+    page taken); a save never goes into a directory holding anything but saves; a session at the slot's full length
+    and one whose append was interrupted both restore and continue as they would have."""
+    e = engine(model, "offload")
+    s = e.open(ids(70, seed=66))
+    d = str(tmp_path / "sess")
+    version = e.save(s, d)
+    doc_path = os.path.join(version, "session.json")
+    original = json.load(open(doc_path))
+    r = engine(model, "offload")
+
+    def refused(edit, match):
+        doc = json.loads(json.dumps(original))
+        edit(doc)
+        json.dump(doc, open(doc_path, "w"))
+        with pytest.raises(SessionFileError, match=match):
+            r.restore(d)
+        assert r.sessions == [] and r.memory_report()["host"]["used_pages"] == 0
+
+    def token(doc):
+        doc["meta"]["tokens"][5] = (doc["meta"]["tokens"][5] + 1) % 100  # still in the vocabulary
+    refused(token, "metadata .* does not match its checksum")
+
+    def v1(**meta):  # a version 1 save (no metadata checksum) with a record that cannot be a session's
+        def edit(doc):
+            doc["version"] = 1
+            del doc["meta_sha256"]
+            doc["meta"].update(meta)
+        return edit
+    refused(v1(sampler="abc"), "sampler record")
+    refused(v1(sampler={"seed": -1, "temperature": 0.0, "top_p": 1.0}), "seed must be an int")
+    refused(v1(generated="x"), "generated is 'x'")
+    refused(v1(mtp_processed=-5), "inconsistent lengths")
+    refused(v1(hidden_valid="false"), "hidden_valid")
+    refused(v1(fingerprint=[1]), "no engine fingerprint")
+    refused(lambda doc: doc.pop("meta"), "metadata is NoneType")
+    refused(lambda doc: doc["arrays"]["hidden"].pop("shape"), "array records are malformed")
+    json.dump(original, open(doc_path, "w"))
+    assert r.tokens(r.restore(d)) == e.tokens(s)
+
+    # Only into a new or empty directory, or one of saves: a save replaces older versions, nothing else.
+    other = tmp_path / "mine"
+    (other / "v000009").mkdir(parents=True)
+    (other / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="not a glm53 session directory .*notes.txt, v000009"):
+        e.save(s, str(other))
+    assert sorted(os.listdir(other)) == ["notes.txt", "v000009"]
+    with pytest.raises(ValueError, match="non-empty path"):
+        e.save(s, "")
+
+    # A session at the slot's full length restores into the engine that saved it.
+    full = glm53.Engine(model, CC.replace(max_len=64), max_sessions=1)
+    f = full.open(ids(64, seed=67))
+    full.save(f, str(tmp_path / "full"))
+    full.close(f)
+    assert full.tokens(full.restore(str(tmp_path / "full"))) == ids(64, seed=67)
+
+    # An append interrupted between its chunks leaves tokens to process: saved as they are, restored, and processed
+    # by the next generate, as the live session does.
+    live = engine(model, "offload")
+    a = live.open(ids(40, seed=68))
+    chunk = live._step("chunk")
+    calls = []
+
+    def second_chunk_interrupted(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("interrupted mid-append")
+        return chunk(*args, **kw)
+
+    live._steps["chunk"] = second_chunk_interrupted
+    with pytest.raises(KeyboardInterrupt):
+        live.append(a, ids(3 * live.chunk, seed=69))
+    live._steps["chunk"] = chunk
+    assert len(live.tokens(a)) == 40 + 3 * live.chunk
+    live.save(a, str(tmp_path / "mid"))
+    back = engine(model, "offload")
+    b = back.restore(str(tmp_path / "mid"))
+    want = live.generate({a: 6}, return_logits=True)[a], live.last_run.logits[a]
+    got = back.generate({b: 6}, return_logits=True)[b], back.last_run.logits[b]
+    assert got[0] == want[0] and np.array_equal(got[1], want[1])
