@@ -29,6 +29,7 @@ engine's pinned host pool segfaults under the VMM allocator, probes/sessions_ab_
 
 import json
 import os
+import sys
 import time
 
 import jax
@@ -37,7 +38,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import glm53
-from glm53 import distributed, roofline
+from glm53 import checkpoint, distributed, offload, roofline
+from glm53.engine import check_sampling
 from glm53.provenance import provenance
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config (configs/*.py)", lock_config=True)
@@ -71,7 +73,7 @@ def parse_options(items) -> dict:
     for item in items or []:
         name, sep, value = item.partition("=")
         if not sep or not name.strip():
-            raise app.UsageError(f"compiler option {item!r}: expected name=value")
+            raise ValueError(f"--compiler_options: {item!r} is not name=value")
         value = value.strip()
         if value.lower() in ("true", "false"):
             out[name.strip()] = value.lower() == "true"
@@ -104,6 +106,51 @@ def build_model(config, expert_weights: str = "model", one_device: bool = False)
         return model
     return glm53.from_pretrained(path, dtype=config.dtype, cache_config=cache_config, mesh=mesh,
                                  expert_weights=expert_weights)
+
+
+def model_config_of(config) -> glm53.ModelConfig:
+    """The model's config as ``build_model`` will find it, read without any weight."""
+    path = config.checkpoint
+    if not path:
+        return glm53.ModelConfig.from_config_dict(config.model)
+    native = os.path.join(path, "glm53.json")
+    if os.path.exists(native):
+        try:
+            with open(native) as f:
+                return glm53.ModelConfig.from_hf(json.load(f)["model_config"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # glm53.load names what is wrong with it
+    return checkpoint.read_hf_config(path)
+
+
+def check_run(config) -> None:
+    """The run's settings against each other and the model's config, before the model is built (initialising or
+    reading its weights takes a while): a mistake is a one-line error naming the flag."""
+    run = config.run
+    if run.batch < 1:
+        raise glm53.ConfigError(f"--config.run.batch={run.batch}: the run needs at least one prompt")
+    if run.prompt_len < 1 or run.max_new_tokens < 1:
+        raise glm53.ConfigError(f"--config.run.prompt_len={run.prompt_len} and --config.run.max_new_tokens="
+                                f"{run.max_new_tokens} must both be >= 1")
+    try:
+        check_sampling(run.mtp, run.temperature, run.top_p, run.seed,
+                       None if run.accept_override < 0 else run.accept_override, has_mtp=True)
+    except ValueError as e:
+        raise glm53.ConfigError(f"--config.run: {e}") from None
+    cfg = model_config_of(config)
+    if cfg is None:
+        return
+    if run.mtp and not cfg.num_nextn_predict_layers:
+        raise glm53.ConfigError(f"--config.run.mtp={run.mtp} needs an MTP module, and this model has none "
+                                "(num_nextn_predict_layers=0)")
+    need = run.prompt_len + run.max_new_tokens + run.mtp
+    if need > cfg.max_position_embeddings:
+        raise glm53.ConfigError(f"--config.run.prompt_len={run.prompt_len} + --config.run.max_new_tokens="
+                                f"{run.max_new_tokens} (+ mtp {run.mtp}) needs {need} positions, but the model has "
+                                f"max_position_embeddings={cfg.max_position_embeddings}")
+    cache = glm53.CacheConfig.from_config_dict(config.cache)
+    if cache.mode == "offload":
+        offload.validate(cfg, cache)
 
 
 def figures(result: glm53.GenerateResult) -> dict:
@@ -233,6 +280,13 @@ def main(argv):
     if _COMPARE_ONE_DEVICE.value and glm53.sharding.MeshConfig.from_config_dict(config.get("mesh")).devices == 1:
         # before the model is built, not after it (or after the runs)
         raise app.UsageError("--compare_one_device compares a mesh layout with one device: set config.mesh")
+    try:
+        check_run(config)
+        options = parse_options(_COMPILER_OPTIONS.value)
+        baseline_options = (None if _BASELINE_COMPILER_OPTIONS.value is None
+                            else parse_options([o for o in _BASELINE_COMPILER_OPTIONS.value if o]))
+    except (glm53.ConfigError, ValueError) as e:
+        sys.exit(f"experiments.generate: {e}")
     model = build_model(config, _EXPERT_WEIGHTS.value)
     print(model)
     rng = np.random.default_rng(run.seed)
@@ -254,9 +308,6 @@ def main(argv):
     rooflines = {}
     routing_cache = []
 
-    options = parse_options(_COMPILER_OPTIONS.value)
-    baseline_options = (None if _BASELINE_COMPILER_OPTIONS.value is None
-                        else parse_options([o for o in _BASELINE_COMPILER_OPTIONS.value if o]))
     compare_options = baseline_options is not None
     if compare_options and baseline_options == options:
         raise app.UsageError("--baseline_compiler_options equal --compiler_options: nothing to compare")

@@ -37,7 +37,8 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment config")
 flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_integer("pairs", 1, "interleaved resident/offload pairs per workload")
-flags.DEFINE_list("workloads", ["indexer", "local99"], "indexer | local99")
+flags.DEFINE_list("workloads", ["indexer", "local99"],
+                  "indexer (the model's own selection), local99, drift<c>, window<s>, uniform (experiments.workloads)")
 
 
 def run_once(model, prompts, cc, new_tokens, workload, K, history, seed, run_cfg):

@@ -151,7 +151,9 @@ def read_hf_config(path: str) -> ModelConfig:
     """The ``ModelConfig`` of an HF-format directory's ``config.json``, read without its weights."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
-        raise CheckpointError(f"{path} has no config.json")
+        where = "" if os.path.isdir(path) else (" (not a local directory: glm53 reads HF-format checkpoints from disk; "
+                                                "download one first, e.g. huggingface-cli download REPO --local-dir DIR)")
+        raise CheckpointError(f"{path} has no config.json{where}")
     with open(cfg_path) as f:
         try:
             hf_cfg = json.load(f)

@@ -146,6 +146,12 @@ def _head(x, n: int = 4096):
     return x.reshape(-1)[:n]
 
 
+def _check_cache(config: ModelConfig, cache_config: CacheConfig | None) -> None:
+    """What ``Model`` refuses of a cache config, checked before any weight is read or initialised."""
+    if cache_config is not None and cache_config.mode == "offload":
+        offload.validate(config, cache_config)
+
+
 def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype="bfloat16",
                 cache_config: CacheConfig | None = None, expert_weights: str = "model", mesh=None) -> Model:
     """A randomly initialised model (normal(0, initializer_range) matrices, unit norms) for research/benchmarks.
@@ -159,6 +165,7 @@ def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype
         config = ModelConfig.from_config_dict(config)
     dtype = resolve_dtype(dtype)
     sharding.check_layout(config, mesh)
+    _check_cache(config, cache_config)  # before the parameters: initialising a large model takes a while
     model = Model(config, init_params(config, dtype, seed, expert_weights), dtype, cache_config=cache_config)
     return sharding.shard_model(model, mesh)
 
@@ -175,10 +182,12 @@ def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None
     bit-identical on the CPU; compiled on a GPU the kernel's summation order may differ). ``mesh``: as in
     ``from_config`` (the tensors are read onto one device first, then placed)."""
     dtype = resolve_dtype(dtype)
-    sharding.check_layout(checkpoint.read_hf_config(path), mesh)
-    cfg, params, tokenizer = checkpoint.read_hf(path, dtype, expert_weights)
     if kv_format is not None:
         cache_config = (cache_config or CacheConfig()).replace(kv_format=kv_format)
+    hf_config = checkpoint.read_hf_config(path)
+    sharding.check_layout(hf_config, mesh)
+    _check_cache(hf_config, cache_config)
+    cfg, params, tokenizer = checkpoint.read_hf(path, dtype, expert_weights)
     return sharding.shard_model(Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer), mesh)
 
 

@@ -675,7 +675,11 @@ def validate(cfg: ModelConfig, cc: CacheConfig, slots: int | None = None, capaci
     need = min_hot_rows(cfg, cc)
     if cc.hot_rows < need:
         raise ConfigError(f"offload: hot_rows={cc.hot_rows} is below what a round can pin: index_topk="
-                          f"{cfg.index_topk} selected rows + {ring_rows_for(cc)} ring rows = {need}")
+                          f"{cfg.index_topk} selected rows + {ring_rows_for(cc)} ring rows = {need}; raise hot_rows "
+                          f"to {1 << (need - 1).bit_length()} (a power of two), or shrink the ring: it holds the rows "
+                          f"not yet in host memory, at least copyback_every ({cc.copyback_every}) + prefill_chunk "
+                          f"({cc.prefill_chunk}) rounded up to a power of two "
+                          f"(ring_rows={cc.ring_rows or 'automatic'})")
     if cc.hot_rows & (cc.hot_rows - 1):
         raise ConfigError(f"offload: hot_rows={cc.hot_rows} must be a power of two")
 

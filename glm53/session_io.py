@@ -144,8 +144,8 @@ def write(directory: str, arrays: dict, meta: dict, *, _before_commit=None) -> s
     ckptr.save(os.path.join(tmp, "arrays"), arrays)
     ckptr.wait_until_finished()
     flat = _flatten(arrays)
-    doc = {"format": FORMAT, "version": VERSION, "meta": meta, "meta_sha256": _meta_digest(meta),
-           "arrays": {k: {"shape": list(v.shape), "dtype": str(v.dtype), "sha256": _digest(v)} for k, v in flat.items()}}
+    records = {k: {"shape": list(v.shape), "dtype": str(v.dtype), "sha256": _digest(v)} for k, v in flat.items()}
+    doc = {"format": FORMAT, "version": VERSION, "meta": meta, "meta_sha256": _meta_digest(meta), "arrays": records}
     with open(os.path.join(tmp, "session.json"), "w") as f:
         json.dump(doc, f, indent=1)
         f.flush()

@@ -4,6 +4,7 @@ output equality checked): the resident/offload A/B, the decode profiler and the 
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -421,6 +422,18 @@ def test_hf_prefill(tmp_path):
     whole, chunked = runs
     assert whole["last_token_argmax"] == chunked["last_token_argmax"]
     assert chunked["last_logits_max_abs_diff_vs_whole"] <= 1e-2 * chunked["last_logits_max_abs"]
+
+
+def test_generate_refuses_bad_settings_before_building_the_model():
+    """Settings that cannot work end the run with one line naming the flag, before the model is built."""
+    for args, message in ((["--config.run.batch=0"], "--config.run.batch=0: the run needs at least one prompt"),
+                          (["--config.cache.mode=offload", "--config.cache.hot_rows=64"],
+                           "hot_rows=64 is below what a round can pin.*raise hot_rows to 256"),
+                          (["--config.run.prompt_len=5000"], "prompt_len=5000 .* needs 5024 positions")):
+        p = subprocess.run([sys.executable, "-m", "experiments.generate", *TINY, *args], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 1 and "Model(" not in p.stdout and "Traceback" not in p.stderr, p.stderr[-2000:]
+        assert re.search(message, p.stderr.strip().splitlines()[-1]), p.stderr[-2000:]
 
 
 def test_generate_roofline(tmp_path):

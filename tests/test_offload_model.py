@@ -113,6 +113,16 @@ def test_invalid_hot_rows_is_a_config_error(model):
                        cache=CacheConfig(mode="offload", copyback_every=16, prefill_chunk=16, hot_rows=32))
 
 
+def test_a_cache_that_cannot_work_is_refused_before_any_weight(monkeypatch):
+    def no_weights(*a, **k):
+        raise AssertionError("parameters were initialised")
+
+    monkeypatch.setattr(glm53.models, "init_params", no_weights)
+    with pytest.raises(ConfigError, match="hot_rows=32 is below what a round can pin.*raise hot_rows to"):
+        glm53.from_config(CFG, cache_config=CacheConfig(mode="offload", copyback_every=16, prefill_chunk=16,
+                                                        hot_rows=32))
+
+
 def test_history_planes_live_in_pinned_host(model):
     res = glm53.generate(model, prompts([40]), max_new_tokens=3, keep_cache=True,
                          cache=CacheConfig(mode="offload", kv_format="q8g64", copyback_every=16, prefill_chunk=16,
