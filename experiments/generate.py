@@ -108,8 +108,9 @@ def build_model(config, expert_weights: str = "model", one_device: bool = False)
                                  expert_weights=expert_weights)
 
 
-def model_config_of(config) -> glm53.ModelConfig:
-    """The model's config as ``build_model`` will find it, read without any weight."""
+def model_config_of(config) -> glm53.ModelConfig | None:
+    """The model's config as ``build_model`` will find it, read without any weight (None: a native checkpoint whose
+    metadata ``glm53.load`` will refuse with its own message)."""
     path = config.checkpoint
     if not path:
         return glm53.ModelConfig.from_config_dict(config.model)
