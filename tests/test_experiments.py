@@ -436,6 +436,12 @@ def test_generate_refuses_bad_settings_before_building_the_model():
         assert re.search(message, p.stderr.strip().splitlines()[-1]), p.stderr[-2000:]
 
 
+def test_run_notebooks_refuses_a_name_no_notebook_has():
+    p = subprocess.run([sys.executable, "-m", "experiments.run_notebooks", "99_nothing"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "no notebook's name starts with 99_nothing" in p.stderr + p.stdout
+
+
 def test_generate_roofline(tmp_path):
     """generate's JSON carries the roofline: the measured bandwidth, the bytes of a step by part (routed experts from
     the model's routing: 2 sessions per step), ideal vs achieved, for the run and its resident baseline."""
