@@ -231,3 +231,7 @@ def test_saves_refuse_what_they_cannot_keep(model, tmp_path):
     want = live.generate({a: 6}, return_logits=True)[a], live.last_run.logits[a]
     got = back.generate({b: 6}, return_logits=True)[b], back.last_run.logits[b]
     assert got[0] == want[0] and np.array_equal(got[1], want[1])
+    resident = engine(model, "resident")  # the same save in the resident cache: the same tokens and logits
+    c = resident.restore(str(tmp_path / "mid"))
+    got = resident.generate({c: 6}, return_logits=True)[c], resident.last_run.logits[c]
+    assert got[0] == want[0] and np.array_equal(got[1], want[1])
