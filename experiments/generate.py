@@ -108,19 +108,13 @@ def build_model(config, expert_weights: str = "model", one_device: bool = False)
                                  expert_weights=expert_weights)
 
 
-def model_config_of(config) -> glm53.ModelConfig | None:
-    """The model's config as ``build_model`` will find it, read without any weight (None: a native checkpoint whose
-    metadata ``glm53.load`` will refuse with its own message)."""
+def model_config_of(config) -> glm53.ModelConfig:
+    """The model's config as ``build_model`` will find it, read without any weight."""
     path = config.checkpoint
     if not path:
         return glm53.ModelConfig.from_config_dict(config.model)
-    native = os.path.join(path, "glm53.json")
-    if os.path.exists(native):
-        try:
-            with open(native) as f:
-                return glm53.ModelConfig.from_hf(json.load(f)["model_config"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None  # glm53.load names what is wrong with it
+    if os.path.exists(os.path.join(path, checkpoint.NATIVE_META)):
+        return checkpoint.read_native_config(path)[0]
     return checkpoint.read_hf_config(path)
 
 
@@ -139,8 +133,6 @@ def check_run(config) -> None:
     except ValueError as e:
         raise glm53.ConfigError(f"--config.run: {e}") from None
     cfg = model_config_of(config)
-    if cfg is None:
-        return
     if run.mtp and not cfg.num_nextn_predict_layers:
         raise glm53.ConfigError(f"--config.run.mtp={run.mtp} needs an MTP module, and this model has none "
                                 "(num_nextn_predict_layers=0)")

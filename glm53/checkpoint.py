@@ -345,12 +345,9 @@ def write_native(directory: str, cfg: ModelConfig, params, dtype, cache_config: 
         tokenizer.save(os.path.join(directory, "tokenizer.json"))
 
 
-def read_native(directory: str, dtype=None, check_config=None
-                ) -> tuple[ModelConfig, Any, Any, CacheConfig | None, Tokenizer | None]:
-    """Read a directory written by ``write_native``: (config, params, dtype, cache config, tokenizer). The parameter
-    tree is checked against the config's. ``check_config(config)``, when given, runs before any parameter is read."""
-    import orbax.checkpoint as ocp
-
+def read_native_config(directory: str) -> tuple[ModelConfig, Any, str, CacheConfig | None]:
+    """(config, saved dtype, expert weights, cache config) of a ``write_native`` directory, read without its
+    parameters."""
     directory = os.path.abspath(directory)
     meta_path = os.path.join(directory, NATIVE_META)
     if not os.path.exists(meta_path):
@@ -375,6 +372,17 @@ def read_native(directory: str, dtype=None, check_config=None
         cache_config = CacheConfig.from_config_dict(cc) if "cache_config" in meta else None
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{meta_path} is incomplete or inconsistent: {type(e).__name__}: {e}") from e
+    return cfg, saved_dtype, expert_weights, cache_config
+
+
+def read_native(directory: str, dtype=None, check_config=None
+                ) -> tuple[ModelConfig, Any, Any, CacheConfig | None, Tokenizer | None]:
+    """Read a directory written by ``write_native``: (config, params, dtype, cache config, tokenizer). The parameter
+    tree is checked against the config's. ``check_config(config)``, when given, runs before any parameter is read."""
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(directory)
+    cfg, saved_dtype, expert_weights, cache_config = read_native_config(directory)
     if check_config is not None:
         check_config(cfg)
     dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

@@ -833,7 +833,7 @@ class Engine:
         elif isinstance(stop_tokens, (int, np.integer)) and not isinstance(stop_tokens, bool):
             stop_tokens = (stop_tokens,)
         elif isinstance(stop_tokens, np.ndarray) and stop_tokens.ndim == 1:
-            stop_tokens = stop_tokens.tolist() if np.issubdtype(stop_tokens.dtype, np.integer) else list(stop_tokens)
+            stop_tokens = list(stop_tokens)
         if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, (list, tuple, set, frozenset)) or any(
                 isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in stop_tokens):
             raise TypeError(f"stop_tokens must be token ids (an int, or a list of ints), got {stop_tokens!r}")
@@ -867,7 +867,6 @@ class Engine:
             self._admit(0, self._pages_needed(s, s.processed), f"save of session {sid} (its partial page)")
             if self._assign_pages(s, s.processed):
                 self._push_pages(s)
-            self._settle([s])  # every complete page in host memory: the flush writes only the one past them
             self._run("flush_slot", self.cache, jnp.int32(s.slot), kernels=self.kernels)
         data = self.model.steps.read_slot(self.cache, jnp.int32(s.slot), kernels=self.kernels)
         data = jax.device_get(data)  # waits for the flush and the reads: an enqueued copy is not a completed one
