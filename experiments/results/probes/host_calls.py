@@ -5,7 +5,10 @@ Variants (same engine, 10 sessions x 50K; ``PROBE_VARIANTS``, comma-separated): 
 (ffe5736's copy-step rule: one copy step a page instead of 3); pinned (the dispatching thread alone on one core, every
 other thread of the process on the others); pinned_prio (that, and the dispatching thread's nice value lowered by 10
 where the host allows it); no_prefetch (the steps' outputs not copied to the host until read: the engine before
-``glm53.engine.start_host_copies``). At ffe5736 the engine's own rule was the exact one and
+``glm53.engine.start_host_copies``); sync (LAG 0: each step read before the next is dispatched, so none is in
+flight when a call starts); rot2, rot3 (the decode step as 2 or 3 separately compiled executables of the same
+program, called in turn: with ``LAG`` 2 the temporaries of a step come back to the executable that ran 3 steps
+earlier, so each executable's CUDA graph may find its buffers where it left them and skip XLA's update). At ffe5736 the engine's own rule was the exact one and
 the variant then called old_rule was the default of 902d246 and f7cd3bb (host_calls_exact_ffe5736.json). Since
 then plain decode of several lanes always copies, so at 10 lanes default and always_copy are the same executable.
 Sessions and history: PROBE_SESSIONS (10), PROBE_HISTORY (50000). Per step: call ms, absorb wait ms (block_until_ready of the oldest in-flight step), absorb processing ms.
@@ -57,6 +60,26 @@ def timed_absorb(self, tokens, *rest):
 
 
 eng._Run._absorb_decode = timed_absorb
+
+
+class Rotating:
+    """The decode step as ``n`` executables of the same program, called in turn (distinct compiler-option tuples
+    give distinct jit objects, hence distinct compilations; the options set are XLA's defaults)."""
+    NOOP = [(), (("xla_dump_hlo_as_text", False),), (("xla_dump_hlo_as_proto", False),)]
+
+    def __init__(self, n):
+        self.fns = [e.model.steps.for_cache("decode", e.cache, tuple(sorted(e.compiler_options + o)))
+                    for o in self.NOOP[:n]]
+        self.i = 0
+
+    def __call__(self, *a, **kw):
+        f = self.fns[self.i % len(self.fns)]
+        self.i += 1
+        return f(*a, **kw)
+
+
+ROT = {}
+orig_decode = e._step("decode")
 orig_copy_pages = eng._Run._copy_pages
 orig_start_host_copies = eng.start_host_copies
 
@@ -67,6 +90,7 @@ def run_variant(name):
     out = e.generate({s: NEW for s in sids}, selection_override=workloads.selection("local99", K, HIST, 7, S))
     wall = time.perf_counter() - t
     r = e.last_run
+    digest = hash(tuple(tuple(out[s]) for s in sids))
     for s in sids:
         e.rollback(s, len(out[s]))
     calls = np.asarray(r.step_call_s) * 1e3
@@ -83,7 +107,7 @@ def run_variant(name):
            "proc_med": float(np.median(p)), "proc_p99": float(np.percentile(p, 99)),
            "loop_per_step_ms": 1e3 * r.host_loop_s / max(r.steps, 1),
            "slowest": sorted(((round(float(x), 2), i + 1) for i, x in enumerate(calls)), reverse=True)[:8],
-           "copy_step_ids": sorted(cs)[:12]}
+           "copy_step_ids": sorted(cs)[:12], "tokens_hash": digest}
     d = timing["done_at"]
     iv = [1e3 * (b - a) for a, b in zip(d, d[1:]) if a is not None and b is not None]
     if iv:
@@ -145,11 +169,18 @@ results = []
 tag = os.environ.get("PROBE_TAG", "cmdbuf_on")
 variants = os.environ.get("PROBE_VARIANTS", "default,lag1,lag3,always_copy,gc_off").split(",")
 run_variant("warmup")
+for n in (2, 3):
+    if f"rot{n}" in os.environ.get("PROBE_VARIANTS", ""):
+        ROT[n] = Rotating(n)
+        e._steps["decode"] = ROT[n]
+        run_variant(f"warmup_rot{n}")  # compiles the others and records each one's command buffers
+        e._steps["decode"] = orig_decode
 for rep in range(int(os.environ.get("PROBE_REPS", "2"))):
     for v in variants:
         eng.start_host_copies = (lambda *a: None) if v == "no_prefetch" else orig_start_host_copies
         pinned = pin_dispatch_thread(v == "pinned_prio") if v in ("pinned", "pinned_prio") else None
-        eng._Run.LAG = {"lag1": 1, "lag3": 3}.get(v, 2)
+        eng._Run.LAG = {"lag1": 1, "lag3": 3, "sync": 0}.get(v, 2)
+        e._steps["decode"] = ROT[int(v[3:])] if v.startswith("rot") else orig_decode
         eng._Run._copy_pages = {"always_copy": lambda self, pages, copied, n: pages,
                                 "exact_rule": exact_rule}.get(v, orig_copy_pages)
         if v in ("gc_off", "always_copy_gc_off"):
@@ -161,6 +192,7 @@ for rep in range(int(os.environ.get("PROBE_REPS", "2"))):
         if pinned:
             unpin(pinned)
     eng._Run.LAG, eng._Run._copy_pages = 2, orig_copy_pages
+    e._steps["decode"] = orig_decode
 out = os.environ.get("OUT", "/tmp")
 with open(os.path.join(out, f"host_calls_{tag}.json"), "w") as f:
     json.dump(results, f, indent=1)
