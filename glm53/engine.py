@@ -44,7 +44,7 @@ from glm53 import memory, offload, session_io
 from glm53 import steps as steps_lib
 from glm53.cache import Lanes, capacity_for, init_resident
 from glm53.config import CacheConfig, ConfigError
-from kernels_pallas import kv_formats, ops
+from kernels_pallas import kv_formats
 
 MAX_MTP_DEPTH = 3
 KERNEL_IMPLS = ("auto", "pallas", "reference")
@@ -390,16 +390,6 @@ class Engine:
         self._steps: dict = {}
         self._decode_variants: set = set()  # (bucket, copy_pages) of the plain decode steps dispatched
         self._decode_buckets: set = set()  # buckets a plain decode loop has run in
-        # Plain decode steps called in turn from this many executables, each writing into the output buffers it
-        # wrote that many steps earlier (``Steps.ring``: XLA then skips re-recording the step's CUDA graphs, most of
-        # a call's host time). Only where steps launch CUDA graphs, on one device of one process (the clones are
-        # loaded for that device); elsewhere 1, one executable and fresh outputs. ``_Run.LAG`` + 1: the step that
-        # wrote a set of buffers has been read when the set comes round again, and the temporaries of the step
-        # before it are free for the same executable.
-        platform = next(iter(self._inputs.device_set)).platform
-        self.output_ring = (_Run.LAG + 1 if platform in ops.GPU_BACKENDS and self.mesh is None
-                            and self.pipeline is None and jax.process_count() == 1 else 1)
-        self._rings: dict = {}
         self._free_slots = list(range(self.max_sessions))
         self._free_pages = collections.deque(range(self.pool_pages))
         self._refs = np.zeros(self.pool_pages, np.int64)
@@ -544,18 +534,6 @@ class Engine:
         if fn is None:
             fn = self._steps[name] = self.model.steps.for_cache(name, self.cache, self.compiler_options)
         return fn
-
-    def _ring_step(self, name: str, args: tuple, static: dict) -> tuple:
-        """The ``output_ring`` executables of step ``name`` for these arguments (``Steps.ring``) and the shapes of
-        their output buffers, built at the first call with arguments shaped like these (the first ``args`` are the
-        parameters and the cache, which keep theirs)."""
-        small = jax.tree_util.tree_flatten(args[2:])
-        key = (name, tuple(sorted(static.items())), small[1], tuple((x.shape, x.dtype) for x in small[0]))
-        ring = self._rings.get(key)
-        if ring is None:
-            ring = self._rings[key] = self.model.steps.ring(name, self.cache, self.compiler_options, args, static,
-                                                            self.output_ring)
-        return ring
 
     def _run(self, name: str, *args, **kw):
         """Run a lifecycle step on the cache (donated) and keep the new cache."""
@@ -1330,30 +1308,16 @@ class _Run:
         remaining = e._put(self.remaining, np.int32)
         inflight = self.inflight = collections.deque()
         self.absorb = self._absorb_decode
-        ring = e.output_ring if self.trace is None else 1
-        buffers = [None] * ring  # the outputs of the step ``ring`` steps back, per executable
         t_loop0 = time.perf_counter()
         while self._dispatch_ok(inflight, self._absorb_decode, 1):
             sel = self._selection(len(inflight))
             step_pages = self._copy_pages(pages, copied, len(inflight)) if pages else 0
-            args = (e.model.params, e.cache, self.lanes, tokens, remaining, self.seed, self.temperature, self.top_p,
-                    self.stop, sel)
-            static = dict(greedy=self.greedy, kernels=e.kernels, copy_pages=step_pages, trace=self.trace is not None)
             t = time.perf_counter()
-            if ring > 1:
-                i = self.steps % ring
-                executables, shapes = e._ring_step("decode", args, static)
-                if buffers[i] is None:
-                    buffers[i] = tuple(jax.device_put(np.zeros(b.shape, b.dtype), e._inputs) for b in shapes)
-                del args
-                e.cache, outs = executables[i](e.model.params, e.cache, self.lanes, tokens, remaining, self.seed,
-                                               self.temperature, self.top_p, self.stop, sel, out_buffers=buffers[i])
-                buffers[i] = outs
-            else:
-                del args
-                e.cache, outs = e._step("decode")(
-                    e.model.params, e.cache, self.lanes, tokens, remaining, self.seed, self.temperature,
-                    self.top_p, self.stop, sel, **static)
+            rem_in = remaining
+            e.cache, outs = e._step("decode")(
+                e.model.params, e.cache, self.lanes, tokens, remaining, self.seed, self.temperature,
+                self.top_p, self.stop, sel, greedy=self.greedy, kernels=e.kernels, copy_pages=step_pages,
+                trace=self.trace is not None)
             tokens, logits, remaining = outs[:3]
             self.call_s.append(time.perf_counter() - t)
             start_host_copies(tokens, remaining, logits if self.return_logits else None)
@@ -1362,9 +1326,7 @@ class _Run:
                 self.copy_steps.append(self.steps)
             if self.steps % fold == 0:
                 e._fold_counters(self.sessions)
-            # The step's input counts are read on the host (``_absorb_decode``): under the ring the buffer that held
-            # them is written again before this step is read.
-            inflight.append((tokens, remaining, logits if self.return_logits else None, None,
+            inflight.append((tokens, remaining, logits if self.return_logits else None, rem_in,
                              outs[3] if len(outs) > 3 else None))
             if len(inflight) > self.LAG:
                 self._absorb_decode(*inflight.popleft())
@@ -1374,17 +1336,12 @@ class _Run:
             self._absorb_decode(*inflight.popleft())
 
     def _absorb_decode(self, tokens, remaining, logits, remaining_in, rounds=None) -> None:
-        """``remaining_in``: what the step was given (the device's own count): a lane was active iff it was > 0.
-        None: the previous step's ``remaining``, which the host read last (the plain decode loop: each step takes
-        the one before it's output, and the first the host's ``self.remaining``)."""
+        """``remaining_in``: what the step was given (the device's own count): a lane was active iff it was > 0."""
         self._record(rounds)
         t = time.perf_counter()
         tokens = np.asarray(tokens)  # waits for the step
         self.wait_s.append(time.perf_counter() - t)
-        remaining_in = self.remaining.copy() if remaining_in is None else np.asarray(remaining_in)
-        # On the CPU these are views of the device buffers; while one lives, a donation of its buffer (the ring's)
-        # is declined and the step writes elsewhere.
-        remaining = np.asarray(remaining)
+        remaining, remaining_in = np.asarray(remaining), np.asarray(remaining_in)
         logits = None if logits is None else np.asarray(logits)
         self.read_s.append(time.perf_counter())
         before = [self.e._committed(s) for s in self.sessions]

@@ -487,54 +487,6 @@ class Steps:
     def read_pages(self, cache, pages, *, kernels: str):
         return self._other("read_pages", cache)(cache, pages, kernels=kernels)
 
-    # XLA options set to their defaults: a compilation per copy of a ring (``ring``), which a compilation cache
-    # keyed on the options cannot hand back as the same executable.
-    _COPY_OPTIONS = ("xla_dump_hlo_as_text", "xla_dump_hlo_as_proto", "xla_dump_hlo_as_dot", "xla_dump_hlo_as_html")
-
-    def ring(self, name: str, cache, compiler_options: tuple, args: tuple, static: dict, copies: int) -> tuple:
-        """``copies`` executables of step ``name`` for these arguments, each taking a keyword ``out_buffers``: its
-        outputs other than the cache, donated, which XLA writes the step's outputs into (in place). Returns
-        (executables, the outputs' ``jax.ShapeDtypeStruct`` s).
-
-        Why (H200, ``experiments/results/probes/ring_outputs_*_81d7dce.json``): XLA re-records a step's CUDA graphs
-        before a launch whenever a buffer they reference moved since their last launch, and a step's fresh outputs
-        (which the next step takes as inputs) move at every call: that update and the re-upload it causes were most
-        of a decode call's 2.4-2.9 ms of host time. A caller that calls these executables in turn, giving each the
-        buffers it wrote ``copies`` steps earlier, has every executable meet at each call the buffers (and, with
-        ``copies`` = steps in flight + 1, the allocator's temporaries) it met at its last: its calls took 0.9-1.3 ms,
-        tokens identical.
-
-        One lowering, compiled ``copies`` times in parallel threads (each executable keeps its own CUDA graphs; XLA
-        compiles without the GIL). Not one compilation cloned through its serialized form: on the CPU an executable
-        that a persistent compilation cache loaded serializes without its kernels, and its clones fail to run."""
-        import concurrent.futures
-
-        if copies > 1 + len(self._COPY_OPTIONS):
-            raise ValueError(f"at most {1 + len(self._COPY_OPTIONS)} copies, asked for {copies}")
-        if static.get("trace"):
-            raise ValueError("a ring's steps return no trace")
-        f, static_names, with_model = STEPS[name]
-        plain = self._jit(name, cache, compiler_options)
-        outs = plain.trace(*args, **static).out_info[1]
-        placement = self.outputs_placement(cache)
-        buffers = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=placement) for o in outs)
-        if with_model:
-            f = functools.partial(f, self.net)
-
-        def into_buffers(*a, out_buffers, **kw):
-            del out_buffers  # donated and kept though unused: XLA aliases each output to the buffer of its shape
-            return f(*a, **kw)
-
-        shardings = jax.tree_util.tree_map(lambda x: x.sharding, cache)
-        fn = jax.jit(_named(into_buffers, name), static_argnames=static_names,
-                     donate_argnums=(1,) if with_model else (0,), donate_argnames=("out_buffers",), keep_unused=True,
-                     out_shardings=(shardings, placement), compiler_options=dict(compiler_options) or None)
-        lowered = fn.lower(*args, out_buffers=buffers, **static)
-        options = [None] + [{**dict(compiler_options), o: False} for o in self._COPY_OPTIONS[:copies - 1]]
-        with concurrent.futures.ThreadPoolExecutor(copies) as pool:
-            executables = tuple(pool.map(lambda o: lowered.compile(compiler_options=o), options))
-        return executables, buffers
-
     def lower(self, name: str, *args, **kw):
         """The lowered (not run, nothing donated) call of step ``name`` with these arguments: for profiling and
         memory analysis (``.compile().memory_analysis()``, ``.compile().as_text()``)."""
