@@ -408,7 +408,7 @@ def test_step_interval_shows_a_stall(model):
     e = engine(model, "offload", max_sessions=2)
     a, b = e.open(ids(12, seed=51)), e.open(ids(9, seed=52))
     e.generate({a: 12, b: 12})  # compiles
-    stall_s, calls = 0.25, []
+    stall_s, calls = 0.5, []  # well above a step on a loaded 2-core machine (the p50 below must stay under 50 ms)
 
     def on_token(sid, index, token):
         calls.append(sid)
