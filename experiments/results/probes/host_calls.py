@@ -10,7 +10,7 @@ flight when a call starts); rot2, rot3 (the decode step as 2 or 3 separately com
 program, called in turn: with ``LAG`` 2 the temporaries of a step come back to the executable that ran 3 steps
 earlier, so each executable's CUDA graph may find its buffers where it left them and skip XLA's update); no_ring (the
 engine's plain decode steps from one executable with fresh outputs: ``Engine.output_ring`` = 1, the engine before
-its output rings). At ffe5736 the engine's own rule was the exact one and
+its output rings; that engine is 84c6a66's, reverted: at other revisions no_ring is the default). At ffe5736 the engine's own rule was the exact one and
 the variant then called old_rule was the default of 902d246 and f7cd3bb (host_calls_exact_ffe5736.json). Since
 then plain decode of several lanes always copies, so at 10 lanes default and always_copy are the same executable.
 Sessions and history: PROBE_SESSIONS (10), PROBE_HISTORY (50000). Per step: call ms, absorb wait ms (block_until_ready of the oldest in-flight step), absorb processing ms.
@@ -171,8 +171,8 @@ results = []
 tag = os.environ.get("PROBE_TAG", "cmdbuf_on")
 variants = os.environ.get("PROBE_VARIANTS", "default,lag1,lag3,always_copy,gc_off").split(",")
 run_variant("warmup")
-RING = e.output_ring
-if "no_ring" in os.environ.get("PROBE_VARIANTS", ""):
+RING = getattr(e, "output_ring", None)  # the engine of 84c6a66 only (reverted)
+if "no_ring" in os.environ.get("PROBE_VARIANTS", "") and RING is not None:
     e.output_ring = 1
     run_variant("warmup_no_ring")  # compiles the one executable
     e.output_ring = RING
@@ -187,7 +187,8 @@ for rep in range(int(os.environ.get("PROBE_REPS", "2"))):
         eng.start_host_copies = (lambda *a: None) if v == "no_prefetch" else orig_start_host_copies
         pinned = pin_dispatch_thread(v == "pinned_prio") if v in ("pinned", "pinned_prio") else None
         eng._Run.LAG = {"lag1": 1, "lag3": 3, "sync": 0}.get(v, 2)
-        e.output_ring = 1 if v == "no_ring" else RING
+        if RING is not None:
+            e.output_ring = 1 if v == "no_ring" else RING
         e._steps["decode"] = ROT[int(v[3:])] if v.startswith("rot") else orig_decode
         eng._Run._copy_pages = {"always_copy": lambda self, pages, copied, n: pages,
                                 "exact_rule": exact_rule}.get(v, orig_copy_pages)
