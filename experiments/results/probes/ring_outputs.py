@@ -12,8 +12,12 @@ buffers it wrote N steps earlier. With LAG 2 and N = 3 every executable then mee
 (if the allocator hands back the same block) the temporaries it met at its last call. ``default``: the engine's
 loop. Both without a selection override (the model's indexer), every step copying (one static variant).
 
+``clone<N>``: the same from one compilation cloned through its serialized form (``Clones``); a ``fixed`` suffix
+(``clone3fixed``): the selection override's array copied into the executable's own donated buffer before each step.
+PROBE_WORKLOAD: a selection override (``local99``: a new array every step, as the A/Bs run), default none.
+
 Env: PROBE_SESSIONS (10), PROBE_HISTORY (50000), PROBE_VARIANTS (default,ring3,ring4), PROBE_REPS (2), PROBE_TAG,
-OUT. Prints and writes one JSON record per run: call / wait / interval percentiles, tok/s, whether the outputs sat
+PROBE_WORKLOAD, OUT. Prints and writes one JSON record per run: call / wait / interval percentiles, tok/s, whether the outputs sat
 in the donated buffers, and a hash of the tokens (equal across variants: the same program)."""
 import collections
 import functools
@@ -24,12 +28,13 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import serialize_executable
 
 import glm53
 from glm53 import engine as eng
 from glm53 import offload
 from glm53 import steps as steps_mod
-from experiments import sessions_ab
+from experiments import sessions_ab, workloads
 
 S = int(os.environ.get("PROBE_SESSIONS", "10"))
 HIST = int(os.environ.get("PROBE_HISTORY", "50000"))
@@ -58,11 +63,38 @@ def ring_fns(n):
                     out_shardings=(shardings, model.steps.outputs_placement(e.cache))) for _ in range(n)]
 
 
+class Clones:
+    """``clone<N>``: N executables from one compilation of the ring's step, cloned through its serialized form (the
+    same binary, hence the same GEMM algorithms, in each: the engine's ring of 84c6a66 compiled each copy and its
+    tokens differed), built at the first call."""
+
+    def __init__(self, n):
+        self.n, self.execs = n, None
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        def call(*args, **static):
+            if self.execs is None:
+                first = ring_fns(1)[0].lower(*args, **static).compile()
+                payload = serialize_executable.serialize(first)
+                devices = list(e._inputs.device_set)
+                self.execs = [first] + [serialize_executable.deserialize_and_load(*payload, execution_devices=devices)
+                                        for _ in range(self.n - 1)]
+            return self.execs[i](*args)
+        return call
+
+
+# ``...fixed``: the selection override's array (a new one every step) copied into the slot's own donated buffer
+# before the step, so that input stays put too.
+# (An update, not ``lambda buf, x: x``: JAX hands an output that is an input straight back, not written into buf.)
+put = jax.jit(lambda buf, x: jax.lax.dynamic_update_slice(buf, x, (0,) * x.ndim), donate_argnums=0)
 RING = {}
 orig_absorb = eng._Run._absorb_decode
 orig_copy_pages = eng._Run._copy_pages
 eng._Run._copy_pages = lambda self, pages, copied, n: pages  # every step copies: one static variant
-aliased = []
+aliased, sel_aliased = [], []
 
 
 def ring_absorb(self, tokens, remaining, logits, remaining_in, rounds=None):
@@ -79,7 +111,7 @@ def ring_decode_loop(self):
     """The engine's ``_Run._decode_loop`` with N executables in turn, each writing into the output buffers it wrote
     N steps earlier."""
     e = self.e
-    fns = RING[self.ring]
+    fns = RING[self.ring]  # by variant name
     N = len(fns)
     fold = e.fold_every(0)
     pages = offload.copy_pages_for(e.cache_config, 1)
@@ -90,16 +122,23 @@ def ring_decode_loop(self):
     V = model.config.vocab_size
     bufs = [(e._put(np.zeros(self.bucket, np.int32)), e._put(np.zeros((self.bucket, V), np.float32)),
              e._put(np.zeros(self.bucket, np.int32))) for _ in range(N)]
+    selbufs = [None] * N
     inflight = self.inflight = collections.deque()
     self.absorb = self._absorb_decode
     t_loop0 = time.perf_counter()
     while self._dispatch_ok(inflight, self._absorb_decode, 1):
+        sel = self._selection(len(inflight))
         step_pages = self._copy_pages(pages, copied, len(inflight))
         i = self.steps % N
+        if sel is not None and self.ring.endswith("fixed"):
+            before = None if selbufs[i] is None else selbufs[i].unsafe_buffer_pointer()
+            selbufs[i] = put(jax.numpy.zeros_like(sel) if selbufs[i] is None else selbufs[i], sel)
+            sel_aliased.append(before == selbufs[i].unsafe_buffer_pointer())
+            sel = selbufs[i]
         ptrs = [b.unsafe_buffer_pointer() for b in bufs[i]]
         t = time.perf_counter()
         e.cache, outs = fns[i](e.model.params, e.cache, self.lanes, tokens, remaining, self.seed, self.temperature,
-                               self.top_p, self.stop, None, bufs[i], greedy=self.greedy, kernels=e.kernels,
+                               self.top_p, self.stop, sel, bufs[i], greedy=self.greedy, kernels=e.kernels,
                                copy_pages=step_pages, trace=False)
         tokens, logits, remaining = outs[:3]
         self.call_s.append(time.perf_counter() - t)
@@ -125,14 +164,21 @@ def ring_decode_loop(self):
 orig_loop = eng._Run._decode_loop
 
 
+WORKLOAD = os.environ.get("PROBE_WORKLOAD", "")  # a selection override (experiments.workloads), or the model's
+
+
 def run_variant(name):
-    ring = int(name.split("/")[-1][4:]) if "/ring" in name else 0
+    ring = name.split("/")[-1]
+    ring = ring if ring.startswith(("ring", "clone")) else ""
     eng._Run._decode_loop = ring_decode_loop if ring else orig_loop
     eng._Run._absorb_decode = ring_absorb if ring else orig_absorb
     eng._Run.ring = ring
     aliased.clear()
+    sel_aliased.clear()
+    override = (workloads.selection(WORKLOAD, min(model.config.index_topk, cc.max_len), HIST, 7, S) if WORKLOAD
+                else None)
     t = time.perf_counter()
-    out = e.generate({s: NEW for s in sids})
+    out = e.generate({s: NEW for s in sids}, selection_override=override)
     wall = time.perf_counter() - t
     r = e.last_run
     for s in sids:
@@ -144,6 +190,7 @@ def run_variant(name):
            "interval_p99/p50": r.step_interval_ms["p99"] / r.step_interval_ms["p50"],
            "loop_per_step_ms": 1e3 * r.host_loop_s / max(r.steps, 1),
            "outputs_in_donated_buffers": (sum(aliased), len(aliased)) if ring else None,
+           "selection_in_fixed_buffers": (sum(sel_aliased), len(sel_aliased)) if sel_aliased else None,
            "slowest": sorted(((round(float(x), 2), i + 1) for i, x in enumerate(calls)), reverse=True)[:8],
            "decode_compile_s": r.decode_compile_s, "tokens_hash": hash(tuple(tuple(out[s]) for s in sids))}
     print(json.dumps(res), flush=True)
@@ -154,7 +201,9 @@ variants = os.environ.get("PROBE_VARIANTS", "default,ring3,ring4").split(",")
 tag = os.environ.get("PROBE_TAG", "ring")
 for v in variants:
     if v.startswith("ring"):
-        RING[int(v[4:])] = ring_fns(int(v[4:]))
+        RING[v] = ring_fns(int(v[4:].removesuffix("fixed")))
+    elif v.startswith("clone"):
+        RING[v] = Clones(int(v[5:].removesuffix("fixed")))
     run_variant(f"warmup/{v}")  # compiles (the ring's executables once each) and records every command buffer
 results = [run_variant(f"{tag}/{v}") for _ in range(int(os.environ.get("PROBE_REPS", "2"))) for v in variants]
 with open(os.path.join(os.environ.get("OUT", "/tmp"), f"ring_outputs_{tag}.json"), "w") as fh:
