@@ -44,7 +44,7 @@ from glm53 import memory, offload, session_io
 from glm53 import steps as steps_lib
 from glm53.cache import Lanes, capacity_for, init_resident
 from glm53.config import CacheConfig, ConfigError
-from kernels_pallas import kv_formats
+from kernels_pallas import kv_formats, ops
 
 MAX_MTP_DEPTH = 3
 KERNEL_IMPLS = ("auto", "pallas", "reference")
@@ -390,6 +390,16 @@ class Engine:
         self._steps: dict = {}
         self._decode_variants: set = set()  # (bucket, copy_pages) of the plain decode steps dispatched
         self._decode_buckets: set = set()  # buckets a plain decode loop has run in
+        # Decode and verify steps called in turn from this many executables of one compilation, each writing into
+        # the output buffers it wrote that many steps earlier (``Steps.ring``, ``_StepRing``): XLA then skips
+        # re-recording the step's CUDA graphs, most of a call's host time and its slow tail. Only where steps
+        # launch CUDA graphs, on one device of one process (the clones are loaded for that device); elsewhere 1,
+        # one executable and fresh outputs. ``_Run.LAG`` + 1: the step that wrote a set of buffers has been read
+        # when the set comes round again. Settable (tests run the ring on the CPU).
+        platform = next(iter(self._inputs.device_set)).platform
+        self.output_ring = (_Run.LAG + 1 if platform in ops.GPU_BACKENDS and self.mesh is None
+                            and self.pipeline is None and jax.process_count() == 1 else 1)
+        self._rings: dict = {}
         self._free_slots = list(range(self.max_sessions))
         self._free_pages = collections.deque(range(self.pool_pages))
         self._refs = np.zeros(self.pool_pages, np.int64)
@@ -534,6 +544,21 @@ class Engine:
         if fn is None:
             fn = self._steps[name] = self.model.steps.for_cache(name, self.cache, self.compiler_options)
         return fn
+
+    def _ring_step(self, name: str, args: tuple, static: dict) -> tuple:
+        """The ``output_ring`` executables of step ``name`` for these arguments (``Steps.ring``) and the shapes of
+        their output buffers, built at the first call with arguments shaped like these (the first two arguments,
+        the parameters and the cache, keep theirs). Loading the clones counts as compilation time."""
+        small = jax.tree_util.tree_flatten(args[2:])
+        key = (name, tuple(sorted(static.items())), small[1], tuple((x.shape, x.dtype) for x in small[0]))
+        ring = self._rings.get(key)
+        if ring is None:
+            t = time.perf_counter()
+            before = compile_seconds()
+            ring = self._rings[key] = self.model.steps.ring(name, self.cache, self.compiler_options, args, static,
+                                                            self.output_ring)
+            _compile_seconds[0] += max(time.perf_counter() - t - (compile_seconds() - before), 0.0)
+        return ring
 
     def _run(self, name: str, *args, **kw):
         """Run a lifecycle step on the cache (donated) and keep the new cache."""
@@ -1061,6 +1086,49 @@ def start_host_copies(*arrays) -> None:
             a.copy_to_host_async()
 
 
+# A per-step input copied into a buffer of its own (donated, written in place): see ``_StepRing``. An update, not
+# ``lambda buf, x: x``: JAX hands an output that is an input straight back instead of writing it into ``buf``.
+_write_into = jax.jit(lambda buf, x: jax.lax.dynamic_update_slice(buf, x, (0,) * x.ndim), donate_argnums=0)
+
+
+class _StepRing:
+    """One loop's step calls through the engine's ring executables (``Engine.output_ring``, ``Steps.ring``): call
+    k runs executable k mod N, giving it the output buffers it wrote at call k - N (donated: the step writes its
+    outputs there) and the selection override (the steps' last positional argument, a new array every step)
+    copied into that executable's own buffer. Every argument an executable meets then sits where it sat at its
+    last call: its inputs from the step before are the previous executable's fixed buffers, the cache is donated
+    and aliased, and lanes, seed, temperature, top_p and stop ids are fixed for the loop. A caller must have read
+    a step's outputs before the ring comes round to its buffers (``_Run.LAG`` < N), and must not read a step's
+    inputs after it (they are the outputs of the step N - 1 before the one that overwrites them)."""
+
+    def __init__(self, engine: Engine):
+        self.e = engine
+        self.copies = engine.output_ring
+        self.calls = 0
+        self.outputs: dict = {}  # (ring key, executable) -> the buffers it wrote last
+        self.selections: list = [None] * self.copies
+
+    def __call__(self, name: str, args: tuple, static: dict):
+        e = self.e
+        i = self.calls % self.copies
+        self.calls += 1
+        executables, shapes = e._ring_step(name, args, static)
+        sel = args[-1]
+        if sel is not None:
+            held = self.selections[i]
+            if held is None:
+                held = e._put(np.zeros(sel.shape, sel.dtype))
+            self.selections[i] = sel = _write_into(held, sel)
+            args = args[:-1] + (sel,)
+        key = (id(executables), i)
+        buffers = self.outputs.pop(key, None)
+        if buffers is None:
+            buffers = tuple(jax.device_put(np.zeros(b.shape, b.dtype), b.sharding) for b in shapes)
+        cache, outs = executables[i](*args, out_buffers=buffers)
+        self.outputs[key] = tuple(jax.tree_util.tree_leaves(outs))
+        return cache, outs
+
+
 class _Run:
     """The decode loop of one ``Engine.generate``: dispatch steps ahead of the device and read each step's small
     outputs ``LAG`` steps later (the device always has the next steps queued; the host learns lengths, acceptances
@@ -1308,16 +1376,17 @@ class _Run:
         remaining = e._put(self.remaining, np.int32)
         inflight = self.inflight = collections.deque()
         self.absorb = self._absorb_decode
+        ring = self._ring()
         t_loop0 = time.perf_counter()
         while self._dispatch_ok(inflight, self._absorb_decode, 1):
             sel = self._selection(len(inflight))
             step_pages = self._copy_pages(pages, copied, len(inflight)) if pages else 0
+            args = (e.model.params, e.cache, self.lanes, tokens, remaining, self.seed, self.temperature, self.top_p,
+                    self.stop, sel)
+            static = dict(greedy=self.greedy, kernels=e.kernels, copy_pages=step_pages, trace=self.trace is not None)
             t = time.perf_counter()
-            rem_in = remaining
-            e.cache, outs = e._step("decode")(
-                e.model.params, e.cache, self.lanes, tokens, remaining, self.seed, self.temperature,
-                self.top_p, self.stop, sel, greedy=self.greedy, kernels=e.kernels, copy_pages=step_pages,
-                trace=self.trace is not None)
+            e.cache, outs = ring("decode", args, static) if ring else e._step("decode")(*args, **static)
+            del args
             tokens, logits, remaining = outs[:3]
             self.call_s.append(time.perf_counter() - t)
             start_host_copies(tokens, remaining, logits if self.return_logits else None)
@@ -1326,7 +1395,9 @@ class _Run:
                 self.copy_steps.append(self.steps)
             if self.steps % fold == 0:
                 e._fold_counters(self.sessions)
-            inflight.append((tokens, remaining, logits if self.return_logits else None, rem_in,
+            # The step's input counts are the previous step's outputs, which the host has read (``_absorb_decode``):
+            # under the ring their buffers are written again before this step is read.
+            inflight.append((tokens, remaining, logits if self.return_logits else None, None,
                              outs[3] if len(outs) > 3 else None))
             if len(inflight) > self.LAG:
                 self._absorb_decode(*inflight.popleft())
@@ -1335,13 +1406,25 @@ class _Run:
         while inflight:
             self._absorb_decode(*inflight.popleft())
 
+    def _ring(self) -> _StepRing | None:
+        """This loop's calls through the engine's ring executables, or None (one executable, fresh outputs): a
+        traced run's steps return their fill rounds, which the ring does not carry."""
+        copies = self.e.output_ring
+        if copies > 1 and copies <= self.LAG:
+            raise ValueError(f"output_ring must be 1 or more than the {self.LAG} steps in flight (a step's outputs "
+                             f"are read before its buffers come round again), got {copies}")
+        return _StepRing(self.e) if copies > 1 and self.trace is None else None
+
     def _absorb_decode(self, tokens, remaining, logits, remaining_in, rounds=None) -> None:
-        """``remaining_in``: what the step was given (the device's own count): a lane was active iff it was > 0."""
+        """``remaining_in``: what the step was given (the device's own count): a lane was active iff it was > 0.
+        None: the previous step's ``remaining``, which the host read last (the plain decode loop: each step takes
+        the one before it's output, and the first the host's ``self.remaining``)."""
         self._record(rounds)
         t = time.perf_counter()
         tokens = np.asarray(tokens)  # waits for the step
         self.wait_s.append(time.perf_counter() - t)
-        remaining, remaining_in = np.asarray(remaining), np.asarray(remaining_in)
+        remaining_in = self.remaining.copy() if remaining_in is None else np.asarray(remaining_in)
+        remaining = np.asarray(remaining)
         logits = None if logits is None else np.asarray(logits)
         self.read_s.append(time.perf_counter())
         before = [self.e._committed(s) for s in self.sessions]
@@ -1393,15 +1476,17 @@ class _Run:
         remaining = e._put(self.remaining, np.int32)
         inflight = self.inflight = collections.deque()
         self.absorb = self._absorb_verify
+        ring = self._ring()
         t_loop0 = time.perf_counter()
         while self._dispatch_ok(inflight, self._absorb_verify, self.mtp + 1):
             sel = self._selection(len(inflight))
+            args = (e.model.params, e.cache, self.lanes, pending, drafts, draft_p, remaining, self.seed,
+                    self.temperature, self.top_p, self.stop, sel)
+            static = dict(greedy=self.greedy, accept_override=self.accept_override, kernels=e.kernels,
+                          copy_pages=pages, trace=self.trace is not None)
             t = time.perf_counter()
-            e.cache, outs = e._step("verify")(
-                e.model.params, e.cache, self.lanes, pending, drafts, draft_p, remaining, self.seed,
-                self.temperature, self.top_p, self.stop, sel, greedy=self.greedy,
-                accept_override=self.accept_override, kernels=e.kernels, copy_pages=pages,
-                trace=self.trace is not None)
+            e.cache, outs = ring("verify", args, static) if ring else e._step("verify")(*args, **static)
+            del args
             emitted, n_emit, logits, pending, drafts, draft_p, remaining, accepted = outs[:8]
             self.call_s.append(time.perf_counter() - t)
             start_host_copies(emitted, n_emit, remaining, accepted, logits if self.return_logits else None)

@@ -487,12 +487,77 @@ class Steps:
     def read_pages(self, cache, pages, *, kernels: str):
         return self._other("read_pages", cache)(cache, pages, kernels=kernels)
 
+    def ring(self, name: str, cache, compiler_options: tuple, args: tuple, static: dict, copies: int) -> tuple:
+        """``copies`` executables of step ``name`` for arguments shaped like ``args``, each taking a keyword
+        ``out_buffers``: its outputs other than the cache, donated, which XLA writes the step's outputs into (in
+        place). Returns (executables, the outputs' ``jax.ShapeDtypeStruct`` s, placed where the outputs go).
+
+        Why (H200, ``experiments/results/probes/ring_outputs_*.json``): XLA re-records a step's CUDA graphs before
+        a launch whenever a buffer they reference moved since their last launch, and a step's fresh outputs (the
+        next step's inputs) move at every call; that update was most of a decode call's 2-3 ms of host time, and
+        its spread was the step-call tail. A caller that calls these executables in turn, giving each the buffers
+        it wrote ``copies`` steps earlier (and every other per-step input in buffers of its own,
+        ``engine._StepRing``), has every executable meet the buffers it met at its last call: 10 x 50K decode
+        calls of 0.9 ms, p99 / median 1.2, tokens identical.
+
+        One compilation, cloned through its serialized form: the clones are one binary, so they choose the same
+        GEMM algorithms. Compiling each copy (tried at 84c6a66) let XLA's autotuning on a busy GPU pick different
+        algorithms for the copies, and their tokens differed from one executable's. On the CPU an executable that
+        a persistent compilation cache loaded serializes without its code (its clones fail to run: "Function ...
+        not found"), so there the copies are loaded from that cache one by one (the same binary too); on the H200
+        clones of such executables ran (``ring_outputs_clone1_cache2_*.json``)."""
+        from jax.experimental import serialize_executable
+
+        if static.get("trace"):
+            raise ValueError("a ring's steps return no trace")
+        f, static_names, with_model = STEPS[name]
+        plain = self._jit(name, cache, compiler_options)
+        outs = plain.trace(*args, **static).out_info[1]
+        placement = self.outputs_placement(cache)
+        buffers = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=placement)
+                        for o in jax.tree_util.tree_leaves(outs))
+        if with_model:
+            f = functools.partial(f, self.net)
+
+        def into_buffers(*a, out_buffers, **kw):
+            del out_buffers  # donated and kept though unused: XLA aliases each output to the buffer of its shape
+            return f(*a, **kw)
+
+        shardings = jax.tree_util.tree_map(lambda x: x.sharding, cache)
+        # The cache comes before out_buffers in the flattened arguments, so each cache leaf's output is aliased to
+        # its own input (outputs take the first donated input of their shape, in argument order) and each other
+        # output to its buffer in out_buffers.
+        fn = jax.jit(_named(into_buffers, name), static_argnames=static_names,
+                     donate_argnums=(1,) if with_model else (0,), donate_argnames=("out_buffers",), keep_unused=True,
+                     out_shardings=(shardings, placement), compiler_options=dict(compiler_options) or None)
+        lowered = fn.lower(*args, out_buffers=buffers, **static)
+        hits = _persistent_cache_hits[0]
+        first = lowered.compile()
+        if _persistent_cache_hits[0] > hits and next(iter(placement.device_set)).platform == "cpu":
+            return (first, *(lowered.compile() for _ in range(copies - 1))), buffers
+        payload = serialize_executable.serialize(first)
+        devices = list(placement.device_set)
+        clones = [serialize_executable.deserialize_and_load(*payload, execution_devices=devices)
+                  for _ in range(copies - 1)]
+        return (first, *clones), buffers
+
     def lower(self, name: str, *args, **kw):
         """The lowered (not run, nothing donated) call of step ``name`` with these arguments: for profiling and
         memory analysis (``.compile().memory_analysis()``, ``.compile().as_text()``)."""
         with_model = STEPS[name][2]
         cache = args[1] if with_model else args[0]
         return self._jit(name, cache).lower(*_abstract(args), **kw)
+
+
+_persistent_cache_hits = [0]  # executables this process loaded from JAX's persistent compilation cache
+
+
+def _on_event(name: str, **_) -> None:
+    if name == "/jax/compilation_cache/cache_hits":
+        _persistent_cache_hits[0] += 1
+
+
+jax.monitoring.register_event_listener(_on_event)
 
 
 def _named(f, name: str):

@@ -6,6 +6,7 @@ Every comparison of the two cache modes runs the same script on a resident and a
 model and requires the same tokens and bit-identical logits.
 """
 
+import collections
 import gc
 import time
 
@@ -615,5 +616,71 @@ def test_decode_and_verify_compile_once_per_shape():
     # plain decode of one lane has two variants, with and without the copyback; of several, one (``_Run._copy_pages``)
     pages = glm53.offload.copy_pages_for(e.cache_config, 1)
     assert e._decode_variants == {(1, 0), (1, pages), (2, pages)}
-    assert {n: e._step(n)._cache_size() for n in ("decode", "verify")} == {"decode": 3, "verify": 2}
+    # on GPUs the decode and verify loops' steps come from the engine's rings (``Engine.output_ring``), one a shape
+    rings = collections.Counter(key[0] for key in e._rings)
+    assert {n: e._step(n)._cache_size() + rings[n] for n in ("decode", "verify")} == {"decode": 3, "verify": 2}
+
+
+def test_output_ring_is_bit_identical_and_writes_in_place(model):
+    """Decode and verify steps called in turn from ``output_ring`` clones of one compilation, each writing into the
+    output buffers it wrote that many steps back and taking the selection override in a buffer of its own (the
+    engine's way on GPUs: ``Steps.ring``, ``engine._StepRing``): the same tokens and logits as one executable with
+    fresh outputs, over buckets, the single lane's copy-free steps, sampling, stop tokens,
+    MTP and a selection override; one ring a shape; outputs and selections in place."""
+    K = CFG.index_topk
+
+    def shifting(step, positions):  # K distinct positions inside every history (>= 30 rows), moving each step
+        return np.tile((np.arange(K) * 3 + step) % 30, (len(positions), 1))
+
+    def script(e):
+        a, b, c = e.open(ids(70, 81)), e.open(ids(45, 82)), e.open(ids(30, 83))
+        out = gen(e, {a: 9, b: 12, c: 5})
+        out += gen(e, {a: 20})  # one lane: steps with and without the copyback
+        e.append(b, ids(40, 84))
+        out += gen(e, {b: 7, c: 7}, temperature=0.9, top_p=0.8, seed=3)
+        out += gen(e, {a: 4, b: 4, c: 4}, stop_tokens=[5, 9])
+        out += gen(e, {a: 10, b: 6}, mtp=2)
+        out += gen(e, {a: 8, c: 8}, mtp=1, accept_override=1, selection_override=shifting)
+        out += gen(e, {b: 7, c: 5}, selection_override=shifting)
+        return out
+
+    on_gpu = jax.default_backend() in glm53.engine.ops.GPU_BACKENDS
+    pointers = []
+    write_into = glm53.engine._write_into
+
+    def recording(buf, x):  # the selection's buffer before and after the copy
+        before = buf.unsafe_buffer_pointer()
+        out = write_into(buf, x)
+        pointers.append((before, out.unsafe_buffer_pointer()))
+        return out
+
+    for mode in ("offload",):  # (the ring wraps either mode's steps alike; offload's have the copy-free variant)
+        plain = engine(model, mode, 4)
+        assert plain.output_ring == (3 if on_gpu else 1)
+        plain.output_ring = 1
+        ringed = engine(model, mode, 4)
+        ringed.output_ring = 3
+        glm53.engine._write_into = recording
+        try:
+            got = script(ringed)
+        finally:
+            glm53.engine._write_into = write_into
+        assert_same(got, script(plain))
+        assert len(pointers) >= 10 and all(b == a for b, a in pointers), pointers[:6]
+        pointers.clear()
+        rings = collections.Counter(key[0] for key in ringed._rings)
+        # decode: bucket 4 (greedy, sampling, stops and the override: 3 rings), 1 (offload: with and without the
+        # copyback), 2 (sampling); verify: bucket 2 (real, forced with the override)
+        assert rings == {"decode": 5 if mode == "offload" else 4, "verify": 2}, ringed._rings.keys()
+        assert all(len(execs) == 3 for execs, _ in ringed._rings.values())
+        for (name, *_), (execs, shapes) in ringed._rings.items():
+            header = execs[1].as_text().split("\n", 1)[0]
+            aliased = header.count(", may-alias)") + header.count(", must-alias)")
+            n_cache = len(jax.tree_util.tree_leaves(ringed.cache))
+            # every output aliased: decode's tokens, logits and remaining counts; verify's 7 (8, draft
+            # probabilities, when sampling)
+            assert aliased == n_cache + len(shapes) == n_cache + (3 if name == "decode" else 7), header[:300]
+    with pytest.raises(ValueError, match="output_ring must be 1 or more than"):
+        ringed.output_ring = 2
+        ringed.generate({ringed.sessions[0]: 2})
 

@@ -10,7 +10,8 @@ flight when a call starts); rot2, rot3 (the decode step as 2 or 3 separately com
 program, called in turn: with ``LAG`` 2 the temporaries of a step come back to the executable that ran 3 steps
 earlier, so each executable's CUDA graph may find its buffers where it left them and skip XLA's update); no_ring (the
 engine's plain decode steps from one executable with fresh outputs: ``Engine.output_ring`` = 1, the engine before
-its output rings; that engine is 84c6a66's, reverted: at other revisions no_ring is the default). At ffe5736 the engine's own rule was the exact one and
+its output rings; on GPUs the engines of 84c6a66 (reverted) and of the revisions since the ring's clones, where
+``default`` is the ring; elsewhere no_ring is the default). At ffe5736 the engine's own rule was the exact one and
 the variant then called old_rule was the default of 902d246 and f7cd3bb (host_calls_exact_ffe5736.json). Since
 then plain decode of several lanes always copies, so at 10 lanes default and always_copy are the same executable.
 Sessions and history: PROBE_SESSIONS (10), PROBE_HISTORY (50000). Per step: call ms, absorb wait ms (block_until_ready of the oldest in-flight step), absorb processing ms.
@@ -171,7 +172,7 @@ results = []
 tag = os.environ.get("PROBE_TAG", "cmdbuf_on")
 variants = os.environ.get("PROBE_VARIANTS", "default,lag1,lag3,always_copy,gc_off").split(",")
 run_variant("warmup")
-RING = getattr(e, "output_ring", None)  # the engine of 84c6a66 only (reverted)
+RING = getattr(e, "output_ring", None)  # engines with an output ring (84c6a66, reverted; the clones' since)
 if "no_ring" in os.environ.get("PROBE_VARIANTS", "") and RING is not None:
     e.output_ring = 1
     run_variant("warmup_no_ring")  # compiles the one executable
