@@ -399,7 +399,8 @@ class Engine:
         platform = next(iter(self._inputs.device_set)).platform
         self.output_ring = (_Run.LAG + 1 if platform in ops.GPU_BACKENDS and self.mesh is None
                             and self.pipeline is None and jax.process_count() == 1 else 1)
-        self._rings: dict = {}
+        self._rings: dict = {}  # (static, name, argument shapes) -> (executables, output shapes)
+        self._ring_buffers: dict = {}  # (name, argument shapes) -> _RingBuffers
         self._free_slots = list(range(self.max_sessions))
         self._free_pages = collections.deque(range(self.pool_pages))
         self._refs = np.zeros(self.pool_pages, np.int64)
@@ -546,11 +547,13 @@ class Engine:
         return fn
 
     def _ring_step(self, name: str, args: tuple, static: dict) -> tuple:
-        """The ``output_ring`` executables of step ``name`` for these arguments (``Steps.ring``) and the shapes of
-        their output buffers, built at the first call with arguments shaped like these (the first two arguments,
-        the parameters and the cache, keep theirs). Loading the clones counts as compilation time."""
+        """The ``output_ring`` executables of step ``name`` for these arguments (``Steps.ring``), the shapes of
+        their outputs and the buffers they keep (``_RingBuffers``, one set for all of the step's static variants
+        with these argument shapes), built at the first call with arguments shaped like these (the first two
+        arguments, the parameters and the cache, keep theirs). Loading the clones counts as compilation time."""
         small = jax.tree_util.tree_flatten(args[2:])
-        key = (name, tuple(sorted(static.items())), small[1], tuple((x.shape, x.dtype) for x in small[0]))
+        shapes = (name, small[1], tuple((x.shape, x.dtype) for x in small[0]))
+        key = (tuple(sorted(static.items())), *shapes)
         ring = self._rings.get(key)
         if ring is None:
             t = time.perf_counter()
@@ -558,7 +561,10 @@ class Engine:
             ring = self._rings[key] = self.model.steps.ring(name, self.cache, self.compiler_options, args, static,
                                                             self.output_ring)
             _compile_seconds[0] += max(time.perf_counter() - t - (compile_seconds() - before), 0.0)
-        return ring
+        held = self._ring_buffers.get(shapes)
+        if held is None or len(held.outputs) != self.output_ring:
+            held = self._ring_buffers[shapes] = _RingBuffers(self.output_ring)
+        return (*ring, held)
 
     def _run(self, name: str, *args, **kw):
         """Run a lifecycle step on the cache (donated) and keep the new cache."""
@@ -1012,7 +1018,8 @@ class Engine:
         """Bytes allocated, per session and in total, on the device and in host memory: counted from the arrays
         the cache really holds (a session's device bytes are its slot's share of every per-slot array, allocated
         whether or not the slot is full; its host bytes are the pages it holds, a page shared by k sessions counted
-        1/k to each)."""
+        1/k to each). ``step_buffers_bytes``: what the output rings keep between generate calls (``_RingBuffers``:
+        the decode and verify steps' outputs, ``output_ring`` sets per batch bucket, and their fixed inputs)."""
         # Per device: the cache is replicated over tensor-parallel devices, and split by layer over stages.
         device = _bytes_per_device(self.cache, pinned_host=False)
         host = _bytes_per_device(self.cache, pinned_host=True)
@@ -1033,7 +1040,9 @@ class Engine:
             "device": {"devices": 1 if self.mesh is None else int(self.mesh.size),
                        "cache_bytes": device, "per_slot_bytes": per_slot_device,
                        "params_bytes": self._params_bytes(),
-                       "transient_bytes": self.transient_bytes(), "budget_bytes": self.device_budget_bytes,
+                       "transient_bytes": self.transient_bytes(),
+                       "step_buffers_bytes": sum(b.nbytes() for b in self._ring_buffers.values()),
+                       "budget_bytes": self.device_budget_bytes,
                        "slots": self.max_sessions, "allocated_slots": self.alloc_slots,
                        "free_slots": len(self._free_slots)},
             "host": {"pool_bytes": host, "pool_replicas": 1 if self.mesh is None else int(self.mesh.shape["tp"]),
@@ -1086,47 +1095,95 @@ def start_host_copies(*arrays) -> None:
             a.copy_to_host_async()
 
 
-# A per-step input copied into a buffer of its own (donated, written in place): see ``_StepRing``. An update, not
+# A step input copied into a buffer of its own (donated, written in place): see ``_StepRing``. An update, not
 # ``lambda buf, x: x``: JAX hands an output that is an input straight back instead of writing it into ``buf``.
 _write_into = jax.jit(lambda buf, x: jax.lax.dynamic_update_slice(buf, x, (0,) * x.ndim), donate_argnums=0)
 
 
+def _into(held, value):
+    """``value`` (an array or a pytree of them, or None) copied into ``held``'s buffers (None: new ones)."""
+    if value is None:
+        return None
+    if held is None:
+        held = _zeros(value)
+    return jax.tree_util.tree_map(lambda h, x: _write_into(h, x), held, value)
+
+
+# The ring steps' inputs that a loop takes from the step before: argument index -> index in the step's outputs.
+_CARRIED = {"decode": {3: 0, 4: 2},  # tokens, remaining
+            "verify": {3: 3, 4: 4, 5: 5, 6: 6}}  # pending, drafts, draft_p, remaining
+
+
+class _RingBuffers:
+    """What a ring's executables keep between their calls and between generate calls (``Engine._ring_buffers``,
+    one per step and argument shapes, shared by the step's static variants so a loop can switch between them):
+    each executable's outputs (the buffers its next call writes into), its copy of the selection override, and
+    the loop's fixed inputs (lanes, seed, temperature, top_p, stop ids), argument index -> buffers."""
+
+    def __init__(self, copies: int):
+        self.outputs: list = [None] * copies
+        self.selections: list = [None] * copies
+        self.fixed: dict = {}
+
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree_util.tree_leaves((self.outputs, self.selections, self.fixed)))
+
+
 class _StepRing:
     """One loop's step calls through the engine's ring executables (``Engine.output_ring``, ``Steps.ring``): call
-    k runs executable k mod N, giving it the output buffers it wrote at call k - N (donated: the step writes its
-    outputs there) and the selection override (the steps' last positional argument, a new array every step)
-    copied into that executable's own buffer. Every argument an executable meets then sits where it sat at its
-    last call: its inputs from the step before are the previous executable's fixed buffers, the cache is donated
-    and aliased, and lanes, seed, temperature, top_p and stop ids are fixed for the loop. A caller must have read
-    a step's outputs before the ring comes round to its buffers (``_Run.LAG`` < N), and must not read a step's
-    inputs after it (they are the outputs of the step N - 1 before the one that overwrites them)."""
+    k runs executable k mod N, which writes its outputs into the buffers it wrote at its last call (donated).
+    Every argument an executable meets then sits where it sat at its last call, in this loop and the ones before
+    (XLA then launches its CUDA graphs as recorded): the cache is donated and aliased; the inputs a step takes
+    from the step before (``_CARRIED``) are the previous executable's outputs, and at a loop's first call the
+    loop's own first inputs are copied into those; the selection override (the last positional argument, a new
+    array every step) is copied into the executable's own buffer; the loop's other inputs into the ring's fixed
+    ones. A caller must have read a step's outputs before the ring comes round to its buffers (``_Run.LAG`` < N),
+    and must not read a step's inputs after it (they are the outputs of the step N - 1 before the one that
+    overwrites them)."""
 
     def __init__(self, engine: Engine):
         self.e = engine
         self.copies = engine.output_ring
         self.calls = 0
-        self.outputs: dict = {}  # (ring key, executable) -> the buffers it wrote last
-        self.selections: list = [None] * self.copies
+        self.rings: dict = {}  # (name, static) -> (executables, output shapes, _RingBuffers)
+        self.fixed: dict = {}  # id(_RingBuffers) -> {argument index: its buffers}, as copied in this loop
 
     def __call__(self, name: str, args: tuple, static: dict):
-        e = self.e
+        memo = (name, *static.items())
+        ring = self.rings.get(memo)
+        if ring is None:
+            ring = self.rings[memo] = self.e._ring_step(name, args, static)
+        executables, shapes, held = ring
         i = self.calls % self.copies
+        args = list(args)
+        carried = _CARRIED[name]
+        fixed = self.fixed.get(id(held))
+        if fixed is None:
+            fixed = self.fixed[id(held)] = {j: _into(held.fixed.get(j), args[j])
+                                            for j in range(2, len(args) - 1) if j not in carried}
+            held.fixed.update(fixed)
+        for j, buffers in fixed.items():
+            args[j] = buffers
+        if self.calls == 0:
+            previous = (i - 1) % self.copies
+            outs = list(held.outputs[previous] or _zeros(shapes))
+            for j, k in carried.items():
+                outs[k] = args[j] = _into(outs[k], args[j])
+            held.outputs[previous] = tuple(outs)
+        if args[-1] is not None:
+            held.selections[i] = args[-1] = _into(held.selections[i], args[-1])
+        buffers = held.outputs[i] or _zeros(shapes)
+        held.outputs[i] = None  # donated
         self.calls += 1
-        executables, shapes = e._ring_step(name, args, static)
-        sel = args[-1]
-        if sel is not None:
-            held = self.selections[i]
-            if held is None:
-                held = e._put(np.zeros(sel.shape, sel.dtype))
-            self.selections[i] = sel = _write_into(held, sel)
-            args = args[:-1] + (sel,)
-        key = (id(executables), i)
-        buffers = self.outputs.pop(key, None)
-        if buffers is None:
-            buffers = tuple(jax.device_put(np.zeros(b.shape, b.dtype), b.sharding) for b in shapes)
         cache, outs = executables[i](*args, out_buffers=buffers)
-        self.outputs[key] = tuple(jax.tree_util.tree_leaves(outs))
+        held.outputs[i] = outs
         return cache, outs
+
+
+def _zeros(shapes):
+    """Zeros shaped and placed like ``shapes`` (arrays or ``jax.ShapeDtypeStruct`` s), in buffers JAX owns: on the
+    CPU ``jax.device_put`` of a numpy array may keep the numpy memory, whose donation is then declined."""
+    return jax.tree_util.tree_map(lambda b: jnp.zeros(b.shape, b.dtype, device=b.sharding), shapes)
 
 
 class _Run:
@@ -1157,6 +1214,7 @@ class _Run:
         self.selection_override = selection_override
         self.accept_override = accept_override
         self.lanes, self.bucket = engine._lanes([s.slot for s in sessions])
+        self.copy_reads = engine.output_ring > 1 and next(iter(engine._inputs.device_set)).platform == "cpu"
         self.out = {s.sid: [] for s in sessions}
         self.logits = {s.sid: [] for s in sessions} if return_logits else None
         self.remaining = np.zeros(self.bucket, np.int64)
@@ -1406,6 +1464,12 @@ class _Run:
         while inflight:
             self._absorb_decode(*inflight.popleft())
 
+    def _read(self, x) -> np.ndarray:
+        """A step's output on the host. Under a ring, on the CPU a copy: ``np.asarray`` there is a view of the
+        device buffer, and while a view lives the ring's donation of that buffer is declined (the step then writes
+        its outputs elsewhere). A GPU's ``np.asarray`` is a copy already."""
+        return np.array(x) if self.copy_reads else np.asarray(x)
+
     def _ring(self) -> _StepRing | None:
         """This loop's calls through the engine's ring executables, or None (one executable, fresh outputs): a
         traced run's steps return their fill rounds, which the ring does not carry."""
@@ -1421,11 +1485,11 @@ class _Run:
         the one before it's output, and the first the host's ``self.remaining``)."""
         self._record(rounds)
         t = time.perf_counter()
-        tokens = np.asarray(tokens)  # waits for the step
+        tokens = self._read(tokens)  # waits for the step
         self.wait_s.append(time.perf_counter() - t)
         remaining_in = self.remaining.copy() if remaining_in is None else np.asarray(remaining_in)
-        remaining = np.asarray(remaining)
-        logits = None if logits is None else np.asarray(logits)
+        remaining = self._read(remaining)
+        logits = None if logits is None else self._read(logits)
         self.read_s.append(time.perf_counter())
         before = [self.e._committed(s) for s in self.sessions]
         for b, s in enumerate(self.sessions):
@@ -1506,11 +1570,11 @@ class _Run:
     def _absorb_verify(self, emitted, n_emit, remaining, accepted, logits, rounds=None) -> None:
         self._record(rounds)
         t = time.perf_counter()
-        emitted = np.asarray(emitted)  # waits for the step
+        emitted = self._read(emitted)  # waits for the step
         self.wait_s.append(time.perf_counter() - t)
-        n_emit = np.asarray(n_emit)
-        remaining, accepted = np.asarray(remaining), np.asarray(accepted)
-        logits = None if logits is None else np.asarray(logits)
+        n_emit = self._read(n_emit)
+        remaining, accepted = self._read(remaining), self._read(accepted)
+        logits = None if logits is None else self._read(logits)
         self.read_s.append(time.perf_counter())
         before = [self.e._committed(s) for s in self.sessions]
         for b, s in enumerate(self.sessions):

@@ -490,15 +490,16 @@ class Steps:
     def ring(self, name: str, cache, compiler_options: tuple, args: tuple, static: dict, copies: int) -> tuple:
         """``copies`` executables of step ``name`` for arguments shaped like ``args``, each taking a keyword
         ``out_buffers``: its outputs other than the cache, donated, which XLA writes the step's outputs into (in
-        place). Returns (executables, the outputs' ``jax.ShapeDtypeStruct`` s, placed where the outputs go).
+        place). Returns (executables, the outputs as ``jax.ShapeDtypeStruct`` s placed where they go: the buffers'
+        structure).
 
         Why (H200, ``experiments/results/probes/ring_outputs_*.json``): XLA re-records a step's CUDA graphs before
         a launch whenever a buffer they reference moved since their last launch, and a step's fresh outputs (the
         next step's inputs) move at every call; that update was most of a decode call's 2-3 ms of host time, and
         its spread was the step-call tail. A caller that calls these executables in turn, giving each the buffers
-        it wrote ``copies`` steps earlier (and every other per-step input in buffers of its own,
-        ``engine._StepRing``), has every executable meet the buffers it met at its last call: 10 x 50K decode
-        calls of 0.9 ms, p99 / median 1.2, tokens identical.
+        it wrote ``copies`` steps earlier (and every other input in buffers of its own, ``engine._StepRing``), has
+        every executable meet the buffers it met at its last call: in a probe, 10 x 50K decode calls of 0.9 ms,
+        p99 / median 1.2, tokens identical.
 
         One compilation, cloned through its serialized form: the clones are one binary, so they choose the same
         GEMM algorithms. Compiling each copy (tried at 84c6a66) let XLA's autotuning on a busy GPU pick different
@@ -514,8 +515,7 @@ class Steps:
         plain = self._jit(name, cache, compiler_options)
         outs = plain.trace(*args, **static).out_info[1]
         placement = self.outputs_placement(cache)
-        buffers = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=placement)
-                        for o in jax.tree_util.tree_leaves(outs))
+        buffers = jax.tree_util.tree_map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=placement), outs)
         if with_model:
             f = functools.partial(f, self.net)
 

@@ -450,9 +450,21 @@ def test_memory_report_matches_jax_allocations(model):
     assert sum(parts["device"].values()) == rep["device"]["cache_bytes"]
     assert parts["host"]["pool"] == rep["host"]["pool_bytes"]
     assert rep["device"]["per_slot_bytes"] * 3 == rep["device"]["cache_bytes"]
+    assert rep["device"]["step_buffers_bytes"] == 0
     used = sum(s["host_pages"] for s in rep["sessions"].values())
     assert used == rep["host"]["used_pages"] == -(-100 // 16) + -(-130 // 16)
     assert rep["host"]["free_pages"] == rep["host"]["pages"] - used
+    # the output rings (a GPU's default) keep their buffers between generate calls: reported apart
+    e.output_ring = 3
+    e.generate({s: 5 for s in e.sessions}, mtp=1)
+    e.generate({s: 5 for s in e.sessions})
+    rep = e.memory_report()
+    new = [a for a in jax.live_arrays()
+           if (a.unsafe_buffer_pointer() if hasattr(a, "unsafe_buffer_pointer") else id(a)) not in before]
+    dev = sum(a.nbytes for a in new if a.sharding.memory_kind != "pinned_host")
+    # 3 sets of decode's outputs (logits [2, V] float32 the most) and of verify's ([2, 2, V])
+    assert rep["device"]["step_buffers_bytes"] > 9 * 2 * CFG.vocab_size * 4
+    assert 0 <= dev - rep["device"]["cache_bytes"] - rep["device"]["step_buffers_bytes"] < 64 * 1024
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -617,7 +629,7 @@ def test_decode_and_verify_compile_once_per_shape():
     pages = glm53.offload.copy_pages_for(e.cache_config, 1)
     assert e._decode_variants == {(1, 0), (1, pages), (2, pages)}
     # on GPUs the decode and verify loops' steps come from the engine's rings (``Engine.output_ring``), one a shape
-    rings = collections.Counter(key[0] for key in e._rings)
+    rings = collections.Counter(key[1] for key in e._rings)
     assert {n: e._step(n)._cache_size() + rings[n] for n in ("decode", "verify")} == {"decode": 3, "verify": 2}
 
 
@@ -632,16 +644,24 @@ def test_output_ring_is_bit_identical_and_writes_in_place(model):
     def shifting(step, positions):  # K distinct positions inside every history (>= 30 rows), moving each step
         return np.tile((np.arange(K) * 3 + step) % 30, (len(positions), 1))
 
+    def pointers_of(e):
+        return {k: [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(held.outputs)]
+                for k, held in e._ring_buffers.items()}
+
     def script(e):
         a, b, c = e.open(ids(70, 81)), e.open(ids(45, 82)), e.open(ids(30, 83))
         out = gen(e, {a: 9, b: 12, c: 5})
+        kept = pointers_of(e)
         out += gen(e, {a: 20})  # one lane: steps with and without the copyback
+        out += gen(e, {a: 4, b: 4, c: 4})  # the first run's shapes again: its buffers, written in place
         e.append(b, ids(40, 84))
         out += gen(e, {b: 7, c: 7}, temperature=0.9, top_p=0.8, seed=3)
         out += gen(e, {a: 4, b: 4, c: 4}, stop_tokens=[5, 9])
         out += gen(e, {a: 10, b: 6}, mtp=2)
         out += gen(e, {a: 8, c: 8}, mtp=1, accept_override=1, selection_override=shifting)
         out += gen(e, {b: 7, c: 5}, selection_override=shifting)
+        if e.output_ring > 1:
+            assert kept and all(pointers_of(e)[k] == v for k, v in kept.items())
         return out
 
     on_gpu = jax.default_backend() in glm53.engine.ops.GPU_BACKENDS
@@ -668,12 +688,13 @@ def test_output_ring_is_bit_identical_and_writes_in_place(model):
         assert_same(got, script(plain))
         assert len(pointers) >= 10 and all(b == a for b, a in pointers), pointers[:6]
         pointers.clear()
-        rings = collections.Counter(key[0] for key in ringed._rings)
+        rings = collections.Counter(key[1] for key in ringed._rings)
         # decode: bucket 4 (greedy, sampling, stops and the override: 3 rings), 1 (offload: with and without the
         # copyback), 2 (sampling); verify: bucket 2 (real, forced with the override)
         assert rings == {"decode": 5 if mode == "offload" else 4, "verify": 2}, ringed._rings.keys()
         assert all(len(execs) == 3 for execs, _ in ringed._rings.values())
-        for (name, *_), (execs, shapes) in ringed._rings.items():
+        for (_, name, *_), (execs, shapes) in ringed._rings.items():
+            shapes = jax.tree_util.tree_leaves(shapes)
             header = execs[1].as_text().split("\n", 1)[0]
             aliased = header.count(", may-alias)") + header.count(", must-alias)")
             n_cache = len(jax.tree_util.tree_leaves(ringed.cache))

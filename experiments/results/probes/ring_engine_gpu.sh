@@ -6,9 +6,9 @@
 LIMIT=${LIMIT:-560}
 source experiments/results/probes/gpu_setup.sh
 export JAX_PLATFORMS=cuda
-timeout ${TEST_S:-230} python -m pytest -q -n 4 --dist worksteal -p no:cacheprovider tests/test_engine.py \
-  2>&1 | grep -v "Warning\|warner\|compiler_params" > $OUT/compiled_tests_engine_ring_$R.log
-tail -3 $OUT/compiled_tests_engine_ring_$R.log
+timeout ${TEST_S:-300} python -m pytest -v -rf -n 4 --dist worksteal -p no:cacheprovider tests/test_engine.py \
+  2>&1 | grep "PASSED\|FAILED\|ERROR\|^E \|passed\|failed" > $OUT/compiled_tests_engine_ring_$R.log
+grep -c PASSED $OUT/compiled_tests_engine_ring_$R.log; grep "FAILED\|^E " $OUT/compiled_tests_engine_ring_$R.log | head -20; tail -2 $OUT/compiled_tests_engine_ring_$R.log
 el tests
 export JAX_PLATFORMS=cuda,cpu
 LEFT=$(( LIMIT - $(date +%s) + T0 ))
