@@ -372,6 +372,7 @@ def test_copyback_steps_are_the_steps_that_copied(model, mtp, monkeypatch):
     device counts them step by step (the engine reads a step two steps after dispatching it; the MTP layer's row
     lags one; a lane that stops is not copied in-step, its page waits for the settle after the run)."""
     e = engine(model, "offload", max_sessions=2)
+    e.output_ring = 1  # the steps through e._step, which this test wraps (a GPU's rings call their own clones)
     device_steps = []
 
     def counting(step):

@@ -10,7 +10,7 @@ flight when a call starts); rot2, rot3 (the decode step as 2 or 3 separately com
 program, called in turn: with ``LAG`` 2 the temporaries of a step come back to the executable that ran 3 steps
 earlier, so each executable's CUDA graph may find its buffers where it left them and skip XLA's update); no_ring (the
 engine's plain decode steps from one executable with fresh outputs: ``Engine.output_ring`` = 1, the engine before
-its output rings; on GPUs the engines of 84c6a66 (reverted) and of the revisions since the ring's clones, where
+its output rings; ring_v1: the ring as e8cb53d had it, ``RingV1``; on GPUs the engines of 84c6a66 (reverted) and of the revisions since the ring's clones, where
 ``default`` is the ring; elsewhere no_ring is the default). At ffe5736 the engine's own rule was the exact one and
 the variant then called old_rule was the default of 902d246 and f7cd3bb (host_calls_exact_ffe5736.json). Since
 then plain decode of several lanes always copies, so at 10 lanes default and always_copy are the same executable.
@@ -81,6 +81,28 @@ class Rotating:
         return f(*a, **kw)
 
 
+class RingV1(eng._StepRing):
+    """``ring_v1``: the ring as e8cb53d had it (host_calls_ring_clone_engine10_e8cb53d.json: calls 1.07-1.25 ms):
+    output and selection buffers kept for one loop only, the loop's fixed inputs passed as they are."""
+
+    def __call__(self, name, args, static):
+        memo = (name, *static.items())
+        ring = self.rings.get(memo)
+        if ring is None:
+            ring = self.rings[memo] = self.e._ring_step(name, args, static)
+        executables, shapes, _ = ring
+        i = self.calls % self.copies
+        self.calls += 1
+        args = list(args)
+        if args[-1] is not None:
+            self.fixed[("sel", i)] = args[-1] = eng._into(self.fixed.get(("sel", i)), args[-1])
+        buffers = self.fixed.pop((memo, i), None) or eng._zeros(shapes)
+        cache, outs = executables[i](*args, out_buffers=buffers)
+        self.fixed[(memo, i)] = outs
+        return cache, outs
+
+
+ORIG_RING = eng._StepRing
 ROT = {}
 orig_decode = e._step("decode")
 orig_copy_pages = eng._Run._copy_pages
@@ -177,6 +199,10 @@ if "no_ring" in os.environ.get("PROBE_VARIANTS", "") and RING is not None:
     e.output_ring = 1
     run_variant("warmup_no_ring")  # compiles the one executable
     e.output_ring = RING
+if "ring_v1" in os.environ.get("PROBE_VARIANTS", ""):
+    eng._StepRing = RingV1
+    run_variant("warmup_ring_v1")
+    eng._StepRing = ORIG_RING
 for n in (2, 3):
     if f"rot{n}" in os.environ.get("PROBE_VARIANTS", ""):
         ROT[n] = Rotating(n)
@@ -190,6 +216,7 @@ for rep in range(int(os.environ.get("PROBE_REPS", "2"))):
         eng._Run.LAG = {"lag1": 1, "lag3": 3, "sync": 0}.get(v, 2)
         if RING is not None:
             e.output_ring = 1 if v == "no_ring" else RING
+        eng._StepRing = RingV1 if v == "ring_v1" else ORIG_RING
         e._steps["decode"] = ROT[int(v[3:])] if v.startswith("rot") else orig_decode
         eng._Run._copy_pages = {"always_copy": lambda self, pages, copied, n: pages,
                                 "exact_rule": exact_rule}.get(v, orig_copy_pages)
