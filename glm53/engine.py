@@ -664,7 +664,7 @@ class Engine:
         Called after every generate and every ``fold_every`` steps inside one."""
         if not self.offload or not sessions:
             return
-        dev = np.asarray(self.cache.counters)
+        dev = np.array(self.cache.counters)  # a copy: a CPU view would keep the donated counters from staying put
         for s in sessions:
             self._totals(s)[:] += dev[:, s.slot]
         mask = np.zeros(self.alloc_slots, bool)

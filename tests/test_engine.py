@@ -675,12 +675,29 @@ def test_output_ring_is_bit_identical_and_writes_in_place(model):
         pointers.append((before, out.unsafe_buffer_pointer()))
         return out
 
+    met = collections.defaultdict(list)  # (step, static, shapes, executable) -> its arguments' addresses, per call
+
+    def watched(ring_step):
+        def build(name, args, static):
+            executables, shapes, held = ring_step(name, args, static)
+
+            def watch(i, run):
+                def call(*a, out_buffers):
+                    leaves = jax.tree_util.tree_leaves((a[1:], out_buffers))  # all but the parameters
+                    key = (name, tuple(sorted(static.items())), [x.shape for x in leaves], i)
+                    met[repr(key)].append([x.unsafe_buffer_pointer() for x in leaves])
+                    return run(*a, out_buffers=out_buffers)
+                return call
+            return tuple(watch(i, x) for i, x in enumerate(executables)), shapes, held
+        return build
+
     for mode in ("offload",):  # (the ring wraps either mode's steps alike; offload's have the copy-free variant)
         plain = engine(model, mode, 4)
         assert plain.output_ring == (3 if on_gpu else 1)
         plain.output_ring = 1
         ringed = engine(model, mode, 4)
         ringed.output_ring = 3
+        ringed._ring_step = watched(ringed._ring_step)
         glm53.engine._write_into = recording
         try:
             got = script(ringed)
@@ -688,6 +705,12 @@ def test_output_ring_is_bit_identical_and_writes_in_place(model):
             glm53.engine._write_into = write_into
         assert_same(got, script(plain))
         assert len(pointers) >= 10 and all(b == a for b, a in pointers), pointers[:6]
+        # every executable meets every argument where it met it at its first call, in every run (what lets XLA
+        # launch its CUDA graphs as recorded)
+        assert len(met) > len(ringed._rings) and sum(map(len, met.values())) > 60
+        for key, calls in met.items():
+            assert all(c == calls[0] for c in calls), (key, [[j for j, (x, y) in enumerate(zip(c, calls[0]))
+                                                                 if x != y] for c in calls])
         pointers.clear()
         rings = collections.Counter(key[1] for key in ringed._rings)
         # decode: bucket 4 (greedy, sampling, stops and the override: 3 rings), 1 (offload: with and without the
