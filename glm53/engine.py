@@ -399,7 +399,7 @@ class Engine:
         platform = next(iter(self._inputs.device_set)).platform
         self.output_ring = (_Run.LAG + 1 if platform in ops.GPU_BACKENDS and self.mesh is None
                             and self.pipeline is None and jax.process_count() == 1 else 1)
-        self._rings: dict = {}  # (static, name, argument shapes) -> (executables, output shapes)
+        self._rings: dict = {}  # (static, name, argument shapes, copies) -> (executables, output shapes)
         self._ring_buffers: dict = {}  # (name, argument shapes) -> _RingBuffers
         self._free_slots = list(range(self.max_sessions))
         self._free_pages = collections.deque(range(self.pool_pages))
@@ -553,7 +553,7 @@ class Engine:
         arguments, the parameters and the cache, keep theirs). Loading the clones counts as compilation time."""
         small = jax.tree_util.tree_flatten(args[2:])
         shapes = (name, small[1], tuple((x.shape, x.dtype) for x in small[0]))
-        key = (tuple(sorted(static.items())), *shapes)
+        key = (tuple(sorted(static.items())), *shapes, self.output_ring)
         ring = self._rings.get(key)
         if ring is None:
             t = time.perf_counter()

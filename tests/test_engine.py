@@ -457,14 +457,13 @@ def test_memory_report_matches_jax_allocations(model):
     assert rep["host"]["free_pages"] == rep["host"]["pages"] - used
     # the output rings (a GPU's default) keep their buffers between generate calls: reported apart
     e.output_ring = 3
-    e.generate({s: 5 for s in e.sessions}, mtp=1)
     e.generate({s: 5 for s in e.sessions})
     rep = e.memory_report()
     new = [a for a in jax.live_arrays()
            if (a.unsafe_buffer_pointer() if hasattr(a, "unsafe_buffer_pointer") else id(a)) not in before]
     dev = sum(a.nbytes for a in new if a.sharding.memory_kind != "pinned_host")
-    # 3 sets of decode's outputs (logits [2, V] float32 the most) and of verify's ([2, 2, V])
-    assert rep["device"]["step_buffers_bytes"] > 9 * 2 * CFG.vocab_size * 4
+    # 3 sets of decode's outputs (logits [2, V] float32 the most)
+    assert rep["device"]["step_buffers_bytes"] > 3 * 2 * CFG.vocab_size * 4
     assert 0 <= dev - rep["device"]["cache_bytes"] - rep["device"]["step_buffers_bytes"] < 64 * 1024
 
 
@@ -638,8 +637,8 @@ def test_output_ring_is_bit_identical_and_writes_in_place(model):
     """Decode and verify steps called in turn from ``output_ring`` clones of one compilation, each writing into the
     output buffers it wrote that many steps back and taking the selection override in a buffer of its own (the
     engine's way on GPUs: ``Steps.ring``, ``engine._StepRing``): the same tokens and logits as one executable with
-    fresh outputs, over buckets, the single lane's copy-free steps, sampling, stop tokens,
-    MTP and a selection override; one ring a shape; outputs and selections in place."""
+    fresh outputs, over buckets, the single lane's copy-free steps, an append, sampling, stop
+    tokens, MTP and a selection override; one ring a shape; outputs and selections in place."""
     K = CFG.index_topk
 
     def shifting(step, positions):  # K distinct positions inside every history (>= 30 rows), moving each step
@@ -656,11 +655,9 @@ def test_output_ring_is_bit_identical_and_writes_in_place(model):
         out += gen(e, {a: 20})  # one lane: steps with and without the copyback
         out += gen(e, {a: 4, b: 4, c: 4})  # the first run's shapes again: its buffers, written in place
         e.append(b, ids(40, 84))
-        out += gen(e, {b: 7, c: 7}, temperature=0.9, top_p=0.8, seed=3)
+        out += gen(e, {b: 7, c: 7}, temperature=0.9, top_p=0.8, seed=3, selection_override=shifting)
         out += gen(e, {a: 4, b: 4, c: 4}, stop_tokens=[5, 9])
-        out += gen(e, {a: 10, b: 6}, mtp=2)
-        out += gen(e, {a: 8, c: 8}, mtp=1, accept_override=1, selection_override=shifting)
-        out += gen(e, {b: 7, c: 5}, selection_override=shifting)
+        out += gen(e, {a: 10, c: 8}, mtp=2, accept_override=1, selection_override=shifting)
         if e.output_ring > 1:
             assert kept and all(pointers_of(e)[k] == v for k, v in kept.items())
         return out
@@ -707,23 +704,23 @@ def test_output_ring_is_bit_identical_and_writes_in_place(model):
         assert len(pointers) >= 10 and all(b == a for b, a in pointers), pointers[:6]
         # every executable meets every argument where it met it at its first call, in every run (what lets XLA
         # launch its CUDA graphs as recorded)
-        assert len(met) > len(ringed._rings) and sum(map(len, met.values())) > 60
+        assert len(met) > len(ringed._rings) and sum(map(len, met.values())) > 40
         for key, calls in met.items():
             assert all(c == calls[0] for c in calls), (key, [[j for j, (x, y) in enumerate(zip(c, calls[0]))
                                                                  if x != y] for c in calls])
         pointers.clear()
         rings = collections.Counter(key[1] for key in ringed._rings)
-        # decode: bucket 4 (greedy, sampling, stops and the override: 3 rings), 1 (offload: with and without the
-        # copyback), 2 (sampling); verify: bucket 2 (real, forced with the override)
-        assert rings == {"decode": 5 if mode == "offload" else 4, "verify": 2}, ringed._rings.keys()
+        # decode: bucket 4 (greedy, stops), 1 (with and without the copyback), 2 (sampling with the override);
+        # verify: bucket 2
+        assert rings == {"decode": 4, "verify": 1}, ringed._rings.keys()
         assert all(len(execs) == 3 for execs, _ in ringed._rings.values())
         for (_, name, *_), (execs, shapes) in ringed._rings.items():
             shapes = jax.tree_util.tree_leaves(shapes)
             header = execs[1].as_text().split("\n", 1)[0]
             aliased = header.count(", may-alias)") + header.count(", must-alias)")
             n_cache = len(jax.tree_util.tree_leaves(ringed.cache))
-            # every output aliased: decode's tokens, logits and remaining counts; verify's 7 (8, draft
-            # probabilities, when sampling)
+            # every output aliased: decode's tokens, logits and remaining counts; verify's 7 (greedy: no draft
+            # probabilities)
             assert aliased == n_cache + len(shapes) == n_cache + (3 if name == "decode" else 7), header[:300]
     with pytest.raises(ValueError, match="output_ring must be 1 or more than"):
         ringed.output_ring = 2
