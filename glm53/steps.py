@@ -498,15 +498,15 @@ class Steps:
         next step's inputs) move at every call; that update was most of a decode call's 2-3 ms of host time, and
         its spread was the step-call tail. A caller that calls these executables in turn, giving each the buffers
         it wrote ``copies`` steps earlier (and every other input in buffers of its own, ``engine._StepRing``), has
-        every executable meet the buffers it met at its last call: in a probe, 10 x 50K decode calls of 0.9 ms,
-        p99 / median 1.2, tokens identical.
+        every executable meet the buffers it met at its last call: 10 x 50K offload decode calls of 1.0-1.3 ms
+        against one executable's 1.9-2.1, tokens identical (``probes/host_calls_ring_v1v2_engine10_b4ac251.json``).
 
         One compilation, cloned through its serialized form: the clones are one binary, so they choose the same
         GEMM algorithms. Compiling each copy (tried at 84c6a66) let XLA's autotuning on a busy GPU pick different
-        algorithms for the copies, and their tokens differed from one executable's. On the CPU an executable that
-        a persistent compilation cache loaded serializes without its code (its clones fail to run: "Function ...
-        not found"), so there the copies are loaded from that cache one by one (the same binary too); on the H200
-        clones of such executables ran (``ring_outputs_clone1_cache2_*.json``)."""
+        algorithms for the copies, and their tokens differed from one executable's. An executable that a
+        persistent compilation cache loaded is not cloned (on the CPU it serializes without its code, and its
+        clones fail to run: "Function ... not found"): the copies are then loaded from that cache one by one, the
+        same binary too."""
         from jax.experimental import serialize_executable
 
         if static.get("trace"):
@@ -533,7 +533,7 @@ class Steps:
         lowered = fn.lower(*args, out_buffers=buffers, **static)
         hits = _persistent_cache_hits[0]
         first = lowered.compile()
-        if _persistent_cache_hits[0] > hits and next(iter(placement.device_set)).platform == "cpu":
+        if _persistent_cache_hits[0] > hits:
             return (first, *(lowered.compile() for _ in range(copies - 1))), buffers
         payload = serialize_executable.serialize(first)
         devices = list(placement.device_set)
