@@ -166,7 +166,8 @@ def plan(cfg: glm53.ModelConfig, dtype, c, n_sessions: int, ab: bool) -> dict:
     # this one host. The copies below (a save's rows, a fork's pages) are the whole model's: an upper bound on a stage.
     mc = glm53.MeshConfig.from_config_dict(c.get("mesh") or {})
     planned = memory.plan(cfg, cc, sessions=n_sessions, history=rows, dtype=dtype,
-                          mesh_shape={"stage": mc.stages, "tp": mc.tp})
+                          mesh_shape={"stage": mc.stages, "tp": mc.tp},
+                          output_ring=glm53.engine.output_ring_for(jax.default_backend(), mc.stages * mc.tp))
     alloc_slots = n_sessions
     alloc_pages = memory.allocated_pages(cfg, cc, pool_pages)
     pool = planned["per_host"]["total"]

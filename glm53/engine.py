@@ -46,7 +46,7 @@ from glm53.cache import Lanes, capacity_for, init_resident
 from glm53.config import CacheConfig, ConfigError
 from kernels_pallas import kv_formats, ops
 
-MAX_MTP_DEPTH = 3
+MAX_MTP_DEPTH = memory.MAX_MTP_DEPTH  # (kept there: the step buffers' bound needs it, and memory cannot import this)
 KERNEL_IMPLS = ("auto", "pallas", "reference")
 
 
@@ -229,6 +229,12 @@ def check_compiler_options(options: Mapping | None, *, pipeline: bool = False) -
     return pairs
 
 
+def output_ring_for(platform: str, devices: int) -> int:
+    """``Engine.output_ring`` for an engine on ``devices`` devices of ``platform`` in this process: ``_Run.LAG`` + 1
+    on one GPU of one process, else 1 (see ``Engine.__init__``)."""
+    return _Run.LAG + 1 if platform in ops.GPU_BACKENDS and devices == 1 and jax.process_count() == 1 else 1
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -307,8 +313,8 @@ class Engine:
     Token ids may be lists, numpy / JAX arrays, or strings when the model has a tokenizer.
 
     ``host_budget_bytes`` sizes offload's host page pool (default: every slot's full capacity);
-    ``device_budget_bytes`` is checked against the cache, the parameters and the largest transient buffer when the
-    engine is built. ``kernels`` picks the Pallas kernels or their jnp references (``"auto"``: kernels on GPUs).
+    ``device_budget_bytes`` is checked against the cache, the parameters, the largest transient buffer and the
+    output rings' step buffers (``step_buffers_bound``) when the engine is built. ``kernels`` picks the Pallas kernels or their jnp references (``"auto"``: kernels on GPUs).
     ``compiler_options`` (``{"xla_...": value}``) are XLA options the engine's steps compile with (``jax.jit``'s
     ``compiler_options``; not on pipeline stages): two engines of one model in one process then A/B an option with
     the same autotuned GEMMs, which two processes do not share (their greedy tokens part within tens of tokens).
@@ -375,13 +381,22 @@ class Engine:
         self.alloc_pages = (memory.allocated_pages(self.cfg, cc, self.pool_pages,
                                                    self.pipeline and self.pipeline.layer_counts)
                             if self.offload else 0)
+        # Decode and verify steps called in turn from this many executables of one compilation, each writing into
+        # the output buffers it wrote that many steps earlier (``Steps.ring``, ``_StepRing``): XLA then skips
+        # re-recording the step's CUDA graphs, most of a call's host time and its slow tail. Only where steps
+        # launch CUDA graphs, on one device of one process (the clones are loaded for that device); elsewhere 1,
+        # one executable and fresh outputs. ``_Run.LAG`` + 1: the step that wrote a set of buffers has been read
+        # when the set comes round again. Settable (tests run the ring on the CPU).
+        platform = next(iter(jax.tree_util.tree_leaves(model.params)[0].sharding.device_set)).platform
+        self.output_ring = output_ring_for(platform, 1 if self.mesh is None and self.pipeline is None else 2)
         # The device budget is checked on the configuration, before anything is allocated.
         need = self._device_need()
         if device_budget_bytes is not None and need["total"] > device_budget_bytes:
             raise AdmissionError(
                 f"the engine needs {need['total']:,} device bytes, more than device_budget_bytes="
                 f"{device_budget_bytes:,}: cache {need['cache']:,} ({self.max_sessions} slots x {self.capacity} rows), "
-                f"parameters {need['params']:,}, largest transient buffer {need['transient']:,}; lower "
+                f"parameters {need['params']:,}, largest transient buffer {need['transient']:,}, step buffers "
+                f"{need['step_buffers']:,}; lower "
                 "max_sessions, cache.max_len or (offload) cache.hot_rows")
         self.device_budget_bytes = device_budget_bytes
         self.host_budget_bytes = host_budget_bytes
@@ -390,17 +405,8 @@ class Engine:
         self._steps: dict = {}
         self._decode_variants: set = set()  # (bucket, copy_pages) of the plain decode steps dispatched
         self._decode_buckets: set = set()  # buckets a plain decode loop has run in
-        # Decode and verify steps called in turn from this many executables of one compilation, each writing into
-        # the output buffers it wrote that many steps earlier (``Steps.ring``, ``_StepRing``): XLA then skips
-        # re-recording the step's CUDA graphs, most of a call's host time and its slow tail. Only where steps
-        # launch CUDA graphs, on one device of one process (the clones are loaded for that device); elsewhere 1,
-        # one executable and fresh outputs. ``_Run.LAG`` + 1: the step that wrote a set of buffers has been read
-        # when the set comes round again. Settable (tests run the ring on the CPU).
-        platform = next(iter(self._inputs.device_set)).platform
-        self.output_ring = (_Run.LAG + 1 if platform in ops.GPU_BACKENDS and self.mesh is None
-                            and self.pipeline is None and jax.process_count() == 1 else 1)
         self._rings: dict = {}  # (static, name, argument shapes, copies) -> (executables, output shapes)
-        self._ring_buffers: dict = {}  # (name, argument shapes) -> _RingBuffers
+        self._ring_buffers: dict = {}  # step name -> (argument shapes, _RingBuffers): the last loop's only
         self._free_slots = list(range(self.max_sessions))
         self._free_pages = collections.deque(range(self.pool_pages))
         self._refs = np.zeros(self.pool_pages, np.int64)
@@ -429,8 +435,9 @@ class Engine:
                                        self.alloc_pages, self.model.dtype)
         cache = sum(parts["device"].values())
         params = self._params_bytes()
-        return {"cache": cache, "params": params, "transient": self.transient_bytes(),
-                "total": cache + params + self.transient_bytes()}
+        rings = self.step_buffers_bound()
+        return {"cache": cache, "params": params, "transient": self.transient_bytes(), "step_buffers": rings,
+                "total": cache + params + self.transient_bytes() + rings}
 
     def _params_bytes(self) -> int:
         """Parameter bytes of the device holding the most: tensor parallelism splits them; pipeline stages hold
@@ -438,6 +445,11 @@ class Engine:
         if self.pipeline is not None:
             return _bytes_per_device(self.pipeline.stage_params(self.model.params))
         return _bytes_per_device(self.model.params)
+
+    def step_buffers_bound(self) -> int:
+        """The most device bytes the output rings keep between generate calls (``glm53.memory.step_buffers_bytes``
+        at the largest bucket); the device budget counts it."""
+        return memory.step_buffers_bytes(self.cfg, self.buckets[-1], self.topk, self.output_ring)
 
     def transient_bytes(self) -> int:
         """The largest buffer a step creates beside the cache that grows with the history: offload's bulk read of
@@ -561,10 +573,13 @@ class Engine:
             ring = self._rings[key] = self.model.steps.ring(name, self.cache, self.compiler_options, args, static,
                                                             self.output_ring)
             _compile_seconds[0] += max(time.perf_counter() - t - (compile_seconds() - before), 0.0)
-        held = self._ring_buffers.get(shapes)
-        if held is None or len(held.outputs) != self.output_ring:
-            held = self._ring_buffers[shapes] = _RingBuffers(self.output_ring)
-        return (*ring, held)
+        # One set of buffers per step, the last loop's: what the rings keep stays bounded (``step_buffers_bound``);
+        # a loop of other shapes than the last (another bucket, stop list or depth) starts with new ones.
+        kept, held = self._ring_buffers.get(name, (None, None))
+        if kept != shapes or len(held.outputs) != self.output_ring:
+            del held
+            self._ring_buffers[name] = (shapes, _RingBuffers(self.output_ring))
+        return (*ring, self._ring_buffers[name][1])
 
     def _run(self, name: str, *args, **kw):
         """Run a lifecycle step on the cache (donated) and keep the new cache."""
@@ -1019,7 +1034,8 @@ class Engine:
         the cache really holds (a session's device bytes are its slot's share of every per-slot array, allocated
         whether or not the slot is full; its host bytes are the pages it holds, a page shared by k sessions counted
         1/k to each). ``step_buffers_bytes``: what the output rings keep between generate calls (``_RingBuffers``:
-        the decode and verify steps' outputs, ``output_ring`` sets per batch bucket, and their fixed inputs)."""
+        ``output_ring`` sets of the last decode and verify loops' outputs, and their fixed inputs; at most
+        ``step_buffers_bound()``, which the device budget counts)."""
         # Per device: the cache is replicated over tensor-parallel devices, and split by layer over stages.
         device = _bytes_per_device(self.cache, pinned_host=False)
         host = _bytes_per_device(self.cache, pinned_host=True)
@@ -1041,7 +1057,7 @@ class Engine:
                        "cache_bytes": device, "per_slot_bytes": per_slot_device,
                        "params_bytes": self._params_bytes(),
                        "transient_bytes": self.transient_bytes(),
-                       "step_buffers_bytes": sum(b.nbytes() for b in self._ring_buffers.values()),
+                       "step_buffers_bytes": sum(b.nbytes() for _, b in self._ring_buffers.values()),
                        "budget_bytes": self.device_budget_bytes,
                        "slots": self.max_sessions, "allocated_slots": self.alloc_slots,
                        "free_slots": len(self._free_slots)},

@@ -125,9 +125,29 @@ MACHINES = {
 }
 
 
+MAX_MTP_DEPTH = 3
+
+
+def step_buffers_bytes(cfg: ModelConfig, sessions: int, topk: int, copies: int) -> int:
+    """The most device bytes an engine's output rings keep between generate calls (``glm53.engine._RingBuffers``,
+    one set per step, the last loop's): ``copies`` sets of the decode and (with an MTP module) verify steps'
+    outputs and selection overrides at the largest bucket (``sessions`` lanes), verify at depth 3 with sampling's
+    draft distributions, and the loops' fixed inputs. Logits are float32. 0 without a ring (``copies`` <= 1)."""
+    if copies <= 1:
+        return 0
+    B, V, D = sessions, cfg.vocab_size, MAX_MTP_DEPTH
+    has_mtp = bool(cfg.num_nextn_predict_layers)
+    decode = B * (4 + 4 * V + 4)  # tokens, logits, remaining
+    # emitted, n_emit, logits, pending, drafts, draft_p, remaining, accepted
+    verify = B * ((D + 1) * 4 + 4 + (D + 1) * V * 4 + 4 + D * 4 + D * V * 4 + 4 + 4) if has_mtp else 0
+    steps = 1 + int(has_mtp)
+    fixed = B * 5 + 3 * 4 + 4 * 1024  # lanes, seed / temperature / top_p, stop ids (up to 1,024)
+    return copies * (decode + verify + steps * B * topk * 4) + steps * fixed
+
+
 def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtype, mesh_shape: dict | None = None,
          expert_weights: str = "model", device_bytes: int | None = None, host_bytes: int | None = None,
-         devices_per_host: int | None = None) -> dict:
+         devices_per_host: int | None = None, output_ring: int = 1) -> dict:
     """What an engine of ``sessions`` slots of ``history`` rows each allocates, per device and per host, on a mesh
     of ``mesh_shape`` ({"stage": s, "tp": t}; one device by default), computed from shapes alone: the parameters'
     shards under ``glm53.sharding``'s rules, the cache (replicated over the mesh: every device holds every
@@ -139,7 +159,10 @@ def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtyp
     in its host's memory, so a host holds ``devices_per_host`` copies (default: every device of the mesh on one
     host). With pipeline stages (``glm53.pipeline``) each stage holds its layers' weights, cache and pool: a
     device's figures are its stage's (``per_device`` gives the largest, ``stages`` each), and a host holds the pools
-    of its devices' stages. The owner / peer split within a tensor-parallel group is not built yet."""
+    of its devices' stages. The owner / peer split within a tensor-parallel group is not built yet.
+
+    ``output_ring``: the engine's (``glm53.engine.output_ring_for``: 3 on one GPU, else 1); its kept step buffers
+    (``step_buffers_bytes``) count in the device's total."""
     from glm53 import pipeline, sharding  # kept local to stay out of import cycles
     from glm53.params import param_shapes
 
@@ -175,15 +198,18 @@ def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtyp
     parts = cache_at(sessions)
     params = [sharding.shard_bytes(t, {"stage": 1, "tp": tp}) for t in trees]
     transient = capacity * kv_formats.get_format(cc.kv_format).bytes_per_row if cc.mode == "offload" else 0
+    topk = min(cfg.index_topk, capacity)
+    rings = step_buffers_bytes(cfg, sessions, topk, output_ring)
     device_cache = [sum(p["device"].values()) for p in parts]
-    totals = [pb + c + transient for pb, c in zip(params, device_cache)]
+    totals = [pb + c + transient + rings for pb, c in zip(params, device_cache)]
     largest_cache = int(np.argmax(device_cache))
     out = {
         "sessions": sessions, "history": history, "capacity": capacity, "mode": cc.mode, "kv_format": cc.kv_format,
         "index_keys": cc.index_keys, "mesh": mesh_shape, "devices": devices,
         # Per device: the largest figures of any device (with stages: of any stage's devices).
         "per_device": {"params": max(params), "cache": max(device_cache),
-                       "cache_parts": parts[largest_cache]["device"], "transient": transient, "total": max(totals)},
+                       "cache_parts": parts[largest_cache]["device"], "transient": transient,
+                       "step_buffers": rings, "total": max(totals)},
         "per_host": {"pool": max(sum(p["host"].values()) for p in parts),
                      "pool_replicas": (per_host_devices if stages == 1 else tp) if cc.mode == "offload" else 0,
                      "total": host_total(parts)},
@@ -207,8 +233,8 @@ def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtyp
         out["device_bytes"] = int(device_bytes)
         out["fits_device"] = out["per_device"]["total"] <= device_bytes
         out["max_sessions_by_device"] = largest(
-            lambda n: max(pb + transient + sum(p["device"].values()) for pb, p in zip(params, cache_at(n)))
-            <= device_bytes)
+            lambda n: max(pb + transient + step_buffers_bytes(cfg, n, topk, output_ring) + sum(p["device"].values())
+                          for pb, p in zip(params, cache_at(n))) <= device_bytes)
     if host_bytes is not None and cc.mode == "offload":
         out["host_bytes"] = int(host_bytes)
         out["fits_host"] = out["per_host"]["total"] <= host_bytes

@@ -47,6 +47,13 @@ def test_plan_equals_what_the_engine_allocates(mode, stages, tp):
     assert p["per_device"]["params"] == report["device"]["params_bytes"]
     assert p["per_device"]["cache"] == report["device"]["cache_bytes"]
     assert p["per_device"]["transient"] == report["device"]["transient_bytes"]
+    # the output rings' kept buffers (an engine on one GPU): in the device's total, as the engine's budget counts them
+    assert p["per_device"]["step_buffers"] == e.step_buffers_bound() == 0  # (the CPU: no ring)
+    e.output_ring = 3
+    q = memory.plan(CFG, cc, sessions=3, history=200, dtype=jnp.float32, mesh_shape={"stage": stages, "tp": tp},
+                    output_ring=3)
+    assert q["per_device"]["step_buffers"] == e.step_buffers_bound() == e._device_need()["step_buffers"] > 0
+    assert q["per_device"]["total"] == p["per_device"]["total"] + e.step_buffers_bound()
     assert p["per_host"]["pool"] == report["host"]["pool_bytes"]
     parts = e.cache.parts if stages > 1 else (e.cache,)
     if mode == "offload":  # one copy of its stage's pool per device, each in the host's memory
