@@ -388,7 +388,8 @@ class Engine:
         # one executable and fresh outputs. ``_Run.LAG`` + 1: the step that wrote a set of buffers has been read
         # when the set comes round again. Settable (tests run the ring on the CPU).
         platform = next(iter(jax.tree_util.tree_leaves(model.params)[0].sharding.device_set)).platform
-        self.output_ring = output_ring_for(platform, 1 if self.mesh is None and self.pipeline is None else 2)
+        mesh = self.mesh if self.mesh is not None else getattr(self.pipeline, "mesh", None)
+        self.output_ring = output_ring_for(platform, 1 if mesh is None else int(mesh.size))
         # The device budget is checked on the configuration, before anything is allocated.
         need = self._device_need()
         if device_budget_bytes is not None and need["total"] > device_budget_bytes:
@@ -577,7 +578,6 @@ class Engine:
         # a loop of other shapes than the last (another bucket, stop list or depth) starts with new ones.
         kept, held = self._ring_buffers.get(name, (None, None))
         if kept != shapes or len(held.outputs) != self.output_ring:
-            del held
             self._ring_buffers[name] = (shapes, _RingBuffers(self.output_ring))
         return (*ring, self._ring_buffers[name][1])
 
