@@ -641,8 +641,8 @@ def test_output_ring_is_bit_identical_and_writes_in_place(model):
     """Decode and verify steps called in turn from ``output_ring`` clones of one compilation, each writing into the
     output buffers it wrote that many steps back and taking the selection override in a buffer of its own (the
     engine's way on GPUs: ``Steps.ring``, ``engine._StepRing``): the same tokens and logits as one executable with
-    fresh outputs, over buckets, the single lane's copy-free steps, an append, sampling, stop
-    tokens, MTP and a selection override; one ring a shape; outputs and selections in place."""
+    fresh outputs, and as a resident engine's rings, over buckets, the single lane's copy-free steps, an append,
+    sampling, stop tokens, MTP and a selection override; one ring a shape; outputs and selections in place."""
     K = CFG.index_topk
 
     def shifting(step, positions):  # K distinct positions inside every history (>= 30 rows), moving each step
@@ -708,6 +708,9 @@ def test_output_ring_is_bit_identical_and_writes_in_place(model):
     finally:
         glm53.engine._write_into = write_into
     assert_same(got, script(plain))
+    resident = engine(model, "resident", 4)  # the rings in both modes (a GPU's default): offload == resident
+    resident.output_ring = 3
+    assert_same(got, script(resident))
     assert len(pointers) >= 10 and all(b == a for b, a in pointers), pointers[:6]
     # every executable meets every argument where it met it at its first call, in every run (what lets XLA
     # launch its CUDA graphs as recorded)
