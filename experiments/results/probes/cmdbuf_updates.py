@@ -1,0 +1,144 @@
+"""Probe: which of a decode loop's step calls record their CUDA graphs again, and why.
+
+The 10-session ring runs (host_calls_ring_v1v2_engine10_b4ac251.json) had their slowest calls at steps 1-3 of every
+run, the first call of each of the ring's three executables: 2.4-4.6 ms against a 1.0-1.3 ms median, enough to set
+the run's p99. XLA records an executable's command buffers (CUDA graphs) again when any buffer they use moved
+(``CommandBufferThunk::ShouldUpdateCommandBuffer``: arguments, outputs, and the temporaries' allocation), and drops
+every executable's graphs whenever a new executable with command buffers is loaded (``EvictCommandBuffers``). Its
+VLOG 3 says which happened; this probe puts markers around every step call so each log line can be placed.
+
+Run (stderr is the log; the parse reads it back):
+
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 python cmdbuf_updates.py run 2> LOG
+    python cmdbuf_updates.py parse LOG OUT.json
+
+PROBE_SESSIONS (10), PROBE_HISTORY (8192), PROBE_NEW (48) tokens a run, PROBE_RUNS (3) runs after the warm-up,
+PROBE_RING (the engine's default when unset). Compilations are logged too (``jax_log_compiles``), to name what
+a between-runs eviction came from.
+"""
+import collections
+import json
+import os
+import re
+import sys
+
+
+def run():
+    import jax
+    import numpy as np
+
+    import glm53
+    from glm53 import engine as eng
+    from experiments import sessions_ab, workloads
+    import importlib
+
+    S = int(os.environ.get("PROBE_SESSIONS", "10"))
+    hist = int(os.environ.get("PROBE_HISTORY", "8192"))
+    new = int(os.environ.get("PROBE_NEW", "48"))
+    c = importlib.import_module("configs." + os.environ.get("PROBE_CONFIG", "h200_bench")).get_config()
+    c.run.prompt_len = hist
+    c.cache.mode = "offload"
+    cc = glm53.CacheConfig.from_config_dict(c.cache)
+    model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
+    cc = cc.replace(max_len=hist + 16 + new + 64)
+    K = min(model.config.index_topk, cc.max_len)
+    e, sids, _ = sessions_ab.build(model, cc, c, S, suffix=16)
+    if os.environ.get("PROBE_RING"):
+        e.output_ring = int(os.environ["PROBE_RING"])
+
+    def mark(text):
+        sys.stderr.flush()
+        os.write(2, f"@@ {text}\n".encode())
+
+    state = {"run": "warmup", "call": 0}
+    ring_call = eng._StepRing.__call__
+
+    def marked_ring(self, name, args, static):
+        state["call"] += 1
+        mark(f"call {state['run']} {state['call']} begin {name}")
+        out = ring_call(self, name, args, static)
+        mark(f"call {state['run']} {state['call']} end")
+        return out
+
+    eng._StepRing.__call__ = marked_ring
+    step = e._step
+
+    def marked_step(name):
+        f = step(name)
+
+        def call(*a, **kw):
+            state["call"] += 1
+            mark(f"call {state['run']} {state['call']} begin {name}")
+            out = f(*a, **kw)
+            mark(f"call {state['run']} {state['call']} end")
+            return out
+        return call
+
+    e._step = marked_step
+    jax.config.update("jax_log_compiles", True)
+    results = []
+    for r in ["warmup"] + list(range(int(os.environ.get("PROBE_RUNS", "3")))):
+        state.update(run=r, call=0)
+        mark(f"run {r} begin")
+        out = e.generate({s: new for s in sids}, selection_override=workloads.selection("local99", K, hist, 7, S))
+        mark(f"run {r} end")
+        calls = np.asarray(e.last_run.step_call_s) * 1e3
+        results.append({"run": r, "call_ms_first6": [round(float(x), 2) for x in calls[:6]],
+                        "call_p50_ms": float(np.median(calls)), "tokens": hash(tuple(tuple(out[s]) for s in sids))})
+        for s in sids:
+            e.rollback(s, len(out[s]))
+        mark(f"between {r} end")
+    os.write(2, ("@@ results " + json.dumps(results) + "\n").encode())
+
+
+def parse(log_path, out_path):
+    where = "setup"
+    counts = collections.defaultdict(collections.Counter)
+    update_us = collections.defaultdict(list)
+    compiles = collections.defaultdict(list)
+    results = None
+    for line in open(log_path, errors="replace"):
+        if line.startswith("@@ results "):
+            results = json.loads(line[len("@@ results "):])
+            continue
+        if line.startswith("@@ "):
+            w = line.split()
+            if w[1] == "call" and w[4] == "begin":
+                where = f"run {w[2]} call {w[3]} {w[5]}"
+            elif w[1] == "call":
+                where = f"run {w[2]} after call {w[3]}"
+            elif w[1] in ("run", "between"):
+                where = f"{w[1]} {w[2]} {w[3]}"
+            continue
+        if "Update command buffer on device" in line:
+            counts[where]["update"] += 1
+        elif "Initialize/Update command buffer" in line:
+            counts[where]["initialize"] += 1
+        elif "Evicted" in line and "command buffer" in line:
+            counts[where]["evicted"] += int(re.search(r"Evicted (\d+)", line).group(1))
+        elif "Evict command buffer thunk" in line:
+            counts[where]["evict_calls"] += 1
+        elif m := re.search(r"Updated command buffer in (\d+)", line):
+            update_us[where].append(int(m.group(1)))
+        elif m := re.search(r"Initialized command buffer on device #\d+ in (\d+)", line):
+            update_us[where].append(int(m.group(1)))
+        elif "Compiling " in line or "Finished XLA compilation" in line:
+            compiles[where].append(line.strip()[-160:])
+    report = {"results": results,
+              "events": {k: dict(v) for k, v in counts.items()},
+              "record_us": {k: [sum(v), len(v)] for k, v in update_us.items()},
+              "compiles": {k: v[:6] for k, v in compiles.items() if not k.startswith("setup")}}
+    json.dump(report, open(out_path, "w"), indent=1)
+    for k, v in report["events"].items():
+        if not k.startswith("run warmup") and not k.startswith("setup"):
+            print(k, v, report["record_us"].get(k))
+    for k, v in report["compiles"].items():
+        print("compiled in", k, len(v), v[:2])
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "run":
+        run()
+    else:
+        parse(sys.argv[2], sys.argv[3])
