@@ -191,7 +191,9 @@ class WorkingSets:
         return self.chosen
 
 
-@functools.partial(jax.jit, static_argnames=("n_new", "history"))
+# Donated: the new sets are written where the old ones were. An array made between two decode steps can land where
+# the step's temporaries were, and the step's CUDA graphs are then recorded again (glm53.engine._StepRing).
+@functools.partial(jax.jit, static_argnames=("n_new", "history"), donate_argnums=(0, 1))
 def _churn(chosen: jax.Array, key: jax.Array, *, n_new: int, history: int):
     S, K = chosen.shape
     key, k_slot, k_pos = jax.random.split(key, 3)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import gc
 import inspect
 import math
@@ -1112,8 +1113,15 @@ def start_host_copies(*arrays) -> None:
 
 
 # A step input copied into a buffer of its own (donated, written in place): see ``_StepRing``. An update, not
-# ``lambda buf, x: x``: JAX hands an output that is an input straight back instead of writing it into ``buf``.
-_write_into = jax.jit(lambda buf, x: jax.lax.dynamic_update_slice(buf, x, (0,) * x.ndim), donate_argnums=0)
+# ``lambda buf, x: x``: JAX hands an output that is an input straight back instead of writing it into ``buf``. A
+# smaller ``x`` (the selection override of fewer sessions than the bucket has lanes) fills the leading rows and the
+# rest is zeroed, as ``jnp.pad`` would: the pad then allocates nothing (see ``_StepRing``).
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_into(buf, x):
+    out = jax.lax.dynamic_update_slice(buf, x.astype(buf.dtype), (0,) * x.ndim)
+    # Zeroing the tail of ``buf``, not starting from zeros: a ``buf`` the computation does not read is pruned from
+    # it, and its donation with it.
+    return out.at[x.shape[0]:].set(0) if x.ndim and x.shape[0] < buf.shape[0] else out
 
 
 def _into(held, value):
@@ -1167,11 +1175,15 @@ class _StepRing:
     def __call__(self, name: str, args: tuple, static: dict):
         memo = (name, *static.items())
         ring = self.rings.get(memo)
+        args = list(args)
+        sel = args[-1]
+        lanes = jax.tree_util.tree_leaves(args[2])[0].shape[0]
         if ring is None:
-            ring = self.rings[memo] = self.e._ring_step(name, args, static)
+            if sel is not None and sel.shape[0] != lanes:  # the step takes it padded to the bucket
+                args[-1] = jnp.pad(sel, ((0, lanes - sel.shape[0]), (0, 0)))
+            ring = self.rings[memo] = self.e._ring_step(name, tuple(args), static)
         executables, shapes, held = ring
         i = self.calls % self.copies
-        args = list(args)
         carried = _CARRIED[name]
         fixed = self.fixed.get(id(held))
         if fixed is None:
@@ -1186,8 +1198,12 @@ class _StepRing:
             for j, k in carried.items():
                 outs[k] = args[j] = _into(outs[k], args[j])
             held.outputs[previous] = tuple(outs)
-        if args[-1] is not None:
-            held.selections[i] = args[-1] = _into(held.selections[i], args[-1])
+        if sel is not None:
+            # Padded here to the bucket's lanes (``_Run._selection(padded=False)``), into the executable's buffer.
+            if held.selections[i] is None:
+                held.selections[i] = _zeros(jax.ShapeDtypeStruct((lanes, *sel.shape[1:]), jnp.int32,
+                                                                 sharding=sel.sharding))
+            held.selections[i] = args[-1] = _into(held.selections[i], sel)
         buffers = held.outputs[i] or _zeros(shapes)
         held.outputs[i] = None  # donated
         self.calls += 1
@@ -1281,9 +1297,10 @@ class _Run:
             p[b] = s.tokens[s.processed] if s.pending else 0
         return p
 
-    def _selection(self, inflight: int):
+    def _selection(self, inflight: int, padded: bool = True):
         """The benchmark's DSA selection for the next step. Query positions: exact for decode (each step in flight
-        adds one row to an active lane); under MTP they may lag by the steps in flight."""
+        adds one row to an active lane); under MTP they may lag by the steps in flight. ``padded=False``: a device
+        array comes back with one row per session, for the ring to pad into its own buffer (``_StepRing``)."""
         if self.selection_override is None:
             return None
         pos = np.array([s.processed + (inflight if self.remaining[b] > inflight else 0)
@@ -1298,8 +1315,12 @@ class _Run:
             if sel.shape != (n, K) or not jnp.issubdtype(sel.dtype, jnp.integer):
                 raise ValueError(f"selection_override must return int [{n}, {K}] positions, got {sel.dtype} "
                                  f"{sel.shape}")
-            sel = sel.astype(jnp.int32)
-            return sel if n == self.bucket else jnp.pad(sel, ((0, self.bucket - n), (0, 0)))
+            # Under the ring every array made between two steps matters: the allocator may place it where the
+            # step's temporaries were, XLA then finds them elsewhere at the next call and records the step's CUDA
+            # graphs again (~1.3 ms of host time a 10-lane step, every step, on the H200: cmdbuf_updates_*.json).
+            if sel.dtype != jnp.int32:
+                sel = sel.astype(jnp.int32)
+            return sel if n == self.bucket or not padded else jnp.pad(sel, ((0, self.bucket - n), (0, 0)))
         sel = np.asarray(sel)
         if sel.shape != (n, K) or not np.issubdtype(sel.dtype, np.integer):
             raise ValueError(f"selection_override must return int [{n}, {K}] positions, got {sel.dtype} {sel.shape}")
@@ -1453,7 +1474,7 @@ class _Run:
         ring = self._ring()
         t_loop0 = time.perf_counter()
         while self._dispatch_ok(inflight, self._absorb_decode, 1):
-            sel = self._selection(len(inflight))
+            sel = self._selection(len(inflight), padded=ring is None)
             step_pages = self._copy_pages(pages, copied, len(inflight)) if pages else 0
             args = (e.model.params, e.cache, self.lanes, tokens, remaining, self.seed, self.temperature, self.top_p,
                     self.stop, sel)
@@ -1559,7 +1580,7 @@ class _Run:
         ring = self._ring()
         t_loop0 = time.perf_counter()
         while self._dispatch_ok(inflight, self._absorb_verify, self.mtp + 1):
-            sel = self._selection(len(inflight))
+            sel = self._selection(len(inflight), padded=ring is None)
             args = (e.model.params, e.cache, self.lanes, pending, drafts, draft_p, remaining, self.seed,
                     self.temperature, self.top_p, self.stop, sel)
             static = dict(greedy=self.greedy, accept_override=self.accept_override, kernels=e.kernels,

@@ -659,6 +659,8 @@ def test_output_ring_is_bit_identical_and_writes_in_place(model):
         out += gen(e, {a: 4, b: 4, c: 4}, stop_tokens=[5, 9])  # the same shapes: the same buffers, written in place
         if e.output_ring > 1:
             assert kept and pointers_of(e) == kept
+        # three sessions in a bucket of four: the ring pads the override into its own buffer (no jnp.pad)
+        out += gen(e, {a: 3, b: 3, c: 3}, selection_override=shifting)
         out += gen(e, {a: 20})  # one lane: steps with and without the copyback (new buffers: the last loop's kept)
         e.append(b, ids(40, 84))
         out += gen(e, {b: 7, c: 7}, temperature=0.9, top_p=0.8, seed=3, selection_override=shifting)
@@ -719,9 +721,9 @@ def test_output_ring_is_bit_identical_and_writes_in_place(model):
         moved = [[j for j, (x, y) in enumerate(zip(c, calls[0])) if x != y] for c in calls]
         assert not any(moved), (key, moved)
     rings = collections.Counter(key[1] for key in ringed._rings)
-    # decode: bucket 4 (greedy, stops), 1 (with and without the copyback), 2 (sampling with the override);
-    # verify: bucket 2
-    assert rings == {"decode": 4, "verify": 1}, ringed._rings.keys()
+    # decode: bucket 4 (greedy, stops), 4 with the override, 1 (with and without the copyback), 2 (sampling with
+    # the override); verify: bucket 2
+    assert rings == {"decode": 5, "verify": 1}, ringed._rings.keys()
     assert all(len(execs) == 3 for execs, _ in ringed._rings.values())
     for (_, name, *_), (execs, shapes) in ringed._rings.items():
         shapes = jax.tree_util.tree_leaves(shapes)

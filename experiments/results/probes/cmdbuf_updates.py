@@ -13,7 +13,8 @@ Run (stderr is the log; the parse reads it back):
     python cmdbuf_updates.py parse LOG OUT.json
 
 PROBE_SESSIONS (10), PROBE_HISTORY (8192), PROBE_NEW (48) tokens a run, PROBE_RUNS (3) runs after the warm-up,
-PROBE_RING (the engine's default when unset). Compilations are logged too (``jax_log_compiles``), to name what
+PROBE_RING (the engine's default when unset), PROBE_WORKLOAD (local99; indexer: the model's own selection, no
+override). Compilations are logged too (``jax_log_compiles``), to name what
 a between-runs eviction came from.
 """
 import collections
@@ -80,7 +81,8 @@ def run():
     for r in ["warmup"] + list(range(int(os.environ.get("PROBE_RUNS", "3")))):
         state.update(run=r, call=0)
         mark(f"run {r} begin")
-        out = e.generate({s: new for s in sids}, selection_override=workloads.selection("local99", K, hist, 7, S))
+        override = workloads.selection(os.environ.get("PROBE_WORKLOAD", "local99"), K, hist, 7, S)
+        out = e.generate({s: new for s in sids}, selection_override=override)
         mark(f"run {r} end")
         calls = np.asarray(e.last_run.step_call_s) * 1e3
         results.append({"run": r, "call_ms_first6": [round(float(x), 2) for x in calls[:6]],
@@ -92,9 +94,14 @@ def run():
 
 
 def parse(log_path, out_path):
-    where = "setup"
-    counts = collections.defaultdict(collections.Counter)
-    update_us = collections.defaultdict(list)
+    """Per run, per step name: calls, calls that recorded their command buffer again (and how many allocations had
+    moved), and the recording's host time. XLA's log at JAX 0.11.2 (command_buffer_thunk.cc): "Create/Update
+    command buffer ... updated_allocs=N", "Updated command buffer in N us", "Execute command buffer;
+    num_executions=N" (1 right after a recording)."""
+    run, name = None, None
+    table = collections.defaultdict(lambda: collections.Counter())
+    record_us = collections.defaultdict(list)
+    evicted = collections.Counter()
     compiles = collections.defaultdict(list)
     results = None
     for line in open(log_path, errors="replace"):
@@ -103,37 +110,34 @@ def parse(log_path, out_path):
             continue
         if line.startswith("@@ "):
             w = line.split()
+            if w[1] == "run":
+                run = w[2]
             if w[1] == "call" and w[4] == "begin":
-                where = f"run {w[2]} call {w[3]} {w[5]}"
-            elif w[1] == "call":
-                where = f"run {w[2]} after call {w[3]}"
-            elif w[1] in ("run", "between"):
-                where = f"{w[1]} {w[2]} {w[3]}"
+                name = w[5]
+                table[(run, name)]["calls"] += 1
+            elif w[1] == "call" or w[1] == "between":
+                name = "between_calls" if w[1] == "call" else "between_runs"
             continue
-        if "Update command buffer on device" in line:
-            counts[where]["update"] += 1
-        elif "Initialize/Update command buffer" in line:
-            counts[where]["initialize"] += 1
-        elif "Evicted" in line and "command buffer" in line:
-            counts[where]["evicted"] += int(re.search(r"Evicted (\d+)", line).group(1))
-        elif "Evict command buffer thunk" in line:
-            counts[where]["evict_calls"] += 1
-        elif m := re.search(r"Updated command buffer in (\d+)", line):
-            update_us[where].append(int(m.group(1)))
-        elif m := re.search(r"Initialized command buffer on device #\d+ in (\d+)", line):
-            update_us[where].append(int(m.group(1)))
-        elif "Compiling " in line or "Finished XLA compilation" in line:
-            compiles[where].append(line.strip()[-160:])
+        key = (run, name or "setup")
+        if m := re.search(r"updated_allocs=(\d+)", line):
+            table[key]["recorded"] += 1
+            table[key][f"recorded_with_{m.group(1)}_moved"] += 1
+        elif m := re.search(r"(?:Updated|Initialized) command buffer.* in (\d+) ", line):
+            record_us[key].append(int(m.group(1)))
+        elif m := re.search(r"Evicted (\d+)", line):
+            evicted[key] += int(m.group(1))
+        elif "Finished XLA compilation" in line:
+            compiles[key].append(line.strip()[-100:])
     report = {"results": results,
-              "events": {k: dict(v) for k, v in counts.items()},
-              "record_us": {k: [sum(v), len(v)] for k, v in update_us.items()},
-              "compiles": {k: v[:6] for k, v in compiles.items() if not k.startswith("setup")}}
+              "by_run_and_step": {f"{r} {n}": dict(c, record_us_total=sum(record_us[(r, n)]))
+                                  for (r, n), c in table.items()},
+              "evicted": {f"{r} {n}": v for (r, n), v in evicted.items()},
+              "compiles_after_warmup": {f"{r} {n}": v for (r, n), v in compiles.items() if r not in (None, "warmup")}}
     json.dump(report, open(out_path, "w"), indent=1)
-    for k, v in report["events"].items():
-        if not k.startswith("run warmup") and not k.startswith("setup"):
-            print(k, v, report["record_us"].get(k))
-    for k, v in report["compiles"].items():
-        print("compiled in", k, len(v), v[:2])
+    for k, v in report["by_run_and_step"].items():
+        if not k.startswith("None") and not k.startswith("warmup"):
+            print(k, v)
+    print("evicted", report["evicted"], "compiles after warm-up", report["compiles_after_warmup"])
     print(json.dumps(results))
 
 
