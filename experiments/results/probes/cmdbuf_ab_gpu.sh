@@ -12,5 +12,5 @@ timeout 330 python -m experiments.sessions_ab --config=configs/h200_bench.py --c
 el ab
 LEFT=$(( LIMIT - $(date +%s) + T0 ))
 PROBE_TAG=engine10_8k_$R PROBE_SESSIONS=10 PROBE_HISTORY=8192 PROBE_VARIANTS=default,no_ring \
-  PROBE_REPS=1 OUT=$OUT timeout $(( LEFT - 5 )) python experiments/results/probes/host_calls.py 2>&1 | grep "^{\|Error" | cut -c1-600
+  PROBE_REPS=1 OUT=$OUT timeout $(( LEFT - 5 )) python experiments/results/probes/host_calls.py 2>&1 | grep "^{\|Error" | cut -c1-1000
 el "host_calls"
