@@ -13,7 +13,8 @@ Run (stderr is the log; the parse reads it back):
     python cmdbuf_updates.py parse LOG OUT.json
 
 PROBE_SESSIONS (10), PROBE_HISTORY (8192), PROBE_NEW (48) tokens a run, PROBE_RUNS (3) runs after the warm-up,
-PROBE_RING (the engine's default when unset), PROBE_WORKLOAD (local99; indexer: the model's own selection, no
+PROBE_RING (the engine's default when unset), PROBE_MODE (offload; resident), PROBE_MTP (0; D: MTP D with D
+drafts accepted, ``accept_override``), PROBE_WORKLOAD (local99; indexer: the model's own selection, no
 override). Compilations are logged too (``jax_log_compiles``), to name what
 a between-runs eviction came from.
 """
@@ -38,7 +39,8 @@ def run():
     new = int(os.environ.get("PROBE_NEW", "48"))
     c = importlib.import_module("configs." + os.environ.get("PROBE_CONFIG", "h200_bench")).get_config()
     c.run.prompt_len = hist
-    c.cache.mode = "offload"
+    c.cache.mode = os.environ.get("PROBE_MODE", "offload")
+    mtp = int(os.environ.get("PROBE_MTP", "0"))
     cc = glm53.CacheConfig.from_config_dict(c.cache)
     model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
     cc = cc.replace(max_len=hist + 16 + new + 64)
@@ -51,12 +53,20 @@ def run():
         sys.stderr.flush()
         os.write(2, f"@@ {text}\n".encode())
 
-    state = {"run": "warmup", "call": 0}
+    state = {"run": "warmup", "call": 0, "step": 0}
+
+    def begin(name):
+        state["call"] += 1
+        step = "-"
+        if name in ("decode", "verify"):  # a decode loop's step: its place in ``step_call_s``, 1-based
+            state["step"] += 1
+            step = state["step"]
+        mark(f"call {state['run']} {state['call']} begin {name} {step}")
+
     ring_call = eng._StepRing.__call__
 
     def marked_ring(self, name, args, static):
-        state["call"] += 1
-        mark(f"call {state['run']} {state['call']} begin {name}")
+        begin(name)
         out = ring_call(self, name, args, static)
         mark(f"call {state['run']} {state['call']} end")
         return out
@@ -68,8 +78,7 @@ def run():
         f = step(name)
 
         def call(*a, **kw):
-            state["call"] += 1
-            mark(f"call {state['run']} {state['call']} begin {name}")
+            begin(name)
             out = f(*a, **kw)
             mark(f"call {state['run']} {state['call']} end")
             return out
@@ -79,14 +88,16 @@ def run():
     jax.config.update("jax_log_compiles", True)
     results = []
     for r in ["warmup"] + list(range(int(os.environ.get("PROBE_RUNS", "3")))):
-        state.update(run=r, call=0)
+        state.update(run=r, call=0, step=0)
         mark(f"run {r} begin")
         override = workloads.selection(os.environ.get("PROBE_WORKLOAD", "local99"), K, hist, 7, S)
-        out = e.generate({s: new for s in sids}, selection_override=override)
+        out = e.generate({s: new for s in sids}, selection_override=override, mtp=mtp,
+                         accept_override=mtp if mtp else None)
         mark(f"run {r} end")
         calls = np.asarray(e.last_run.step_call_s) * 1e3
-        results.append({"run": r, "call_ms_first6": [round(float(x), 2) for x in calls[:6]],
-                        "call_p50_ms": float(np.median(calls)), "tokens": hash(tuple(tuple(out[s]) for s in sids))})
+        results.append({"run": r, "call_ms": [round(float(x), 3) for x in calls],
+                        "call_p50_ms": float(np.median(calls)), "call_p99_ms": float(np.percentile(calls, 99)),
+                        "tokens": hash(tuple(tuple(out[s]) for s in sids))})
         for s in sids:
             e.rollback(s, len(out[s]))
         mark(f"between {r} end")
@@ -98,7 +109,8 @@ def parse(log_path, out_path):
     moved), and the recording's host time. XLA's log at JAX 0.11.2 (command_buffer_thunk.cc): "Create/Update
     command buffer ... updated_allocs=N", "Updated command buffer in N us", "Execute command buffer;
     num_executions=N" (1 right after a recording)."""
-    run, name = None, None
+    run, name, step = None, None, None
+    recorded_steps = collections.defaultdict(set)  # run -> the loop steps (1-based) that recorded
     table = collections.defaultdict(lambda: collections.Counter())
     record_us = collections.defaultdict(list)
     evicted = collections.Counter()
@@ -114,13 +126,17 @@ def parse(log_path, out_path):
                 run = w[2]
             if w[1] == "call" and w[4] == "begin":
                 name = w[5]
+                step = int(w[6]) if len(w) > 6 and w[6] != "-" else None
                 table[(run, name)]["calls"] += 1
             elif w[1] == "call" or w[1] == "between":
                 name = "between_calls" if w[1] == "call" else "between_runs"
+                step = None
             continue
         key = (run, name or "setup")
         if m := re.search(r"updated_allocs=(\d+)", line):
             table[key]["recorded"] += 1
+            if step is not None:
+                recorded_steps[run].add(step)
             table[key][f"recorded_with_{m.group(1)}_moved"] += 1
         elif m := re.search(r"(?:Updated|Initialized) command buffer.* in (\d+) ", line):
             record_us[key].append(int(m.group(1)))
@@ -128,6 +144,16 @@ def parse(log_path, out_path):
             evicted[key] += int(m.group(1))
         elif "Finished XLA compilation" in line:
             compiles[key].append(line.strip()[-100:])
+    # Each run's slowest step calls, and whether XLA recorded the step's graphs again in them.
+    slowest = {}
+    for res in results or []:
+        ms = res.pop("call_ms", [])
+        rec = recorded_steps.get(str(res["run"]), set())
+        res["recorded_steps"] = sorted(rec)
+        res["slowest"] = [[x, i + 1, (i + 1) in rec] for x, i in sorted(((x, i) for i, x in enumerate(ms)),
+                                                                           reverse=True)[:10]]
+        res["call_p50_recording_free_ms"] = float(sorted(x for i, x in enumerate(ms) if i + 1 not in rec)[
+            len([i for i in range(len(ms)) if i + 1 not in rec]) // 2]) if len(ms) > len(rec) else None
     report = {"results": results,
               "by_run_and_step": {f"{r} {n}": dict(c, record_us_total=sum(record_us[(r, n)]))
                                   for (r, n), c in table.items()},
