@@ -73,9 +73,11 @@ def selection(workload: str, K: int, history: int, seed: int, sessions: int = 1)
 def _rows_override(sets, sessions: int, K: int):
     def override(step: int, positions: np.ndarray) -> jax.Array:
         rows = sets.step()
+        if len(positions) == sessions:  # the sets as they are: nothing new allocated between two decode steps
+            return rows
         if sessions == 1:
             return jnp.broadcast_to(rows[0], (len(positions), K))
-        return rows if len(positions) == sessions else rows[np.arange(len(positions)) % sessions]
+        return rows[np.arange(len(positions)) % sessions]
     override.sets = sets  # the device-side state, for inspection (tests trace one step of it)
     return override
 
