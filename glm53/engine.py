@@ -1163,9 +1163,9 @@ class _StepRing:
     array every step, one row a session) is copied, padded to the bucket's lanes, into the executable's own
     buffer; the loop's other inputs into the ring's fixed ones. XLA also records the graphs again when the step's
     temporaries moved, which the allocator places anew at every call, where an array made between two calls may
-    have gone: so the loops allocate nothing between two calls (the pad happens in the copy). A caller must have read a step's outputs before the ring comes round to its buffers (``_Run.LAG`` < N),
-    and must not read a step's inputs after it (they are the outputs of the step N - 1 before the one that
-    overwrites them)."""
+    have gone: so the loops allocate nothing between two calls (the pad happens in the copy). A caller must have
+    read a step's outputs before the ring comes round to its buffers (``_Run.LAG`` < N), and must not read a
+    step's inputs after it (they are the outputs of the step N - 1 before the one that overwrites them)."""
 
     def __init__(self, engine: Engine):
         self.e = engine
