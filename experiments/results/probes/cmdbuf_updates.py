@@ -107,8 +107,9 @@ def run():
 def parse(log_path, out_path):
     """Per run, per step name: calls, calls that recorded their command buffer again (and how many allocations had
     moved), and the recording's host time. XLA's log at JAX 0.11.2 (command_buffer_thunk.cc): "Create/Update
-    command buffer ... updated_allocs=N", "Updated command buffer in N us", "Execute command buffer;
-    num_executions=N" (1 right after a recording)."""
+    command buffer ... updated_allocs=N", "Updated command buffer in N us", "Initialize command buffer ... by
+    recoding" (a graph made anew, after XLA evicted every executable's graphs because a new one was loaded),
+    "Execute command buffer; num_executions=N" (1 right after a recording)."""
     run, name, step = None, None, None
     recorded_steps = collections.defaultdict(set)  # run -> the loop steps (1-based) that recorded
     table = collections.defaultdict(lambda: collections.Counter())
@@ -133,7 +134,12 @@ def parse(log_path, out_path):
                 step = None
             continue
         key = (run, name or "setup")
-        if m := re.search(r"updated_allocs=(\d+)", line):
+        if "Initialize command buffer" in line:  # a graph made anew: the executable's were evicted (or never made)
+            table[key]["recorded"] += 1
+            table[key]["recorded_anew"] += 1
+            if step is not None:
+                recorded_steps[run].add(step)
+        elif m := re.search(r"updated_allocs=(\d+)", line):
             table[key]["recorded"] += 1
             if step is not None:
                 recorded_steps[run].add(step)
