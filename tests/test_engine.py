@@ -659,7 +659,7 @@ def test_output_ring_is_bit_identical_and_writes_in_place(model):
         out += gen(e, {a: 4, b: 4, c: 4}, stop_tokens=[5, 9])  # the same shapes: the same buffers, written in place
         if e.output_ring > 1:
             assert kept and pointers_of(e) == kept
-        # three sessions in a bucket of four: the ring pads the override into its own buffer (no jnp.pad)
+        # three sessions in a bucket of four: the ring pads the override as it copies it into its own buffer
         out += gen(e, {a: 3, b: 3, c: 3}, selection_override=shifting)
         out += gen(e, {a: 20})  # one lane: steps with and without the copyback (new buffers: the last loop's kept)
         e.append(b, ids(40, 84))
