@@ -315,7 +315,8 @@ class Engine:
 
     ``host_budget_bytes`` sizes offload's host page pool (default: every slot's full capacity);
     ``device_budget_bytes`` is checked against the cache, the parameters, the largest transient buffer and the
-    output rings' step buffers (``step_buffers_bound``) when the engine is built. ``kernels`` picks the Pallas kernels or their jnp references (``"auto"``: kernels on GPUs).
+    output rings' step buffers (``step_buffers_bound``) when the engine is built. ``kernels`` picks the Pallas
+    kernels or their jnp references (``"auto"``: kernels on GPUs).
     ``compiler_options`` (``{"xla_...": value}``) are XLA options the engine's steps compile with (``jax.jit``'s
     ``compiler_options``; not on pipeline stages): two engines of one model in one process then A/B an option with
     the same autotuned GEMMs, which two processes do not share (their greedy tokens part within tens of tokens).
@@ -1179,8 +1180,8 @@ class _StepRing:
         ring = self.rings.get(memo)
         args = list(args)
         sel = args[-1]
-        lanes = jax.tree_util.tree_leaves(args[2])[0].shape[0]
         if ring is None:
+            lanes = args[2].slot.shape[0]
             if sel is not None and sel.shape[0] != lanes:  # the step takes it padded to the bucket
                 args[-1] = jnp.pad(sel, ((0, lanes - sel.shape[0]), (0, 0)))
             ring = self.rings[memo] = self.e._ring_step(name, tuple(args), static)
@@ -1203,8 +1204,8 @@ class _StepRing:
         if sel is not None:
             # Padded here to the bucket's lanes (``_Run._selection(padded=False)``), into the executable's buffer.
             if held.selections[i] is None:
-                held.selections[i] = _zeros(jax.ShapeDtypeStruct((lanes, *sel.shape[1:]), jnp.int32,
-                                                                 sharding=sel.sharding))
+                held.selections[i] = _zeros(jax.ShapeDtypeStruct((args[2].slot.shape[0], *sel.shape[1:]),
+                                                                 jnp.int32, sharding=sel.sharding))
             held.selections[i] = args[-1] = _into(held.selections[i], sel)
         buffers = held.outputs[i] or _zeros(shapes)
         held.outputs[i] = None  # donated
