@@ -408,7 +408,9 @@ class Engine:
         self._steps: dict = {}
         self._decode_variants: set = set()  # (bucket, copy_pages) of the plain decode steps dispatched
         self._decode_buckets: set = set()  # buckets a plain decode loop has run in
-        self._rings: dict = {}  # (static, name, argument shapes, copies) -> (executables, output shapes)
+        # (static, name, argument shapes, copies) -> (executables, output shapes): the rings this engine has used,
+        # which the model's steps build once for every engine (``Steps.ring``)
+        self._rings: dict = {}
         self._ring_buffers: dict = {}  # step name -> (argument shapes, _RingBuffers): the last loop's only
         self._free_slots = list(range(self.max_sessions))
         self._free_pages = collections.deque(range(self.pool_pages))
@@ -562,10 +564,10 @@ class Engine:
         return fn
 
     def _ring_step(self, name: str, args: tuple, static: dict) -> tuple:
-        """The ``output_ring`` executables of step ``name`` for these arguments (``Steps.ring``), the shapes of
-        their outputs and the buffers they keep (``_RingBuffers``, one set for all of the step's static variants
-        with these argument shapes), built at the first call with arguments shaped like these (the first two
-        arguments, the parameters and the cache, keep theirs). Loading the clones counts as compilation time."""
+        """The ``output_ring`` executables of step ``name`` for these arguments (``Steps.ring``: built once per
+        model, for all its engines), the shapes of their outputs and the buffers they keep (this engine's
+        ``_RingBuffers``, one set for all of the step's static variants with these argument shapes). Building or
+        loading the executables counts as compilation time."""
         small = jax.tree_util.tree_flatten(args[2:])
         shapes = (name, small[1], tuple((x.shape, x.dtype) for x in small[0]))
         key = (tuple(sorted(static.items())), *shapes, self.output_ring)

@@ -418,6 +418,7 @@ class Steps:
         self.net = net or WholeModel(module)  # a pipeline's last stage brings its own (glm53.pipeline.LastStage)
         self._jits: dict = {}
         self._others: dict = {}  # (name, mesh or None) -> jitted sample_first / read_slot / read_pages
+        self._rings: dict = {}  # ``ring``'s executables, by what they were compiled for
 
     def _jit(self, name: str, cache, compiler_options: tuple = ()):
         shardings = jax.tree_util.tree_map(lambda x: x.sharding, cache)
@@ -507,10 +508,22 @@ class Steps:
         persistent compilation cache loaded is not cloned (on the CPU it serializes without its code, and its
         clones fail to run: "Function ... not found"): the copies are then loaded from that cache one by one, the
         same binary too."""
-        from jax.experimental import serialize_executable
-
         if static.get("trace"):
             raise ValueError("a ring's steps return no trace")
+        # Kept here, like the jits, so that every engine of this model shares them: ``glm53.generate`` makes an
+        # engine per call, and an AOT ``compile()`` has no cache of its own, so a per-engine memo compiled the step
+        # again at every call (a timed 1,024-token generate on the H200 spent 7.3 s of its 10.7 s compiling:
+        # ``probes/generate_8k_1024_ring_fe97dc0.json``). Engines of one shape calling the same executables in turn
+        # cost only their graphs' recording at each switch; their buffers are their own (``engine._RingBuffers``).
+        key = (name, _signature(args), compiler_options, tuple(sorted(static.items())), copies)
+        memo = self._rings.get(key)
+        if memo is None:
+            memo = self._rings[key] = self._build_ring(name, cache, compiler_options, args, static, copies)
+        return memo
+
+    def _build_ring(self, name, cache, compiler_options, args, static, copies) -> tuple:
+        from jax.experimental import serialize_executable
+
         f, static_names, with_model = STEPS[name]
         plain = self._jit(name, cache, compiler_options)
         outs = plain.trace(*args, **static).out_info[1]
@@ -547,6 +560,14 @@ class Steps:
         with_model = STEPS[name][2]
         cache = args[1] if with_model else args[0]
         return self._jit(name, cache).lower(*_abstract(args), **kw)
+
+
+def _signature(tree) -> tuple:
+    """What a compiled executable is specialized to in ``tree``: its structure and each leaf's shape, dtype and
+    placement."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((x.shape, x.dtype, getattr(x, "weak_type", False), x.sharding) if hasattr(x, "shape")
+                          else (type(x), x) for x in leaves)
 
 
 _persistent_cache_hits = [0]  # executables this process loaded from JAX's persistent compilation cache

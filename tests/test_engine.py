@@ -637,6 +637,42 @@ def test_decode_and_verify_compile_once_per_shape():
     assert {n: e._step(n)._cache_size() + rings[n] for n in ("decode", "verify")} == {"decode": 3, "verify": 2}
 
 
+def test_engines_of_one_model_share_its_ring_executables():
+    """``glm53.generate`` makes an engine per call: a second engine of the model, and a third of its shapes, use
+    the executables the first compiled for its rings (each with buffers of its own), and their tokens and logits
+    equal the first's, called in turn. Before, every engine compiled its rings again (7.3 s of a timed generate's
+    10.7 s on the H200, ``probes/generate_8k_1024_ring_fe97dc0.json``)."""
+    m = make_model()  # a fresh model: only these engines' rings
+
+    def ringed():
+        e = engine(m, "offload", 2)
+        e.output_ring = 3
+        return e
+
+    def script(e):
+        a, b = e.open(ids(50, 91)), e.open(ids(35, 92))
+        return gen(e, {a: 6, b: 6}) + gen(e, {a: 3}, mtp=1, accept_override=1)
+
+    first = ringed()
+    want = script(first)
+    second, third = ringed(), ringed()
+    got_second = script(second)
+    assert second.last_run.compile_s < 0.5 * first.last_run.compile_s
+    assert second._rings.keys() == first._rings.keys() and len(first._rings) == 2  # decode bucket 2, verify 1
+    for key, (executables, _) in first._rings.items():
+        assert all(a is b for a, b in zip(executables, second._rings[key][0]))
+    # two engines alternating on the shared executables, each in its own buffers
+    a3, b3 = third.open(ids(50, 91)), third.open(ids(35, 92))
+    got_third = gen(third, {a3: 6, b3: 6})
+    assert_same(got_third, want[:2])
+    again = ringed()
+    assert_same(script(again), want)
+    got_third += gen(third, {a3: 3}, mtp=1, accept_override=1)
+    assert_same(got_second, want)
+    assert_same(got_third, want)
+    assert len(m.steps._rings) == 2
+
+
 def test_output_ring_is_bit_identical_and_writes_in_place(model):
     """Decode and verify steps called in turn from ``output_ring`` clones of one compilation, each writing into the
     output buffers it wrote that many steps back and taking the selection override in a buffer of its own (the
