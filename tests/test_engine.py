@@ -623,7 +623,8 @@ def test_a_failing_callback_leaves_the_session_consistent(model):
 def test_a_generate_leaves_no_device_arrays_to_the_garbage_collector(model):
     """Every device array a generate, append, rollback, fork or close makes is freed when the call returns, by
     reference counting: none waits in a reference cycle for Python's collector (the decode loop's run object was
-    one, holding 19 arrays of these calls until a collection at some later point)."""
+    one, holding 19 arrays of these calls until a collection at some later point: memory that
+    ``memory_report`` and the budgets do not see)."""
     for mode in ("offload", "resident"):
         e = engine(model, mode, 3)
         a, b = e.open(ids(40, 1)), e.open(ids(30, 2))
