@@ -12,6 +12,9 @@ Run (stderr is the log; the parse reads it back):
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 python cmdbuf_updates.py run 2> LOG
     python cmdbuf_updates.py parse LOG OUT.json
 
+With ``TF_CPP_VMODULE=command_buffer_thunk=3,bfc_allocator=3`` the parse also lists the device allocations each loop
+step made (its temporaries' address: which calls found them moved) and how many were made outside the steps.
+
 PROBE_SESSIONS (10), PROBE_HISTORY (8192), PROBE_NEW (48) tokens a run, PROBE_RUNS (3) runs after the warm-up,
 PROBE_RING (the engine's default when unset), PROBE_MODE (offload; resident), PROBE_MTP (0; D: MTP D with D
 drafts accepted, ``accept_override``), PROBE_WORKLOAD (local99; indexer: the model's own selection, no
@@ -117,6 +120,11 @@ def parse(log_path, out_path):
     evicted = collections.Counter()
     compiles = collections.defaultdict(list)
     results = None
+    # With ``bfc_allocator=3`` in TF_CPP_VMODULE: the device allocations made inside each call, in order, as
+    # (bytes, address) (the allocator's "AllocateRaw <name>  <bytes> <address>" line; its deallocation line names no
+    # address). A ring step allocates only its temporaries, so a decode call's list says where they went.
+    allocations = collections.defaultdict(list)  # (run, call name, loop step or None, call number) -> [(bytes, ptr)]
+    call_number = None
     for line in open(log_path, errors="replace"):
         if line.startswith("@@ results "):
             results = json.loads(line[len("@@ results "):])
@@ -127,6 +135,7 @@ def parse(log_path, out_path):
                 run = w[2]
             if w[1] == "call" and w[4] == "begin":
                 name = w[5]
+                call_number = w[3]
                 step = int(w[6]) if len(w) > 6 and w[6] != "-" else None
                 table[(run, name)]["calls"] += 1
             elif w[1] == "call" or w[1] == "between":
@@ -134,6 +143,10 @@ def parse(log_path, out_path):
                 step = None
             continue
         key = (run, name or "setup")
+        if m := re.search(r"AllocateRaw \S+  (\d+) (0x[0-9a-f]+)", line):
+            allocations[(run, name or "setup", step, call_number if name else None)].append(
+                (int(m.group(1)), m.group(2)))
+            continue
         if "Initialize command buffer" in line:  # a graph made anew: the executable's were evicted (or never made)
             table[key]["recorded"] += 1
             table[key]["recorded_anew"] += 1
@@ -160,7 +173,13 @@ def parse(log_path, out_path):
                                                                            reverse=True)[:10]]
         res["call_p50_recording_free_ms"] = float(sorted(x for i, x in enumerate(ms) if i + 1 not in rec)[
             len([i for i in range(len(ms)) if i + 1 not in rec]) // 2]) if len(ms) > len(rec) else None
-    report = {"results": results,
+    # Each loop step's allocations of 1 MiB or more (the temporaries), and what was allocated between two runs.
+    big = {f"{r} {n} {st}": [a for a in al if a[0] >= 1 << 20] for (r, n, st, _), al in allocations.items()
+           if st is not None}
+    between = {f"{r} {n}": sum(len(al) for (r2, n2, st, _), al in allocations.items() if (r2, n2) == (r, n))
+               for (r, n, st, _) in allocations if st is None}
+    report = {"step_allocations_1mib": big, "allocations_outside_loop_steps": between,
+              "results": results,
               "by_run_and_step": {f"{r} {n}": dict(c, record_us_total=sum(record_us[(r, n)]))
                                   for (r, n), c in table.items()},
               "evicted": {f"{r} {n}": v for (r, n), v in evicted.items()},
