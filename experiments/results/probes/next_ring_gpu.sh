@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# H200 call prepared at stops 41-42, run at stop 43 (fe97dc0; its generate compiled inside the timed run, fixed at c398145, rerun in next_batch1_gpu.sh): what is left to check of the engine's output rings on the GPU.
+# H200 call prepared at stops 41-42, run at stop 43 (fe97dc0; its generate compiled inside the timed run, fixed at
+# c398145, rerun in next_batch1_gpu.sh): what is left to check of the engine's output rings on the GPU.
 # (1) The ring's own test compiled, alone (it did not finish beside others in 170-300 s, nor alone in 180 s at
 # 3bb4d37): a run of its own with most of the call. (2) Batch 1 at 8K: the 1,024-token generate against the README's
 # 313.05 tok/s (generate_8k_1024_5451fca.json). Same setup as next_call_gpu.sh (GLM53_GIT_REVISION, OUT, .whl/).

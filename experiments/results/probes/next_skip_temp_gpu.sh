@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# H200 call prepared at stop 42, run at stop 43 (fe97dc0; skip_temp_pinned_fe97dc0.json: every pinned_host allocation segfaulted, so part 2 did not run): XLA's SKIP_TEMP (the temporaries a command buffer reads at stable
+# H200 call prepared at stop 42, run at stop 43 (fe97dc0; skip_temp_pinned_fe97dc0.json: every pinned_host
+# allocation segfaulted, so part 2 did not run): XLA's SKIP_TEMP (the temporaries a command buffer reads at stable
 # virtual addresses, on the VMM allocator) with the engine's output rings, which keep every argument and output put.
 # Together no step would record its CUDA graphs again, not even a run's first. At 902d246 the offload engine
 # segfaulted allocating its pinned_host pool under SKIP_TEMP. (1) skip_temp_pinned.py: which ways of making a

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# H200 call prepared at stop 42, run at stop 43 (fe97dc0; its MTP 3 run did not finish in 175 s and ran again in next_batch1_gpu.sh): what sets the 10 x 50K offload decode's step-call tail since 3bb4d37
+# H200 call prepared at stop 42, run at stop 43 (fe97dc0; its MTP 3 run did not finish in 175 s and ran again in
+# next_batch1_gpu.sh): what sets the 10 x 50K offload decode's step-call tail since 3bb4d37
 # (p50 1.19 ms, p99 1.77, the slow calls 1.7-1.9 ms after each run's first three; resident 1.10 / 1.31). XLA's
 # command-buffer log placed call by call (cmdbuf_updates.py) for offload and resident, local99, 256 tokens, 2 runs:
 # do the tail calls record their CUDA graphs again (and which allocation moved), or is it elsewhere? Then MTP 3
