@@ -515,7 +515,8 @@ class Steps:
         # again at every call (a timed 1,024-token generate on the H200 spent 7.3 s of its 10.7 s compiling:
         # ``probes/generate_8k_1024_ring_fe97dc0.json``). Engines of one shape calling the same executables in turn
         # cost only their graphs' recording at each switch; their buffers are their own (``engine._RingBuffers``).
-        key = (name, _signature(args), compiler_options, tuple(sorted(static.items())), copies)
+        leaves, treedef = jax.tree_util.tree_flatten(_abstract(args))
+        key = (name, treedef, tuple(leaves), compiler_options, tuple(sorted(static.items())), copies)
         memo = self._rings.get(key)
         if memo is None:
             memo = self._rings[key] = self._build_ring(name, cache, compiler_options, args, static, copies)
@@ -560,14 +561,6 @@ class Steps:
         with_model = STEPS[name][2]
         cache = args[1] if with_model else args[0]
         return self._jit(name, cache).lower(*_abstract(args), **kw)
-
-
-def _signature(tree) -> tuple:
-    """What a compiled executable is specialized to in ``tree``: its structure and each leaf's shape, dtype and
-    placement."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return treedef, tuple((x.shape, x.dtype, getattr(x, "weak_type", False), x.sharding) if hasattr(x, "shape")
-                          else (type(x), x) for x in leaves)
 
 
 _persistent_cache_hits = [0]  # executables this process loaded from JAX's persistent compilation cache
