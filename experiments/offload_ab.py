@@ -41,10 +41,10 @@ flags.DEFINE_list("workloads", ["indexer", "local99"],
                   "indexer (the model's own selection), local99, drift<c>, window<s>, uniform (experiments.workloads)")
 
 
-def run_once(model, prompts, cc, new_tokens, workload, K, history, seed, run_cfg):
+def run_once(model, prompts, cc, new_tokens, selections: workloads.Selections, seed, run_cfg):
     return glm53.generate(model, prompts, max_new_tokens=new_tokens, cache=cc, return_logits=True, mtp=run_cfg.mtp,
                           accept_override=None if run_cfg.accept_override < 0 else run_cfg.accept_override,
-                          selection_override=workloads.selection(workload, K, history, seed, len(prompts)))
+                          selection_override=selections(seed))
 
 
 def floor_pct(pairs: list, row_bytes: int, host_bw: dict | None) -> float | None:
@@ -82,13 +82,14 @@ def main(_):
     new = c.run.max_new_tokens
     modes = {"resident": cc.replace(mode="resident"), "offload": cc.replace(mode="offload")}
     warm = [p[: min(len(p), cc.prefill_chunk)] for p in prompts]
+    # a bad name fails here, before any run
+    series = {wl: workloads.Selections(wl, K, c.run.prompt_len, len(prompts)) for wl in FLAGS.workloads}
     for wl in FLAGS.workloads:
-        workloads.selection(wl, K, c.run.prompt_len, c.run.seed)  # a bad name fails here, before any run
         for m in modes.values():
             # copyback_every + 2 tokens: decode crosses a page boundary, so the one-page copyback compiles too
             # The timed runs' history: the override's jitted step compiles here, for the shapes it will run with
             # (positions past the short warm-up prompt are inside the capacity: their rows are just empty).
-            run_once(model, warm, m, cc.copyback_every + 2, wl, K, c.run.prompt_len, c.run.seed, c.run)
+            run_once(model, warm, m, cc.copyback_every + 2, series[wl], c.run.seed, c.run)
     print(f"{model}; prompt {c.run.prompt_len} x {c.run.batch}, {new} new tokens; warm-up done", flush=True)
 
     row_bytes = kernels_pallas.kv_formats.get_format(cc.kv_format).bytes_per_row
@@ -100,7 +101,7 @@ def main(_):
         pairs = []
         for p in range(FLAGS.pairs):
             order = ("resident", "offload") if p % 2 == 0 else ("offload", "resident")
-            runs = {m: run_once(model, prompts, modes[m], new, wl, K, c.run.prompt_len, c.run.seed + p, c.run)
+            runs = {m: run_once(model, prompts, modes[m], new, series[wl], c.run.seed + p, c.run)
                     for m in order}
             r, o = runs["resident"], runs["offload"]
             pair = {

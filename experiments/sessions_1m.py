@@ -412,9 +412,8 @@ def figures(res: dict, n_sessions: int) -> dict:
 
 
 def selection_for(K: int, history: int, n: int):
-    def make(seed: int):
-        return None if FLAGS.workload == "model" else workloads.local99_sessions(K, history, seed, n)
-    return make
+    """``seed -> override`` for a series of runs (one set of device buffers: ``workloads.Selections``)."""
+    return workloads.Selections("indexer" if FLAGS.workload == "model" else "local99", K, history, n)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -169,8 +169,7 @@ def main(_):
     for i_setting, (workload, depth, accept) in enumerate(settings):
         deadline_s = setting_deadline_s(time.perf_counter() - t_start, FLAGS.budget_s, len(settings) - i_setting)
 
-        def selection(seed):
-            return workloads.selection(workload, K, history, seed, S)
+        selection = workloads.Selections(workload, K, history, S)  # seed -> override, one set of device buffers
 
         name = f"mtp{depth}" + ("" if not depth else ("_forced" if accept is not None else "_real"))
         if len(FLAGS.workload) > 1:

@@ -39,6 +39,7 @@ files too). The JSON is rewritten after every point.
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import json
@@ -186,7 +187,13 @@ def build_sessions(e: glm53.Engine, vocab: int, history: int, n: int, seed: int)
 
 
 def selection(K: int, history: int, seed: int, n: int):
-    return None if FLAGS.workload == "indexer" else workloads.local99_sessions(K, history, seed, n)
+    return _selections(K, history, n)(seed)
+
+
+@functools.cache
+def _selections(K: int, history: int, n: int) -> workloads.Selections:
+    # One series per shape: every run of it reuses one set of device buffers (workloads.Selections says why).
+    return workloads.Selections(FLAGS.workload, K, history, n)
 
 
 def gen_kw(mtp: int) -> dict:

@@ -31,7 +31,7 @@ WORKLOADS = ("indexer | local99 | drift<churn> (e.g. drift0.05) | uniform | wind
 def selection(workload: str, K: int, history: int, seed: int, sessions: int = 1):
     """The ``selection_override`` of a workload (None: the model's own choice). Every synthetic workload keeps its
     state on the device (no host work between steps); each session (row) has its own positions unless
-    ``sessions=1``, where every row is the same.
+    ``sessions=1``, where every row is the same. A series of runs takes ``Selections`` instead.
 
     - ``indexer``: the model's DSA selection (no override);
     - ``local99``: ``drift0.01``;
@@ -43,6 +43,11 @@ def selection(workload: str, K: int, history: int, seed: int, sessions: int = 1)
     - ``zipf<e>``: K distinct positions drawn afresh each step with probability proportional to ``rank ** -e``
       over a fixed random ranking of the history per session: lasting popularity with a long tail, the reuse where
       replacement policies differ (``glm53.policies``: LFU keeps more of it hot than circular)."""
+    return Selections(workload, K, history, sessions)(seed)
+
+
+def _state_factory(workload: str):
+    """``(K, history, seed, sessions) -> device state`` of a workload's name, or None for ``indexer``."""
     if workload == "indexer":
         return None
     if workload == "local99":
@@ -52,22 +57,74 @@ def selection(workload: str, K: int, history: int, seed: int, sessions: int = 1)
             churn = float(workload[len("drift"):])
             if not 0 < churn <= 1:
                 raise ValueError
-            return local99_sessions(K, history, seed, sessions, churn=churn)
+            return functools.partial(_working_sets, churn=churn)
         if workload == "uniform":
-            return _rows_override(UniformSets(K, history, seed, sessions), sessions, K)
+            return UniformSets
         if workload.startswith("window"):
             stride = int(workload[len("window"):])
             if stride < 1:
                 raise ValueError
-            return _rows_override(SlidingWindows(K, history, seed, sessions, stride), sessions, K)
+            return functools.partial(_sliding_windows, stride=stride)
         if workload.startswith("zipf"):
             exponent = float(workload[len("zipf"):])
             if not exponent > 0:
                 raise ValueError
-            return _rows_override(ZipfSets(K, history, seed, sessions, exponent), sessions, K)
+            return functools.partial(_zipf_sets, exponent=exponent)
     except ValueError:
         pass
     raise ValueError(f"unknown workload {workload!r}: {WORKLOADS}")
+
+
+def _working_sets(K, history, seed, sessions, *, churn):
+    return WorkingSets(K, history, seed, sessions, churn)
+
+
+def _sliding_windows(K, history, seed, sessions, *, stride):
+    return SlidingWindows(K, history, seed, sessions, stride)
+
+
+def _zipf_sets(K, history, seed, sessions, *, exponent):
+    return ZipfSets(K, history, seed, sessions, exponent)
+
+
+class Selections:
+    """The overrides of one workload for a series of runs: ``selections(seed)`` is ``selection(workload, K,
+    history, seed, sessions)``, but every override of the series keeps its device state in the same buffers: each
+    new one writes its start over the last one's state (so one run at a time: an older override then continues
+    from the new start).
+
+    Why: a device array made between two ``generate`` calls and kept through the next one can be placed where the
+    decode steps' temporaries were. XLA then finds the temporaries elsewhere at that run's first call of each step
+    executable and records its CUDA graphs again, 2-8 ms a call on the H200 against a ~1.3 ms step
+    (``experiments/results/probes/cmdbuf_updates_8k_alloc_da1a864.json``: a fresh 80 KiB working set per run moved
+    the 139 MB of temporaries by 160 KiB, run after run, and set the 10-session step-call p99)."""
+
+    def __init__(self, workload: str, K: int, history: int, sessions: int = 1):
+        self.factory = _state_factory(workload)  # a bad name fails here
+        self.K, self.history, self.sessions = K, history, sessions
+        self.state = None
+
+    def __call__(self, seed: int):
+        if self.factory is None:
+            return None
+        if self.state is None:
+            self.state = self.factory(self.K, self.history, seed, self.sessions)
+        else:
+            self.state.reset(seed)
+        return _rows_override(self.state, self.sessions, self.K)
+
+
+def _in_place(old, new):
+    """``new`` (numpy or device arrays) on the device, in ``old``'s buffers when there are any (see ``Selections``)."""
+    if old is None:
+        return jax.tree_util.tree_map(jnp.asarray, new)
+    return _write_over(old, new)
+
+
+# An update of the whole of ``old``, not ``return new``: JAX drops an unused argument, and its donation with it.
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_over(old, new):
+    return jax.tree_util.tree_map(lambda o, n: jax.lax.dynamic_update_slice(o, n, (0,) * o.ndim), old, new)
 
 
 def _rows_override(sets, sessions: int, K: int):
@@ -89,7 +146,12 @@ class UniformSets:
         if history < K:
             raise ValueError(f"{K} distinct positions need a history of at least {K} (got {history})")
         self.K, self.history, self.sessions = K, history, sessions
-        self.key = jax.random.key(seed)
+        self.key = None
+        self.reset(seed)
+
+    def reset(self, seed: int) -> None:
+        """The state of a fresh ``UniformSets`` of ``seed``, written over this one's buffers (``Selections``)."""
+        self.key = _in_place(self.key, jax.random.key(seed))
 
     def step(self) -> jax.Array:
         self.key, rows = _uniform(self.key, K=self.K, history=self.history, sessions=self.sessions)
@@ -111,16 +173,21 @@ class SlidingWindows:
     def __init__(self, K: int, history: int, seed: int, sessions: int, stride: int):
         if history < K:
             raise ValueError(f"a window of {K} distinct positions needs a history of at least {K} (got {history})")
+        self.K, self.history, self.stride, self.sessions = K, history, stride, sessions
+        self.start = None
+        self.reset(seed)
+
+    def reset(self, seed: int) -> None:
+        """The state of a fresh ``SlidingWindows`` of ``seed``, written over this one's buffers (``Selections``)."""
         rng = np.random.default_rng(seed)
-        self.start = jnp.asarray(rng.integers(0, history, sessions).astype(np.int32))
-        self.K, self.history, self.stride = K, history, stride
+        self.start = _in_place(self.start, rng.integers(0, self.history, self.sessions).astype(np.int32))
 
     def step(self) -> jax.Array:
         self.start, rows = _window(self.start, K=self.K, history=self.history, stride=self.stride)
         return rows
 
 
-@functools.partial(jax.jit, static_argnames=("K", "history", "stride"))
+@functools.partial(jax.jit, static_argnames=("K", "history", "stride"), donate_argnums=0)
 def _window(start, *, K: int, history: int, stride: int):
     start = (start + stride) % history
     rows = (start[:, None] + jnp.arange(K, dtype=jnp.int32)[None, :]) % history
@@ -135,11 +202,17 @@ class ZipfSets:
     def __init__(self, K: int, history: int, seed: int, sessions: int, exponent: float):
         if history < K:
             raise ValueError(f"{K} distinct positions need a history of at least {K} (got {history})")
-        rng = np.random.default_rng(seed)
-        self.by_rank = jnp.asarray(np.stack([rng.permutation(history) for _ in range(sessions)]).astype(np.int32))
         self.logp = jnp.asarray(-exponent * np.log(np.arange(1, history + 1, dtype=np.float64)), jnp.float32)
-        self.key = jax.random.key(seed)
-        self.K = K
+        self.K, self.history, self.sessions = K, history, sessions
+        self.by_rank = self.key = None
+        self.reset(seed)
+
+    def reset(self, seed: int) -> None:
+        """The state of a fresh ``ZipfSets`` of ``seed``, written over this one's buffers (``Selections``)."""
+        rng = np.random.default_rng(seed)
+        by_rank = np.stack([rng.permutation(self.history) for _ in range(self.sessions)]).astype(np.int32)
+        state = None if self.key is None else (self.by_rank, self.key)
+        self.by_rank, self.key = _in_place(state, (by_rank, jax.random.key(seed)))
 
     def step(self) -> jax.Array:
         self.key, rows = _zipf(self.key, self.by_rank, self.logp, K=self.K)
@@ -180,12 +253,17 @@ class WorkingSets:
     def __init__(self, K: int, history: int, seed: int, sessions: int, churn: float = 0.01):
         if history < K:
             raise ValueError(f"a working set of {K} distinct positions needs a history of at least {K} (got {history})")
-        rng = np.random.default_rng(seed)
-        first = np.stack([np.sort(rng.choice(history, K, replace=False)) for _ in range(sessions)])
-        self.chosen = jnp.asarray(first.astype(np.int32))
-        self.key = jax.random.key(seed)
         self.n_new = max(1, int(round(churn * K)))
-        self.history = history
+        self.K, self.history, self.sessions = K, history, sessions
+        self.chosen = self.key = None
+        self.reset(seed)
+
+    def reset(self, seed: int) -> None:
+        """The state of a fresh ``WorkingSets`` of ``seed``, written over this one's buffers (``Selections``)."""
+        rng = np.random.default_rng(seed)
+        first = np.stack([np.sort(rng.choice(self.history, self.K, replace=False)) for _ in range(self.sessions)])
+        state = None if self.key is None else (self.chosen, self.key)
+        self.chosen, self.key = _in_place(state, (first.astype(np.int32), jax.random.key(seed)))
 
     def step(self) -> jax.Array:
         """The sets after one more step of churn, ``int32 [S, K]`` (each row sorted)."""

@@ -573,6 +573,38 @@ def test_working_sets_stay_distinct_and_churn(sessions, history):
         workloads.WorkingSets(K, K - 1, seed=0, sessions=1)
 
 
+@pytest.mark.parametrize("name", ["local99", "uniform", "window32", "zipf1.0"])
+def test_a_series_of_selections_reuses_its_device_buffers(name):
+    """``workloads.Selections``: each run's override gives the rows a fresh ``workloads.selection`` of its seed
+    gives, and its device state is written over the last one's buffers (nothing new kept on the device between
+    two runs: it would move the decode steps' temporaries, and their CUDA graphs would be recorded again)."""
+    import jax
+    import numpy as np
+
+    from experiments import workloads
+
+    def rows(override):
+        return [np.array(override(i, np.zeros(3))).copy() for i in range(4)]
+
+    def buffers(state):
+        return [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(vars(state))
+                if isinstance(x, jax.Array) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+
+    series = workloads.Selections(name, 64, 500, sessions=3)
+    for seed in (1, 5, 1):
+        override = series(seed)
+        before = buffers(series.state)
+        assert override.sets is series.state
+        got = rows(override)
+        expected = rows(workloads.selection(name, 64, 500, seed, sessions=3))
+        assert all((g == x).all() for g, x in zip(got, expected)), seed
+        series(seed)  # the next run's start, written over the same buffers
+        assert buffers(series.state) == before
+    assert workloads.Selections("indexer", 64, 500, 3)(0) is None
+    with pytest.raises(ValueError, match="unknown workload"):
+        workloads.Selections("drift2", 64, 500, 3)
+
+
 def test_offload_ab_sweeps_hit_rates_with_a_plot(tmp_path):
     """Synthetic locality workloads sweep the hit rate in one run; outputs identical in every pair; a PNG beside
     the JSON (the floor needs a GPU's zero-copy path: None on the CPU)."""

@@ -18,7 +18,8 @@ step made (its temporaries' address: which calls found them moved) and how many 
 PROBE_SESSIONS (10), PROBE_HISTORY (8192), PROBE_NEW (48) tokens a run, PROBE_RUNS (3) runs after the warm-up,
 PROBE_RING (the engine's default when unset), PROBE_MODE (offload; resident), PROBE_MTP (0; D: MTP D with D
 drafts accepted, ``accept_override``), PROBE_WORKLOAD (local99; indexer: the model's own selection, no
-override). Compilations are logged too (``jax_log_compiles``), to name what
+override), PROBE_FRESH (0; 1: a fresh workload each run, ``workloads.selection``, instead of one
+``workloads.Selections`` series, whose runs share one set of device buffers). Compilations are logged too (``jax_log_compiles``), to name what
 a between-runs eviction came from.
 """
 import collections
@@ -90,10 +91,13 @@ def run():
     e._step = marked_step
     jax.config.update("jax_log_compiles", True)
     results = []
+    workload = os.environ.get("PROBE_WORKLOAD", "local99")
+    selections = workloads.Selections(workload, K, hist, S)
     for r in ["warmup"] + list(range(int(os.environ.get("PROBE_RUNS", "3")))):
         state.update(run=r, call=0, step=0)
         mark(f"run {r} begin")
-        override = workloads.selection(os.environ.get("PROBE_WORKLOAD", "local99"), K, hist, 7, S)
+        override = (workloads.selection(workload, K, hist, 7, S) if os.environ.get("PROBE_FRESH") == "1"
+                    else selections(7))
         out = e.generate({s: new for s in sids}, selection_override=override, mtp=mtp,
                          accept_override=mtp if mtp else None)
         mark(f"run {r} end")
