@@ -1579,6 +1579,11 @@ class _Run:
             rem_after = np.asarray(rem_after)
             self._absorb_decode(tok, np.where(mask, rem_after, self.remaining), logits if self.return_logits
                                 else None, before_rem, outs[3] if len(outs) > 3 else None)
+            # Freed now, not at the first verify call: alive through it, its 6 MB of logits (10 lanes) put that
+            # call's temporaries elsewhere than the next calls', and on a GPU the first verify executable of the
+            # ring recorded its CUDA graphs again at its first two calls of every run
+            # (experiments/results/probes/cmdbuf_updates_8k_series_mtp3_8d78e85.json).
+            del outs, tok, logits, rem_after  # (rem_after: on a CPU its numpy view holds the device buffer)
         pending = e._put(self._pending())
         e.cache, outs = e._step("draft")(
             e.model.params, e.cache, self.lanes, pending, self.seed, self.temperature, self.top_p,

@@ -647,6 +647,51 @@ def test_a_generate_leaves_no_device_arrays_to_the_garbage_collector(model):
         assert len(jax.live_arrays()) == live, mode
 
 
+@pytest.mark.parametrize("ring", [1, 3])
+def test_an_mtp_runs_plain_first_step_frees_its_outputs_before_the_verify_loop(model, monkeypatch, ring):
+    """A rolled-back session's MTP run starts with one plain decode step. Its outputs (10 lanes' logits: 6 MB) are
+    freed before the first verify call: alive through it, they put that call's temporaries elsewhere than the
+    next calls', and on a GPU the ring's first verify executable recorded its CUDA graphs again at its first two
+    calls of every run (``probes/cmdbuf_updates_8k_series_mtp3_8d78e85.json``)."""
+    import weakref
+
+    from glm53 import engine as engine_module
+
+    e = engine(model, "offload", 2)
+    e.output_ring = ring
+    a, b = e.open(ids(40, 11)), e.open(ids(33, 12))
+    first = e.generate({a: 4, b: 4}, mtp=2, accept_override=1)
+    for s in (a, b):
+        e.rollback(s, 2)  # the pending token's predecessor has no stored hidden state: a plain step first
+    decode_outputs, checked = [], []
+    step = e._step
+
+    def watched(name):
+        f = step(name)
+
+        def call(*args, **kw):
+            if name == "verify" and decode_outputs and not checked:
+                checked.append([r() is None for r in decode_outputs])
+            out = f(*args, **kw)
+            if name == "decode":
+                decode_outputs.extend(weakref.ref(x) for x in jax.tree_util.tree_leaves(out[1]))
+            return out
+        return call
+
+    ring_call = engine_module._StepRing.__call__
+
+    def watched_ring(self, name, args, static):
+        if name == "verify" and decode_outputs and not checked:
+            checked.append([r() is None for r in decode_outputs])
+        return ring_call(self, name, args, static)
+
+    monkeypatch.setattr(e, "_step", watched)
+    monkeypatch.setattr(engine_module._StepRing, "__call__", watched_ring)
+    again = e.generate({a: 4, b: 4}, mtp=2, accept_override=1)
+    assert decode_outputs and checked and all(checked[0]), checked
+    assert again[a][0] == first[a][2] and again[b][0] == first[b][2]  # the same continuation after the rollback
+
+
 def test_decode_and_verify_compile_once_per_shape():
     """A generate feeds each step the previous step's outputs; its first call takes inputs built on the host. Placed
     differently (uncommitted), they made decode and verify compile twice per shape."""
