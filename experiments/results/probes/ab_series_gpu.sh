@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# H200 call of stop 44: the 10 x 50K A/B (offload vs resident, output rings, local99, MTP 0 and MTP 3 forced, one
+# pair each), as cmdbuf_ab_gpu.sh ran it at 2374982, now with the working sets in one set of device buffers across
+# runs (workloads.Selections) and an MTP run's plain first step freeing its outputs before the verify loop: do the
+# runs' first step calls still record their CUDA graphs (their slowest calls at steps 1-3), and what is the
+# step-call p99 / median?
+LIMIT=${LIMIT:-560}
+source experiments/results/probes/gpu_setup.sh
+export JAX_PLATFORMS=cuda,cpu
+timeout $(( LIMIT - 60 )) python -m experiments.sessions_ab --config=configs/h200_bench.py --config.run.prompt_len=50000 \
+  --config.run.max_new_tokens=512 --sessions=10 --pairs=1 --max_pairs=1 --mtp=0,3 --append=0 --workload=local99 \
+  --budget_s=150 --out=$OUT/sessions_ab_10x50k_mtp0_mtp3_series_$R.json 2>&1 | grep "loss\|p99\|identical\|Error" | cut -c1-400
+python - $OUT/sessions_ab_10x50k_mtp0_mtp3_series_$R.json <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for n, s in d["settings"].items():
+    for p in s["pairs"]:
+        for m in ("resident", "offload"):
+            q = p[m]
+            print(n, m, round(q["aggregate_tokens_per_s"], 1), "p99/median", round(q["step_call_p99_over_median"], 3),
+                  {k: round(v, 3) for k, v in q["step_call_ms"].items()}, q["slowest_step_calls_ms"][:8])
+        print(n, "loss %", round(p["offload_loss_pct"], 3), "tokens identical", p["tokens_identical"])
+PY
+el ab
