@@ -12,6 +12,8 @@ Run (stderr is the log; the parse reads it back):
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 python cmdbuf_updates.py run 2> LOG
     python cmdbuf_updates.py parse LOG OUT.json
 
+``python cmdbuf_updates.py ab <flags of experiments.sessions_ab>`` marks the A/B's own runs the same way (``ab``).
+
 With ``TF_CPP_VMODULE=command_buffer_thunk=3,bfc_allocator=3`` the parse also lists the device allocations each loop
 step made (its temporaries' address: which calls found them moved) and how many were made outside the steps.
 
@@ -111,6 +113,82 @@ def run():
     os.write(2, ("@@ results " + json.dumps(results) + "\n").encode())
 
 
+def ab(argv):
+    """The same log for ``experiments.sessions_ab`` as it runs (``python cmdbuf_updates.py ab <its flags>``): every
+    ``Engine.generate`` is a run, named by its engine's mode and a count (``offload3``), its step calls marked as
+    ``run`` marks them; the runs' step-call times go to the log's results line at exit."""
+    import atexit
+
+    from absl import app
+
+    from glm53 import engine as eng
+    from experiments import sessions_ab
+
+    def mark(text):
+        sys.stderr.flush()
+        os.write(2, f"@@ {text}\n".encode())
+
+    state = {"run": "setup", "call": 0, "step": 0, "count": collections.Counter()}
+    results = []
+
+    def begin(name):
+        state["call"] += 1
+        step = "-"
+        if name in ("decode", "verify"):
+            state["step"] += 1
+            step = state["step"]
+        mark(f"call {state['run']} {state['call']} begin {name} {step}")
+
+    ring_call = eng._StepRing.__call__
+
+    def marked_ring(self, name, args, static):
+        begin(name)
+        out = ring_call(self, name, args, static)
+        mark(f"call {state['run']} {state['call']} end")
+        return out
+
+    step = eng.Engine._step
+
+    def marked_step(self, name):
+        f = step(self, name)
+
+        def call(*a, **kw):
+            begin(name)
+            out = f(*a, **kw)
+            mark(f"call {state['run']} {state['call']} end")
+            return out
+        return call
+
+    generate = eng.Engine.generate
+
+    def marked_generate(self, *a, **kw):
+        mode = "offload" if self.offload else "resident"
+        state["count"][mode] += 1
+        state.update(run=f"{mode}{state['count'][mode]}", call=0, step=0)
+        mark(f"run {state['run']} begin")
+        out = generate(self, *a, **kw)
+        mark(f"run {state['run']} end")
+        calls = [round(1e3 * x, 3) for x in self.last_run.step_call_s]
+        if calls:
+            results.append({"run": state["run"], "call_ms": calls, "call_p50_ms": float(np.median(calls)),
+                            "call_p99_ms": float(np.percentile(calls, 99)), "mtp": kw.get("mtp", 0)})
+        mark(f"between {state['run']} end")
+        return out
+
+    import numpy as np
+    eng._StepRing.__call__ = marked_ring
+    eng.Engine._step = marked_step
+    eng.Engine.generate = marked_generate
+    atexit.register(lambda: os.write(2, ("@@ results " + json.dumps(results) + "\n").encode()))
+    jax_log_compiles()
+    app.run(sessions_ab.main, argv=["sessions_ab", *argv])
+
+
+def jax_log_compiles():
+    import jax
+    jax.config.update("jax_log_compiles", True)
+
+
 def parse(log_path, out_path):
     """Per run, per step name: calls, calls that recorded their command buffer again (and how many allocations had
     moved), and the recording's host time. XLA's log at JAX 0.11.2 (command_buffer_thunk.cc): "Create/Update
@@ -199,5 +277,7 @@ def parse(log_path, out_path):
 if __name__ == "__main__":
     if sys.argv[1] == "run":
         run()
+    elif sys.argv[1] == "ab":
+        ab(sys.argv[2:])
     else:
         parse(sys.argv[2], sys.argv[3])
