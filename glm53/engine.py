@@ -1198,8 +1198,20 @@ class _StepRing:
         for j, buffers in fixed.items():
             args[j] = buffers
         if self.calls == 0:
+            # Every executable's buffers are made here, before the loop's first call, not at each one's own first
+            # call: made between two calls of a loop (the ring's third executable, first called by the third step of
+            # a run after two-step runs), they went where the steps' temporaries had been, every later call found
+            # its temporaries elsewhere and, on a GPU, recorded its CUDA graphs again, in that run and the next
+            # (experiments/results/probes/cmdbuf_updates_ab8k_fbd74d3.json).
+            lanes = args[2].slot.shape[0]
+            for k in range(self.copies):
+                if held.outputs[k] is None:
+                    held.outputs[k] = _zeros(shapes)
+                if sel is not None and held.selections[k] is None:
+                    held.selections[k] = _zeros(jax.ShapeDtypeStruct((lanes, *sel.shape[1:]), jnp.int32,
+                                                                     sharding=sel.sharding))
             previous = (i - 1) % self.copies
-            outs = list(held.outputs[previous] or _zeros(shapes))
+            outs = list(held.outputs[previous])
             for j, k in carried.items():
                 outs[k] = args[j] = _into(outs[k], args[j])
             held.outputs[previous] = tuple(outs)

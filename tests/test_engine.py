@@ -692,6 +692,30 @@ def test_an_mtp_runs_plain_first_step_frees_its_outputs_before_the_verify_loop(m
     assert again[a][0] == first[a][2] and again[b][0] == first[b][2]  # the same continuation after the rollback
 
 
+def test_a_ring_makes_every_executables_buffers_before_its_first_call(model, monkeypatch):
+    """A loop shorter than the ring (two decode steps, three executables) still leaves every executable's outputs
+    and selection buffer made, so a later, longer loop allocates nothing between two of its calls. Made at each
+    executable's first call, they went where the steps' temporaries had been, and on a GPU every later call
+    recorded its CUDA graphs again (``probes/cmdbuf_updates_ab8k_fbd74d3.json``)."""
+    from glm53 import engine as engine_module
+
+    e = engine(model, "offload", 2)
+    e.output_ring = 3
+    a, b = e.open(ids(40, 21)), e.open(ids(33, 22))
+
+    def override(step, positions):
+        return np.tile(np.arange(CFG.index_topk), (len(positions), 1))
+
+    e.generate({a: 3, b: 3}, selection_override=override)
+    held = e._ring_buffers["decode"][1]
+    assert all(o is not None for o in held.outputs) and all(s is not None for s in held.selections)
+    made = []
+    zeros = engine_module._zeros
+    monkeypatch.setattr(engine_module, "_zeros", lambda shapes: made.append(shapes) or zeros(shapes))
+    e.generate({a: 8, b: 8}, selection_override=override)
+    assert e.last_run.steps >= 6 and not made
+
+
 def test_decode_and_verify_compile_once_per_shape():
     """A generate feeds each step the previous step's outputs; its first call takes inputs built on the host. Placed
     differently (uncommitted), they made decode and verify compile twice per shape."""
