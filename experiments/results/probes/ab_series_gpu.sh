@@ -3,7 +3,8 @@
 # pair each), as cmdbuf_ab_gpu.sh ran it at 2374982, now with the working sets in one set of device buffers across
 # runs (workloads.Selections) and an MTP run's plain first step freeing its outputs before the verify loop: do the
 # runs' first step calls still record their CUDA graphs (their slowest calls at steps 1-3), and what is the
-# step-call p99 / median?
+# step-call p99 / median? Run at 297bef8, then again after the ring's buffers were made before a loop's first
+# call and sessions_ab warmed up until a round compiled nothing (ab_cmdbuf_gpu.sh found both).
 LIMIT=${LIMIT:-560}
 source experiments/results/probes/gpu_setup.sh
 export JAX_PLATFORMS=cuda,cpu
