@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # H200 call prepared at stop 43, run at stop 44 (da1a864): where a ring decode step's temporaries go, call by
-# call. Each run's first three calls record their CUDA graphs again with one allocation moved (the temporaries), with or without the
-# run-object cycle (cmdbuf_updates_8k_no_cycle_ef2570b.json). next_gc_gpu.sh's run (10 x 8K offload, local99, 48
+# call. Each run's first three calls record their CUDA graphs again with one allocation moved (the temporaries),
+# with or without the run-object cycle (cmdbuf_updates_8k_no_cycle_ef2570b.json). next_gc_gpu.sh's run (10 x 8K offload, local99, 48
 # tokens, 3 runs) with XLA's allocator log too (bfc_allocator=3: every device allocation's size and address):
 # step_allocations_1mib says where each step's temporaries landed, allocations_outside_loop_steps what was
 # allocated between two runs. ~2 min after the machine starts.
