@@ -31,12 +31,43 @@ import re
 import sys
 
 
+def _mark(text):
+    sys.stderr.flush()
+    os.write(2, f"@@ {text}\n".encode())
+
+
+def _mark_step_calls(state):
+    """Marks every step call of every engine, the rings' and the plain jitted steps' (``Engine._step``): ``call
+    <run> <n> begin <name> <loop step or ->`` before it, ``call <run> <n> end`` after (``state``: the run's name,
+    its call count and its loop step count, which a decode or verify call advances)."""
+    from glm53 import engine as eng
+
+    def around(name, f, *a, **kw):
+        state["call"] += 1
+        step = "-"
+        if name in ("decode", "verify"):  # a decode loop's step: its place in ``step_call_s``, 1-based
+            state["step"] += 1
+            step = state["step"]
+        _mark(f"call {state['run']} {state['call']} begin {name} {step}")
+        out = f(*a, **kw)
+        _mark(f"call {state['run']} {state['call']} end")
+        return out
+
+    ring_call, step = eng._StepRing.__call__, eng.Engine._step
+
+    def marked_step(self, name):
+        f = step(self, name)
+        return lambda *a, **kw: around(name, f, *a, **kw)
+
+    eng._StepRing.__call__ = lambda self, name, args, static: around(name, ring_call, self, name, args, static)
+    eng.Engine._step = marked_step
+
+
 def run():
     import jax
     import numpy as np
 
     import glm53
-    from glm53 import engine as eng
     from experiments import sessions_ab, workloads
     import importlib
 
@@ -55,42 +86,9 @@ def run():
     if os.environ.get("PROBE_RING"):
         e.output_ring = int(os.environ["PROBE_RING"])
 
-    def mark(text):
-        sys.stderr.flush()
-        os.write(2, f"@@ {text}\n".encode())
-
+    mark = _mark
     state = {"run": "warmup", "call": 0, "step": 0}
-
-    def begin(name):
-        state["call"] += 1
-        step = "-"
-        if name in ("decode", "verify"):  # a decode loop's step: its place in ``step_call_s``, 1-based
-            state["step"] += 1
-            step = state["step"]
-        mark(f"call {state['run']} {state['call']} begin {name} {step}")
-
-    ring_call = eng._StepRing.__call__
-
-    def marked_ring(self, name, args, static):
-        begin(name)
-        out = ring_call(self, name, args, static)
-        mark(f"call {state['run']} {state['call']} end")
-        return out
-
-    eng._StepRing.__call__ = marked_ring
-    step = e._step
-
-    def marked_step(name):
-        f = step(name)
-
-        def call(*a, **kw):
-            begin(name)
-            out = f(*a, **kw)
-            mark(f"call {state['run']} {state['call']} end")
-            return out
-        return call
-
-    e._step = marked_step
+    _mark_step_calls(state)
     jax.config.update("jax_log_compiles", True)
     results = []
     workload = os.environ.get("PROBE_WORKLOAD", "local99")
@@ -124,40 +122,10 @@ def ab(argv):
     from glm53 import engine as eng
     from experiments import sessions_ab
 
-    def mark(text):
-        sys.stderr.flush()
-        os.write(2, f"@@ {text}\n".encode())
-
+    mark = _mark
     state = {"run": "setup", "call": 0, "step": 0, "count": collections.Counter()}
     results = []
-
-    def begin(name):
-        state["call"] += 1
-        step = "-"
-        if name in ("decode", "verify"):
-            state["step"] += 1
-            step = state["step"]
-        mark(f"call {state['run']} {state['call']} begin {name} {step}")
-
-    ring_call = eng._StepRing.__call__
-
-    def marked_ring(self, name, args, static):
-        begin(name)
-        out = ring_call(self, name, args, static)
-        mark(f"call {state['run']} {state['call']} end")
-        return out
-
-    step = eng.Engine._step
-
-    def marked_step(self, name):
-        f = step(self, name)
-
-        def call(*a, **kw):
-            begin(name)
-            out = f(*a, **kw)
-            mark(f"call {state['run']} {state['call']} end")
-            return out
-        return call
+    _mark_step_calls(state)
 
     generate = eng.Engine.generate
 
@@ -176,8 +144,6 @@ def ab(argv):
         return out
 
     import numpy as np
-    eng._StepRing.__call__ = marked_ring
-    eng.Engine._step = marked_step
     eng.Engine.generate = marked_generate
     atexit.register(lambda: os.write(2, ("@@ results " + json.dumps(results) + "\n").encode()))
     jax_log_compiles()
