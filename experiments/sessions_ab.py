@@ -191,11 +191,11 @@ def main(_):
         r, o = check["resident"], check["offload"]
         entry["check_tokens_identical"] = r["tokens"] == o["tokens"]
         entry["check_logits_identical"] = same_logits(r, engines["resident"][1], o, engines["offload"][1])
-        # --warmup_runs rounds of the timed length, then up to two more while a round compiled anything: XLA drops every executable's CUDA graphs when it
-        # loads a new one, and the next runs' first step calls record them again, 5-10 ms each against a ~1.2 ms
-        # call. A round of the timed length compiles the end-of-run settle of its page count as the round ends
-        # (cmdbuf_updates_ab8k_fbd74d3.json: the first pair's steps 1-3 recorded, in both modes): those
-        # recordings must fall in a warm-up round, not in a pair.
+        # --warmup_runs rounds of the timed length, then up to two more while a round compiled anything: XLA drops
+        # every executable's CUDA graphs when it loads a new one, and the next runs' first step calls record them
+        # again, 5-10 ms each against a ~1.2 ms call. A round of the timed length compiles the end-of-run settle of
+        # its page count as the round ends (cmdbuf_updates_ab8k_fbd74d3.json: the first pair's steps 1-3
+        # recorded, in both modes): those recordings must fall in a warm-up round, not in a pair.
         compiled_s = []  # each round's compile seconds
         while FLAGS.warmup_runs and (len(compiled_s) < FLAGS.warmup_runs
                                      or (compiled_s[-1] > 0 and len(compiled_s) < FLAGS.warmup_runs + 2)):

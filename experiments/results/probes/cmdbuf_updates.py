@@ -21,8 +21,8 @@ PROBE_SESSIONS (10), PROBE_HISTORY (8192), PROBE_NEW (48) tokens a run, PROBE_RU
 PROBE_RING (the engine's default when unset), PROBE_MODE (offload; resident), PROBE_MTP (0; D: MTP D with D
 drafts accepted, ``accept_override``), PROBE_WORKLOAD (local99; indexer: the model's own selection, no
 override), PROBE_FRESH (0; 1: a fresh workload each run, ``workloads.selection``, instead of one
-``workloads.Selections`` series, whose runs share one set of device buffers). Compilations are logged too (``jax_log_compiles``), to name what
-a between-runs eviction came from.
+``workloads.Selections`` series, whose runs share one set of device buffers), PROBE_CONFIG (h200_bench).
+Compilations are logged too (``jax_log_compiles``), to name what a between-runs eviction came from.
 """
 import collections
 import json
