@@ -57,34 +57,22 @@ def _state_factory(workload: str):
             churn = float(workload[len("drift"):])
             if not 0 < churn <= 1:
                 raise ValueError
-            return functools.partial(_working_sets, churn=churn)
+            return functools.partial(WorkingSets, churn=churn)
         if workload == "uniform":
             return UniformSets
         if workload.startswith("window"):
             stride = int(workload[len("window"):])
             if stride < 1:
                 raise ValueError
-            return functools.partial(_sliding_windows, stride=stride)
+            return functools.partial(SlidingWindows, stride=stride)
         if workload.startswith("zipf"):
             exponent = float(workload[len("zipf"):])
             if not exponent > 0:
                 raise ValueError
-            return functools.partial(_zipf_sets, exponent=exponent)
+            return functools.partial(ZipfSets, exponent=exponent)
     except ValueError:
         pass
     raise ValueError(f"unknown workload {workload!r}: {WORKLOADS}")
-
-
-def _working_sets(K, history, seed, sessions, *, churn):
-    return WorkingSets(K, history, seed, sessions, churn)
-
-
-def _sliding_windows(K, history, seed, sessions, *, stride):
-    return SlidingWindows(K, history, seed, sessions, stride)
-
-
-def _zipf_sets(K, history, seed, sessions, *, exponent):
-    return ZipfSets(K, history, seed, sessions, exponent)
 
 
 class Selections:
