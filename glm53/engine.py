@@ -1152,6 +1152,15 @@ class _RingBuffers:
         self.selections: list = [None] * copies
         self.fixed: dict = {}
 
+    def make_missing(self, output_shapes, selection_shape) -> None:
+        """Every executable's outputs and, with an override (``selection_shape``, else None), its selection buffer,
+        where it has none yet."""
+        for k in range(len(self.outputs)):
+            if self.outputs[k] is None:
+                self.outputs[k] = _zeros(output_shapes)
+            if selection_shape is not None and self.selections[k] is None:
+                self.selections[k] = _zeros(selection_shape)
+
     def nbytes(self) -> int:
         return sum(x.nbytes for x in jax.tree_util.tree_leaves((self.outputs, self.selections, self.fixed)))
 
@@ -1191,25 +1200,21 @@ class _StepRing:
         i = self.calls % self.copies
         carried = _CARRIED[name]
         fixed = self.fixed.get(id(held))
-        if fixed is None:
+        if fixed is None:  # the loop's first call on these buffers
+            # Every executable's buffers are made here, before the loop calls any of them, not at each one's own
+            # first call: made between two calls of a loop (the ring's third executable, first called by the third
+            # step of a run after two-step runs), they went where the steps' temporaries had been, every later call
+            # found its temporaries elsewhere and, on a GPU, recorded its CUDA graphs again, in that run and the
+            # next (experiments/results/probes/cmdbuf_updates_ab8k_fbd74d3.json).
+            held.make_missing(shapes, None if sel is None else
+                              jax.ShapeDtypeStruct((args[2].slot.shape[0], *sel.shape[1:]), jnp.int32,
+                                                   sharding=sel.sharding))
             fixed = self.fixed[id(held)] = {j: _into(held.fixed.get(j), args[j])
                                             for j in range(2, len(args) - 1) if j not in carried}
             held.fixed.update(fixed)
         for j, buffers in fixed.items():
             args[j] = buffers
         if self.calls == 0:
-            # Every executable's buffers are made here, before the loop's first call, not at each one's own first
-            # call: made between two calls of a loop (the ring's third executable, first called by the third step of
-            # a run after two-step runs), they went where the steps' temporaries had been, every later call found
-            # its temporaries elsewhere and, on a GPU, recorded its CUDA graphs again, in that run and the next
-            # (experiments/results/probes/cmdbuf_updates_ab8k_fbd74d3.json).
-            lanes = args[2].slot.shape[0]
-            for k in range(self.copies):
-                if held.outputs[k] is None:
-                    held.outputs[k] = _zeros(shapes)
-                if sel is not None and held.selections[k] is None:
-                    held.selections[k] = _zeros(jax.ShapeDtypeStruct((lanes, *sel.shape[1:]), jnp.int32,
-                                                                     sharding=sel.sharding))
             previous = (i - 1) % self.copies
             outs = list(held.outputs[previous])
             for j, k in carried.items():
@@ -1217,11 +1222,8 @@ class _StepRing:
             held.outputs[previous] = tuple(outs)
         if sel is not None:
             # Padded here to the bucket's lanes (``_Run._selection(padded=False)``), into the executable's buffer.
-            if held.selections[i] is None:
-                held.selections[i] = _zeros(jax.ShapeDtypeStruct((args[2].slot.shape[0], *sel.shape[1:]),
-                                                                 jnp.int32, sharding=sel.sharding))
             held.selections[i] = args[-1] = _into(held.selections[i], sel)
-        buffers = held.outputs[i] or _zeros(shapes)
+        buffers = held.outputs[i]
         held.outputs[i] = None  # donated
         self.calls += 1
         cache, outs = executables[i](*args, out_buffers=buffers)
