@@ -286,6 +286,9 @@ def test_sessions_ab(tmp_path):
         assert 0 < f["mtp_committed"][0] <= f["mtp_proposed"][0]
         assert all(a <= p for a, p in zip(f["mtp_accepted"], f["mtp_proposed"]))
         assert 0 < len(f["slowest_step_calls_ms"]) <= 8 and f["other_step_call_ms_median"] > 0
+        calls = f["step_calls_ms"]
+        assert len(calls) == f["steps"] and max(calls) == f["slowest_step_calls_ms"][0][0]
+        assert f["step_calls_over_1_25x_median"] == sum(c > 1.25 * np.median(calls) for c in calls)
         gaps = f["step_interval_ms"]
         assert 0 <= gaps["p50"] <= gaps["p99"] <= gaps["max"]
         assert f["step_interval_p99_over_median"] == pytest.approx(gaps["p99"] / gaps["p50"])
