@@ -1186,10 +1186,13 @@ class _StepRing:
         self.rings: dict = {}  # (name, static) -> (executables, output shapes, _RingBuffers)
         self.fixed: dict = {}  # id(_RingBuffers) -> {argument index: its buffers}, as copied in this loop
 
-    def __call__(self, name: str, args: tuple, static: dict):
+    def __call__(self, name: str, args: list, static: dict):
+        """``args``: a list the caller keeps no other reference to its entries in (the loops ``del`` their names):
+        the entries copied into the ring's buffers are replaced in it, so at a loop's first call its first inputs
+        are freed before the executable runs, not after: alive through that call, their allocations could sit
+        where the step's temporaries go at the next calls (and a GPU record the graphs again at the next call)."""
         memo = (name, *static.items())
         ring = self.rings.get(memo)
-        args = list(args)
         sel = args[-1]
         if ring is None:
             lanes = args[2].slot.shape[0]
@@ -1223,6 +1226,7 @@ class _StepRing:
         if sel is not None:
             # Padded here to the bucket's lanes (``_Run._selection(padded=False)``), into the executable's buffer.
             held.selections[i] = args[-1] = _into(held.selections[i], sel)
+        del sel
         buffers = held.outputs[i]
         held.outputs[i] = None  # donated
         self.calls += 1
@@ -1501,8 +1505,9 @@ class _Run:
         while self._dispatch_ok(inflight, self._absorb_decode, 1):
             sel = self._selection(len(inflight), padded=ring is None)
             step_pages = self._copy_pages(pages, copied, len(inflight)) if pages else 0
-            args = (e.model.params, e.cache, self.lanes, tokens, remaining, self.seed, self.temperature, self.top_p,
-                    self.stop, sel)
+            args = [e.model.params, e.cache, self.lanes, tokens, remaining, self.seed, self.temperature, self.top_p,
+                    self.stop, sel]
+            del tokens, remaining, sel  # the list holds them alone (``_StepRing.__call__``)
             static = dict(greedy=self.greedy, kernels=e.kernels, copy_pages=step_pages, trace=self.trace is not None)
             t = time.perf_counter()
             e.cache, outs = ring("decode", args, static) if ring else e._step("decode")(*args, **static)
@@ -1604,6 +1609,7 @@ class _Run:
             self._selection(0), depth=self.mtp, greedy=self.greedy, kernels=e.kernels, trace=self.trace is not None)
         drafts, draft_p = outs[:2]
         self._record(outs[2] if len(outs) > 2 else None)
+        del outs
         remaining = e._put(self.remaining, np.int32)
         inflight = self.inflight = collections.deque()
         self.absorb = self._absorb_verify
@@ -1611,8 +1617,9 @@ class _Run:
         t_loop0 = time.perf_counter()
         while self._dispatch_ok(inflight, self._absorb_verify, self.mtp + 1):
             sel = self._selection(len(inflight), padded=ring is None)
-            args = (e.model.params, e.cache, self.lanes, pending, drafts, draft_p, remaining, self.seed,
-                    self.temperature, self.top_p, self.stop, sel)
+            args = [e.model.params, e.cache, self.lanes, pending, drafts, draft_p, remaining, self.seed,
+                    self.temperature, self.top_p, self.stop, sel]
+            del pending, drafts, draft_p, remaining, sel  # the list holds them alone (``_StepRing.__call__``)
             static = dict(greedy=self.greedy, accept_override=self.accept_override, kernels=e.kernels,
                           copy_pages=pages, trace=self.trace is not None)
             t = time.perf_counter()

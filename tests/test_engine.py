@@ -456,7 +456,8 @@ def test_memory_report_matches_jax_allocations(model):
     assert used == rep["host"]["used_pages"] == -(-100 // 16) + -(-130 // 16)
     assert rep["host"]["free_pages"] == rep["host"]["pages"] - used
     # the output rings (a GPU's default) keep their buffers between generate calls: reported apart, bounded, and
-    # counted in the device budget
+    # counted in the device budget (set here: a GPU's engine has them by default, a CPU's not)
+    e.output_ring = 1
     assert e._device_need()["step_buffers"] == 0
     e.output_ring = 3
     assert e._device_need()["step_buffers"] == e.step_buffers_bound() > 0
@@ -690,6 +691,49 @@ def test_an_mtp_runs_plain_first_step_frees_its_outputs_before_the_verify_loop(m
     again = e.generate({a: 4, b: 4}, mtp=2, accept_override=1)
     assert decode_outputs and checked and all(checked[0]), checked
     assert again[a][0] == first[a][2] and again[b][0] == first[b][2]  # the same continuation after the rollback
+
+
+@pytest.mark.parametrize("mtp", [0, 2])
+def test_a_rings_first_call_frees_the_loops_first_inputs_before_its_executable_runs(model, monkeypatch, mtp):
+    """A loop's first inputs (the tokens, counts, pending tokens and drafts it starts from: arrays of its own, and
+    the draft step's outputs) are copied into the ring's buffers at its first call and freed before that call's
+    executable runs: alive through it, an allocation of theirs could sit where the step's temporaries go at the
+    later calls, and a GPU record the first executable's graphs again at its second call (the 10 x 50K MTP 3 runs'
+    steps 2 and 5, ``sessions_ab_10x50k_mtp0_mtp3_series_2048_28bd424.json``)."""
+    import weakref
+
+    from glm53 import engine as engine_module
+
+    e = engine(model, "offload", 2)
+    e.output_ring = 3
+    a, b = e.open(ids(40, 13)), e.open(ids(33, 14))
+    first = e.generate({a: 7, b: 7}, mtp=mtp, accept_override=mtp or None)
+    for s in (a, b):
+        e.rollback(s, 7)
+    firsts, checks = [], []
+    ring_call, ring_step = engine_module._StepRing.__call__, e._ring_step
+
+    def watched_ring(self, name, args, static):
+        if self.calls == 0:  # weak references only: the check must not keep them alive itself
+            firsts.extend(weakref.ref(args[j]) for j in engine_module._CARRIED[name] if args[j] is not None)
+        return ring_call(self, name, args, static)
+
+    def watched_ring_step(name, args, static):
+        executables, shapes, held = ring_step(name, args, static)
+
+        def checked(f):
+            def call(*a, **kw):
+                checks.append([r() is None for r in firsts])
+                return f(*a, **kw)
+            return call
+        return tuple(checked(f) for f in executables), shapes, held
+
+    monkeypatch.setattr(engine_module._StepRing, "__call__", watched_ring)
+    monkeypatch.setattr(e, "_ring_step", watched_ring_step)
+    again = e.generate({a: 7, b: 7}, mtp=mtp, accept_override=mtp or None)
+    assert len(firsts) == len(engine_module._CARRIED["verify" if mtp else "decode"]) - (1 if mtp else 0)
+    assert checks and all(all(c) for c in checks), checks[:2]
+    assert again == first  # the same continuation after the rollback
 
 
 def test_a_ring_makes_every_executables_buffers_before_its_first_call(model, monkeypatch):
