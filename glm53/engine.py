@@ -1115,25 +1115,33 @@ def start_host_copies(*arrays) -> None:
             a.copy_to_host_async()
 
 
-# A step input copied into a buffer of its own (donated, written in place): see ``_StepRing``. An update, not
+# Step inputs copied into buffers of their own (donated, written in place): see ``_StepRing``. Updates, not
 # ``lambda buf, x: x``: JAX hands an output that is an input straight back instead of writing it into ``buf``. A
 # smaller ``x`` (the selection override of fewer sessions than the bucket has lanes) fills the leading rows and the
-# rest is zeroed, as ``jnp.pad`` would: the pad then allocates nothing (see ``_StepRing``).
-@functools.partial(jax.jit, donate_argnums=0)
-def _write_into(buf, x):
+# rest is zeroed, as ``jnp.pad`` would: the pad then allocates nothing (see ``_StepRing``). Pytrees: a loop's first
+# call copies all of its inputs in one dispatch, not one each (~10 calls at a loop's first step).
+def _written(buf, x):
     out = jax.lax.dynamic_update_slice(buf, x.astype(buf.dtype), (0,) * x.ndim)
     # Zeroing the tail of ``buf``, not starting from zeros: a ``buf`` the computation does not read is pruned from
     # it, and its donation with it.
     return out.at[x.shape[0]:].set(0) if x.ndim and x.shape[0] < buf.shape[0] else out
 
 
-def _into(held, value):
-    """``value`` (an array or a pytree of them, or None) copied into ``held``'s buffers (None: new ones)."""
-    if value is None:
-        return None
-    if held is None:
-        held = _zeros(value)
-    return jax.tree_util.tree_map(lambda h, x: _write_into(h, x), held, value)
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_into(bufs, xs):
+    return jax.tree_util.tree_map(_written, bufs, xs)
+
+
+def _into(pairs: list) -> list:
+    """Each ``(held, value)``'s value (an array or a pytree of them, or None) copied into ``held``'s buffers (None:
+    new ones), all in one dispatch; the copies in order (None for a None value)."""
+    todo = [(k, _zeros(value) if held is None else held, value)
+            for k, (held, value) in enumerate(pairs) if value is not None]
+    copies = [None] * len(pairs)
+    if todo:
+        for (k, _, _), c in zip(todo, _write_into([h for _, h, _ in todo], [v for _, _, v in todo])):
+            copies[k] = c
+    return copies
 
 
 # The ring steps' inputs that a loop takes from the step before: argument index -> index in the step's outputs.
@@ -1203,7 +1211,8 @@ class _StepRing:
         i = self.calls % self.copies
         carried = _CARRIED[name]
         fixed = self.fixed.get(id(held))
-        if fixed is None:  # the loop's first call on these buffers
+        first = fixed is None  # the loop's first call on these buffers
+        if first:
             # Every executable's buffers are made here, before the loop calls any of them, not at each one's own
             # first call: made between two calls of a loop (the ring's third executable, first called by the third
             # step of a run after two-step runs), they went where the steps' temporaries had been, every later call
@@ -1212,21 +1221,26 @@ class _StepRing:
             held.make_missing(shapes, None if sel is None else
                               jax.ShapeDtypeStruct((args[2].slot.shape[0], *sel.shape[1:]), jnp.int32,
                                                    sharding=sel.sharding))
-            fixed = self.fixed[id(held)] = {j: _into(held.fixed.get(j), args[j])
-                                            for j in range(2, len(args) - 1) if j not in carried}
+        fixed_args = [j for j in range(2, len(args) - 1) if j not in carried] if first else []
+        carried_args = list(carried.items()) if self.calls == 0 else []
+        previous = (i - 1) % self.copies
+        outs = list(held.outputs[previous]) if carried_args else None
+        # The selection padded here to the bucket's lanes (``_Run._selection(padded=False)``), into the executable's
+        # buffer; at a loop's first call with the loop's fixed and first inputs, in the same dispatch.
+        copies = _into([(held.fixed.get(j), args[j]) for j in fixed_args]
+                       + [(outs[k], args[j]) for j, k in carried_args] + [(held.selections[i], sel)])
+        if first:
+            fixed = self.fixed[id(held)] = dict(zip(fixed_args, copies))
             held.fixed.update(fixed)
         for j, buffers in fixed.items():
             args[j] = buffers
-        if self.calls == 0:
-            previous = (i - 1) % self.copies
-            outs = list(held.outputs[previous])
-            for j, k in carried.items():
-                outs[k] = args[j] = _into(outs[k], args[j])
+        for (j, k), c in zip(carried_args, copies[len(fixed_args):]):
+            outs[k] = args[j] = c
+        if carried_args:
             held.outputs[previous] = tuple(outs)
         if sel is not None:
-            # Padded here to the bucket's lanes (``_Run._selection(padded=False)``), into the executable's buffer.
-            held.selections[i] = args[-1] = _into(held.selections[i], sel)
-        del sel
+            held.selections[i] = args[-1] = copies[-1]
+        del sel, copies
         buffers = held.outputs[i]
         held.outputs[i] = None  # donated
         self.calls += 1

@@ -699,7 +699,8 @@ def test_a_rings_first_call_frees_the_loops_first_inputs_before_its_executable_r
     the draft step's outputs) are copied into the ring's buffers at its first call and freed before that call's
     executable runs: alive through it, an allocation of theirs could sit where the step's temporaries go at the
     later calls, and a GPU record the first executable's graphs again at its second call (the 10 x 50K MTP 3 runs'
-    steps 2 and 5, ``sessions_ab_10x50k_mtp0_mtp3_series_2048_28bd424.json``)."""
+    steps 2 and 5, ``sessions_ab_10x50k_mtp0_mtp3_series_2048_28bd424.json``). All of the loop's copies at its first
+    call are one dispatch: one each made that call ~10 calls of its own."""
     import weakref
 
     from glm53 import engine as engine_module
@@ -728,11 +729,20 @@ def test_a_rings_first_call_frees_the_loops_first_inputs_before_its_executable_r
             return call
         return tuple(checked(f) for f in executables), shapes, held
 
+    writes, write_into = [], engine_module._write_into
+
+    def counted(bufs, xs):
+        writes.append(len(jax.tree_util.tree_leaves(bufs)))
+        return write_into(bufs, xs)
+
     monkeypatch.setattr(engine_module._StepRing, "__call__", watched_ring)
     monkeypatch.setattr(e, "_ring_step", watched_ring_step)
+    monkeypatch.setattr(engine_module, "_write_into", counted)
     again = e.generate({a: 7, b: 7}, mtp=mtp, accept_override=mtp or None)
     assert len(firsts) == len(engine_module._CARRIED["verify" if mtp else "decode"]) - (1 if mtp else 0)
     assert checks and all(all(c) for c in checks), checks[:2]
+    # the loop's fixed and first inputs copied in one dispatch (no override: no per-step copy after it)
+    assert len(writes) == 1 and writes[0] >= len(firsts) + 4, writes
     assert again == first  # the same continuation after the rollback
 
 
@@ -854,10 +864,10 @@ def test_output_ring_is_bit_identical_and_writes_in_place(model):
     pointers = []
     write_into = glm53.engine._write_into
 
-    def recording(buf, x):  # a ring buffer's address before and after a copy into it
-        before = buf.unsafe_buffer_pointer()
-        out = write_into(buf, x)
-        pointers.append((before, out.unsafe_buffer_pointer()))
+    def recording(bufs, xs):  # the ring buffers' addresses before and after a copy into them
+        before = [b.unsafe_buffer_pointer() for b in jax.tree_util.tree_leaves(bufs)]
+        out = write_into(bufs, xs)
+        pointers.extend(zip(before, [b.unsafe_buffer_pointer() for b in jax.tree_util.tree_leaves(out)]))
         return out
 
     met = collections.defaultdict(list)  # (step, static, shapes, executable) -> its arguments' addresses, per call

@@ -95,7 +95,7 @@ class RingV1(eng._StepRing):
         self.calls += 1
         args = list(args)
         if args[-1] is not None:
-            self.fixed[("sel", i)] = args[-1] = eng._into(self.fixed.get(("sel", i)), args[-1])
+            self.fixed[("sel", i)] = args[-1] = eng._into([(self.fixed.get(("sel", i)), args[-1])])[0]
         buffers = self.fixed.pop((memo, i), None) or eng._zeros(shapes)
         cache, outs = executables[i](*args, out_buffers=buffers)
         self.fixed[(memo, i)] = outs
