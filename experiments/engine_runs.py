@@ -122,11 +122,11 @@ def figures(res: dict, n_sessions: int) -> dict:
         "step_wait_ms": r.step_wait_ms,
         "copyback_steps": r.copyback_steps, "copy_steps": len(r.copy_steps),  # steps dispatched with the copyback
         "hit_rate": res.get("hit_rate"), "misses": res.get("misses"),
-        # which calls are slow: the p99 target is about them (copyback steps against the others, the slowest)
         # every call, in step order: where the slow ones fall (periodic, clustered, at copybacks) says what they are
         "step_calls_ms": [round(1e3 * t, 3) for t in r.step_call_s],
         "step_calls_over_1_25x_median": int(np.sum(np.asarray(r.step_call_s) > 1.25 * np.median(r.step_call_s)))
         if r.step_call_s else 0,
+        # which calls are slow: the p99 target is about them (copyback steps against the others, the slowest)
         "slowest_step_calls_ms": sorted(((round(1e3 * t, 3), i + 1) for i, t in enumerate(r.step_call_s)),
                                         reverse=True)[:8],
         "copyback_step_call_ms_median": _median_ms([r.step_call_s[i - 1] for i in r.copyback_steps
