@@ -228,6 +228,9 @@ def routing_of(model, engine, run, mtp: int, kw: dict) -> tuple:
         return None, None, None, None
     if jax.process_count() > 1:  # the probe's host callbacks would run in every process: not built for that
         return None, None, None, {"error": "several processes: uniform-routing expectation"}
+    if engine.pipeline is not None:  # before the rollback below: the probe cannot run on stages (probe_routing)
+        return None, None, None, {"error": "pipeline stages: the routing probe instruments whole-model steps; "
+                                           "uniform-routing expectation"}
     t = time.perf_counter()
     try:
         # The timed run's last n tokens again (rolled back, then regenerated: the same tokens, the same routing;

@@ -561,6 +561,12 @@ def probe_routing(engine, requests: Mapping[int, int], *, rollback: bool = True,
 
     # Checked first: a callback that fails inside a step poisons every later read of the device's results.
     check_routing_probe_runs()
+    if engine.pipeline is not None:
+        # Its copies are the whole model's steps; a pipeline's cache holds each stage's layers only (its steps
+        # failed with an IndexError on the layer tables).
+        raise NotImplementedError("the routing probe instruments the whole model's decode steps, and an engine on "
+                                  "pipeline stages (mesh.stages > 1) runs a program per stage: probe the routing on "
+                                  "one device or a tensor-parallel mesh, or take the uniform expectation")
     module = engine.model.module
     entry = _PROBE_STEPS.get(id(module))
     if entry is None or entry[0] is not module:

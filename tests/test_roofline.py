@@ -194,6 +194,18 @@ def test_best_bandwidth_keeps_the_fastest_probe():
     assert roofline.best_bandwidth(fast, slow)["bandwidth_Bps"] == fast["bandwidth_Bps"]
 
 
+def test_routing_probe_refuses_pipeline_stages_before_running():
+    """On pipeline stages the probe's whole-model steps met a per-stage cache and failed inside a generate
+    (IndexError on the layer tables, caught by the experiments as a failed probe): now a clear error, sessions
+    untouched."""
+    model = glm53.from_config(TINY, seed=0, dtype="float32", mesh=glm53.MeshConfig(stages=2))
+    e = glm53.Engine(model, glm53.CacheConfig(kv_format="f32", max_len=128), max_sessions=1, kernels="reference")
+    sid = e.open(list(range(1, 30)))
+    with pytest.raises(NotImplementedError, match="pipeline stages"):
+        roofline.probe_routing(e, {sid: 4})
+    assert e.tokens(sid) == list(range(1, 30)) and e.generate({sid: 2})[sid]
+
+
 def test_routing_probe_on_the_tiny_model():
     model = glm53.from_config(TINY, seed=0, dtype="float32")
     e = glm53.Engine(model, glm53.CacheConfig(kv_format="f32", max_len=128), max_sessions=2, kernels="reference")
