@@ -1135,11 +1135,11 @@ def _write_into(bufs, xs):
 def _into(pairs: list) -> list:
     """Each ``(held, value)``'s value (an array or a pytree of them, or None) copied into ``held``'s buffers (None:
     new ones), all in one dispatch; the copies in order (None for a None value)."""
-    todo = [(k, _zeros(value) if held is None else held, value)
-            for k, (held, value) in enumerate(pairs) if value is not None]
+    writes = [(k, _zeros(value) if held is None else held, value)
+              for k, (held, value) in enumerate(pairs) if value is not None]
     copies = [None] * len(pairs)
-    if todo:
-        for (k, _, _), c in zip(todo, _write_into([h for _, h, _ in todo], [v for _, _, v in todo])):
+    if writes:
+        for (k, _, _), c in zip(writes, _write_into([h for _, h, _ in writes], [v for _, _, v in writes])):
             copies[k] = c
     return copies
 
