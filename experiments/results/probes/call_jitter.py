@@ -1,0 +1,155 @@
+"""Probe: what the slow step calls of a 10 x 50K MTP 3 run are doing, on the host.
+
+The 10-session A/B's step-call p99 / median at MTP 3 is set by slow calls in both modes, resident more than offload
+(sessions_ab_10x50k_mtp3_series_2048_d4f22e4.json: 1.8-2.6, many in clusters of consecutive calls), while the step
+interval stays near the device's pace. For every verify call this records, beside its wall time, the calling
+thread's CPU time (``time.thread_time``) and its voluntary and involuntary context switches (``getrusage`` of the
+thread): a slow call whose CPU time is slow too did more work or ran slower (frequency, caches, a sibling thread);
+one whose CPU time is at the median waited (a lock, the driver's launch queue: voluntary switches) or was preempted
+(involuntary switches). Per run it also reads the machine's steal and iowait time (``/proc/stat``) and load.
+
+Variants, interleaved (PROBE_VARIANTS): ``default``; ``spin`` (the read of each step's outputs polls ``is_ready``
+instead of blocking, so the dispatching thread never sleeps between calls: a host whose cores drop into idle states
+or whose hypervisor deschedules an idle vCPU would show it here).
+
+PROBE_HISTORY (50000), PROBE_NEW (2048), PROBE_REPS (3), PROBE_MODE (offload), PROBE_MTP (3, drafts forced),
+PROBE_CONFIG (h200_bench), PROBE_RING (the engine's default; a CPU's is 1, no ring, and only ring calls are measured).
+"""
+import importlib
+import json
+import os
+import platform
+import resource
+import sys
+import time
+
+import jax
+import numpy as np
+
+import glm53
+from glm53 import engine as eng
+from experiments import sessions_ab, workloads
+
+
+def machine_facts() -> dict:
+    facts = {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "platform": platform.platform()}
+    for name, path in [("numa_balancing", "/proc/sys/kernel/numa_balancing"),
+                       ("thp", "/sys/kernel/mm/transparent_hugepage/enabled"),
+                       ("governor", "/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor"),
+                       ("loadavg", "/proc/loadavg")]:
+        try:
+            facts[name] = open(path).read().strip()
+        except OSError as err:
+            facts[name] = f"unreadable: {err.strerror}"
+    try:
+        facts["numa_nodes"] = len([d for d in os.listdir("/sys/devices/system/node") if d.startswith("node")])
+    except OSError:
+        pass
+    return facts
+
+
+def cpu_times() -> np.ndarray:
+    """The machine's cpu line of /proc/stat: user nice system idle iowait irq softirq steal (jiffies)."""
+    return np.array(open("/proc/stat").readline().split()[1:9], np.int64)
+
+
+STATE = {"wall": [], "cpu": [], "vol": [], "invol": []}
+ring_call = eng._StepRing.__call__
+
+
+def measured_call(self, name, args, static):
+    r0, c0, t0 = resource.getrusage(resource.RUSAGE_THREAD), time.thread_time(), time.perf_counter()
+    out = ring_call(self, name, args, static)
+    t1, c1, r1 = time.perf_counter(), time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD)
+    if name in ("decode", "verify"):
+        STATE["wall"].append(t1 - t0)
+        STATE["cpu"].append(c1 - c0)
+        STATE["vol"].append(r1.ru_nvcsw - r0.ru_nvcsw)
+        STATE["invol"].append(r1.ru_nivcsw - r0.ru_nivcsw)
+    return out
+
+
+eng._StepRing.__call__ = measured_call
+plain_read = eng._Run._read
+
+
+def spin_read(self, x):
+    if hasattr(x, "is_ready"):
+        while not x.is_ready():
+            pass
+    return plain_read(self, x)
+
+
+def main():
+    hist = int(os.environ.get("PROBE_HISTORY", "50000"))
+    new = int(os.environ.get("PROBE_NEW", "2048"))
+    mtp = int(os.environ.get("PROBE_MTP", "3"))
+    S = 10
+    c = importlib.import_module("configs." + os.environ.get("PROBE_CONFIG", "h200_bench")).get_config()
+    c.run.prompt_len = hist
+    c.cache.mode = os.environ.get("PROBE_MODE", "offload")
+    cc = glm53.CacheConfig.from_config_dict(c.cache)
+    model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
+    cc = cc.replace(max_len=hist + 16 + new + 64)
+    K = min(model.config.index_topk, cc.max_len)
+    e, sids, fig = sessions_ab.build(model, cc, c, S, suffix=16)
+    if os.environ.get("PROBE_RING"):  # a CPU engine has no ring by default, and only ring calls are measured
+        e.output_ring = int(os.environ["PROBE_RING"])
+    print(f"prefill {fig['prefill_s']:.1f} s, ring {e.output_ring}", flush=True)
+    selections = workloads.Selections("local99", K, hist, S)
+    facts = machine_facts()
+    print(json.dumps(facts), flush=True)
+    results, digests = [], {}
+    variants = os.environ.get("PROBE_VARIANTS", "default,spin").split(",")
+    reps = int(os.environ.get("PROBE_REPS", "3"))
+    runs = [("warmup", "default"), ("warmup_after_rollback", "default")] + [(k, v) for k in range(reps) for v in variants]
+    for rep, v in runs:
+        eng._Run._read = spin_read if v == "spin" else plain_read
+        for k in STATE:
+            STATE[k].clear()
+        stat0, t0 = cpu_times(), time.perf_counter()
+        out = e.generate({s: new for s in sids}, selection_override=selections(7), mtp=mtp,
+                         accept_override=mtp if mtp else None)
+        wall, stat1 = time.perf_counter() - t0, cpu_times()
+        r = e.last_run
+        for s in sids:
+            e.rollback(s, len(out[s]))
+        digest = hash(tuple(tuple(out[s]) for s in sids))
+        if rep != "warmup":  # the first warm-up starts from the prefill's hidden states, the others after a rollback
+            digests.setdefault("tokens", digest)
+        w, cpu = np.asarray(STATE["wall"]) * 1e3, np.asarray(STATE["cpu"]) * 1e3
+        vol, invol = np.asarray(STATE["vol"]), np.asarray(STATE["invol"])
+        med = np.median(w)
+        slow = w > 1.25 * med
+        d = (stat1 - stat0).astype(float)
+        total = max(d.sum(), 1.0)
+        res = {
+            "run": rep, "variant": v, "tokens_per_s": r.decode_tokens_per_s, "wall_s": wall,
+            "tokens_identical_to_first_timed": digests.get("tokens") == digest if rep != "warmup" else None,
+            # (the second warm-up compiles the plain decode step a rolled-back session's MTP loop starts with)
+            "calls": len(w), "call_p50_ms": float(med), "call_p99_ms": float(np.percentile(w, 99)),
+            "call_p99_over_median": float(np.percentile(w, 99) / med), "slow_calls": int(slow.sum()),
+            "cpu_p50_ms": float(np.median(cpu)),
+            "slow_calls_cpu_over_wall": float(cpu[slow].sum() / max(w[slow].sum(), 1e-9)) if slow.any() else None,
+            "other_calls_cpu_over_wall": float(cpu[~slow].sum() / w[~slow].sum()),
+            "slow_calls_voluntary_switches": float(vol[slow].mean()) if slow.any() else None,
+            "other_calls_voluntary_switches": float(vol[~slow].mean()),
+            "slow_calls_involuntary_switches": float(invol[slow].mean()) if slow.any() else None,
+            "other_calls_involuntary_switches": float(invol[~slow].mean()),
+            "step_interval_ms": r.step_interval_ms, "step_wait_ms": r.step_wait_ms,
+            "machine_pct": {k: round(100 * d[i] / total, 3) for i, k in
+                            enumerate(["user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"])},
+            "loadavg": open("/proc/loadavg").read().strip(),
+            "calls_ms": [round(float(x), 3) for x in w], "calls_cpu_ms": [round(float(x), 3) for x in cpu],
+            "calls_voluntary": vol.tolist(), "calls_involuntary": invol.tolist(),
+        }
+        results.append(res)
+        print(json.dumps({k: v for k, v in res.items() if not k.startswith("calls_")}), flush=True)
+    path = os.path.join(os.environ.get("OUT", "/tmp"), sys.argv[1] if len(sys.argv) > 1 else "call_jitter.json")
+    with open(path, "w") as f:
+        json.dump({"machine": facts, "history": hist, "new_tokens": new, "mtp": mtp, "sessions": S,
+                   "mode": c.cache.mode, "revision": os.environ.get("GLM53_GIT_REVISION"), "runs": results}, f)
+
+
+if __name__ == "__main__":
+    main()

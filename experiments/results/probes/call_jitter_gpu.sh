@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# H200 call of stop 46: what the slow step calls of a 10 x 50K MTP 3 run do on the host (call_jitter.py: each
+# call's thread CPU time and context switches, the machine's steal time; default vs spinning reads), after the
+# 2,048-token A/B at d4f22e4 (sessions_ab_10x50k_mtp3_series_2048_d4f22e4.json) found offload p99 / median 1.84 and
+# 2.59, resident 1.82 and 1.82, with the step interval at 1.30-1.41.
+LIMIT=${LIMIT:-560}
+source experiments/results/probes/gpu_setup.sh
+export JAX_PLATFORMS=cuda,cpu
+timeout $(( LIMIT - 30 )) python experiments/results/probes/call_jitter.py call_jitter_50k_mtp3_$R.json 2>&1 \
+  | grep -v "^prefill:" | cut -c1-1200
+el done
