@@ -10,7 +10,9 @@ one whose CPU time is at the median waited (a lock, the driver's launch queue: v
 
 Variants, interleaved (PROBE_VARIANTS): ``default``; ``spin`` (the read of each step's outputs polls ``is_ready``
 instead of blocking, so the dispatching thread never sleeps between calls: a host whose cores drop into idle states
-or whose hypervisor deschedules an idle vCPU would show it here).
+or whose hypervisor deschedules an idle vCPU would show it here); ``lag1`` (one step in flight, not ``_Run.LAG`` 2:
+the device's queue holds one step less when a call launches its graphs); ``sync`` (none in flight: each step read
+before the next is dispatched, so a call never launches behind queued work; slower, a diagnosis only).
 
 PROBE_HISTORY (50000), PROBE_NEW (2048), PROBE_REPS (3), PROBE_MODE (offload), PROBE_MTP (3, drafts forced),
 PROBE_CONFIG (h200_bench), PROBE_RING (the engine's default; a CPU's is 1, no ring, and only ring calls are measured).
@@ -71,6 +73,7 @@ def measured_call(self, name, args, static):
 
 eng._StepRing.__call__ = measured_call
 plain_read = eng._Run._read
+LAG = eng._Run.LAG
 
 
 def spin_read(self, x):
@@ -100,11 +103,12 @@ def main():
     facts = machine_facts()
     print(json.dumps(facts), flush=True)
     results, digests = [], {}
-    variants = os.environ.get("PROBE_VARIANTS", "default,spin").split(",")
+    variants = os.environ.get("PROBE_VARIANTS", "default,spin,lag1,sync").split(",")
     reps = int(os.environ.get("PROBE_REPS", "3"))
     runs = [("warmup", "default"), ("warmup_after_rollback", "default")] + [(k, v) for k in range(reps) for v in variants]
     for rep, v in runs:
         eng._Run._read = spin_read if v == "spin" else plain_read
+        eng._Run.LAG = {"lag1": 1, "sync": 0}.get(v, LAG)
         for k in STATE:
             STATE[k].clear()
         stat0, t0 = cpu_times(), time.perf_counter()
@@ -124,7 +128,7 @@ def main():
         d = (stat1 - stat0).astype(float)
         total = max(d.sum(), 1.0)
         res = {
-            "run": rep, "variant": v, "tokens_per_s": r.decode_tokens_per_s, "wall_s": wall,
+            "run": rep, "variant": v, "lag": eng._Run.LAG, "tokens_per_s": r.decode_tokens_per_s, "wall_s": wall,
             "tokens_identical_to_first_timed": digests.get("tokens") == digest if rep != "warmup" else None,
             # (the second warm-up compiles the plain decode step a rolled-back session's MTP loop starts with)
             "calls": len(w), "call_p50_ms": float(med), "call_p99_ms": float(np.percentile(w, 99)),

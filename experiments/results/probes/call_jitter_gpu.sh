@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # H200 call of stop 46: what the slow step calls of a 10 x 50K MTP 3 run do on the host (call_jitter.py: each
-# call's thread CPU time and context switches, the machine's steal time; default vs spinning reads), after the
+# call's thread CPU time and context switches, the machine's steal time; default, spinning reads, LAG 1, LAG 0), after the
 # 2,048-token A/B at d4f22e4 (sessions_ab_10x50k_mtp3_series_2048_d4f22e4.json) found offload p99 / median 1.84 and
 # 2.59, resident 1.82 and 1.82, with the step interval at 1.30-1.41.
 LIMIT=${LIMIT:-560}
