@@ -392,6 +392,9 @@ class Engine:
         platform = next(iter(jax.tree_util.tree_leaves(model.params)[0].sharding.device_set)).platform
         mesh = self.mesh if self.mesh is not None else getattr(self.pipeline, "mesh", None)
         self.output_ring = output_ring_for(platform, 1 if mesh is None else int(mesh.size))
+        # A decode loop's reads poll for their step (``wait_spinning``) on GPUs, where the host thread waits most of
+        # a step for the device; not on a CPU, whose cores run the steps themselves. Settable.
+        self.spin_reads = platform in ops.GPU_BACKENDS
         # The device budget is checked on the configuration, before anything is allocated.
         need = self._device_need()
         if device_budget_bytes is not None and need["total"] > device_budget_bytes:
@@ -1115,6 +1118,20 @@ def start_host_copies(*arrays) -> None:
             a.copy_to_host_async()
 
 
+def wait_spinning(x) -> None:
+    """Polls until ``x`` is computed instead of blocking on it (``Engine.spin_reads``).
+
+    On the H200 the slow step calls of a 10 x 50K MTP 3 run were the dispatching thread running slower, not waiting:
+    their thread CPU time equals their wall time, with no context switch and no steal
+    (``experiments/results/probes/call_jitter_50k_mtp3_2b1106b.json``), and they came in clusters whether the host
+    kept two steps, one or none in flight. A thread that blocks ~7.5 ms a step in the read lets its core idle
+    between calls; one that polls keeps it busy: 0 / 18 / 2 calls over 1.25x the median in three 512-call runs against
+    51 / 63 / 29 blocking, interleaved in one process, the same tokens/s."""
+    if hasattr(x, "is_ready"):
+        while not x.is_ready():
+            pass
+
+
 # Step inputs copied into buffers of their own (donated, written in place): see ``_StepRing``. Updates, not
 # ``lambda buf, x: x``: JAX hands an output that is an input straight back instead of writing it into ``buf``. A
 # smaller ``x`` (the selection override of fewer sessions than the bucket has lanes) fills the leading rows and the
@@ -1284,6 +1301,7 @@ class _Run:
         self.accept_override = accept_override
         self.lanes, self.bucket = engine._lanes([s.slot for s in sessions])
         self.copy_reads = engine.output_ring > 1 and next(iter(engine._inputs.device_set)).platform == "cpu"
+        self.spin_reads = engine.spin_reads
         self.out = {s.sid: [] for s in sessions}
         self.logits = {s.sid: [] for s in sessions} if return_logits else None
         self.remaining = np.zeros(self.bucket, np.int64)
@@ -1566,6 +1584,8 @@ class _Run:
         the one before it's output, and the first the host's ``self.remaining``)."""
         self._record(rounds)
         t = time.perf_counter()
+        if self.spin_reads:
+            wait_spinning(tokens)
         tokens = self._read(tokens)  # waits for the step
         self.wait_s.append(time.perf_counter() - t)
         remaining_in = self.remaining.copy() if remaining_in is None else np.asarray(remaining_in)
@@ -1658,6 +1678,8 @@ class _Run:
     def _absorb_verify(self, emitted, n_emit, remaining, accepted, logits, rounds=None) -> None:
         self._record(rounds)
         t = time.perf_counter()
+        if self.spin_reads:
+            wait_spinning(emitted)
         emitted = self._read(emitted)  # waits for the step
         self.wait_s.append(time.perf_counter() - t)
         n_emit = self._read(n_emit)

@@ -746,6 +746,32 @@ def test_a_rings_first_call_frees_the_loops_first_inputs_before_its_executable_r
     assert again == first  # the same continuation after the rollback
 
 
+@pytest.mark.parametrize("mtp", [0, 2])
+def test_spinning_reads_poll_each_step_and_change_nothing(model, monkeypatch, mtp):
+    """``Engine.spin_reads`` (a GPU's default, not a CPU's): each step's read polls for it (``wait_spinning``) and
+    the run's tokens and logits are those of blocking reads."""
+    from glm53 import engine as engine_module
+
+    e = engine(model, "offload", 2)
+    assert e.spin_reads is (jax.default_backend() in engine_module.ops.GPU_BACKENDS)
+    e.spin_reads = False
+    a, b = e.open(ids(40, 23)), e.open(ids(29, 24))
+    blocking = gen(e, {a: 6, b: 9}, mtp=mtp)
+    for s, n in ((a, 6), (b, 9)):
+        e.rollback(s, n)
+    polled, wait = [], engine_module.wait_spinning
+
+    def counted(x):
+        wait(x)
+        polled.append(x.is_ready())
+
+    monkeypatch.setattr(engine_module, "wait_spinning", counted)
+    e.spin_reads = True
+    spinning = gen(e, {a: 6, b: 9}, mtp=mtp)
+    assert len(polled) == e.last_run.steps > 0 and all(polled)
+    assert_same(spinning, blocking)
+
+
 def test_a_ring_makes_every_executables_buffers_before_its_first_call(model, monkeypatch):
     """A loop shorter than the ring (two decode steps, three executables) still leaves every executable's outputs
     and selection buffer made, so a later, longer loop allocates nothing between two of its calls. Made at each
