@@ -8,11 +8,13 @@ thread): a slow call whose CPU time is slow too did more work or ran slower (fre
 one whose CPU time is at the median waited (a lock, the driver's launch queue: voluntary switches) or was preempted
 (involuntary switches). Per run it also reads the machine's steal and iowait time (``/proc/stat``) and load.
 
-Variants, interleaved (PROBE_VARIANTS): ``default``; ``spin`` (the read of each step's outputs polls ``is_ready``
+Variants, interleaved (PROBE_VARIANTS): ``default`` (the engine as it is: blocking reads before dde4f65, polling ones
+on a GPU since, ``Engine.spin_reads``); ``blocking``; ``spin`` (the read of each step's outputs polls ``is_ready``
 instead of blocking, so the dispatching thread never sleeps between calls: a host whose cores drop into idle states
-or whose hypervisor deschedules an idle vCPU would show it here); ``lag1`` (one step in flight, not ``_Run.LAG`` 2:
-the device's queue holds one step less when a call launches its graphs); ``sync`` (none in flight: each step read
-before the next is dispatched, so a call never launches behind queued work; slower, a diagnosis only).
+or whose hypervisor deschedules an idle vCPU would show it here; before dde4f65 the probe's own polling read);
+``lag1`` (one step in flight, not ``_Run.LAG`` 2: the device's queue holds one step less when a call launches its
+graphs); ``sync`` (none in flight: each step read before the next is dispatched, so a call never launches behind
+queued work; slower, a diagnosis only).
 
 PROBE_HISTORY (50000), PROBE_NEW (2048), PROBE_REPS (3), PROBE_MODE (offload), PROBE_MTP (3, drafts forced),
 PROBE_CONFIG (h200_bench), PROBE_RING (the engine's default; a CPU's is 1, no ring, and only ring calls are measured).
@@ -105,9 +107,15 @@ def main():
     results, digests = [], {}
     variants = os.environ.get("PROBE_VARIANTS", "default,spin,lag1,sync").split(",")
     reps = int(os.environ.get("PROBE_REPS", "3"))
-    runs = [("warmup", "default"), ("warmup_after_rollback", "default")] + [(k, v) for k in range(reps) for v in variants]
+    runs = [("warmup", "default"), ("warmup_after_rollback", "default")]
+    runs += [(k, v) for k in range(reps) for v in variants]
+    path = os.path.join(os.environ.get("OUT", "/tmp"), sys.argv[1] if len(sys.argv) > 1 else "call_jitter.json")
+    engine_spins = getattr(e, "spin_reads", None)  # None: an engine before dde4f65, which always blocked
     for rep, v in runs:
-        eng._Run._read = spin_read if v == "spin" else plain_read
+        if engine_spins is None:
+            eng._Run._read = spin_read if v == "spin" else plain_read
+        else:
+            e.spin_reads = {"blocking": False, "spin": True}.get(v, engine_spins)
         eng._Run.LAG = {"lag1": 1, "sync": 0}.get(v, LAG)
         for k in STATE:
             STATE[k].clear()
@@ -128,7 +136,9 @@ def main():
         d = (stat1 - stat0).astype(float)
         total = max(d.sum(), 1.0)
         res = {
-            "run": rep, "variant": v, "lag": eng._Run.LAG, "tokens_per_s": r.decode_tokens_per_s, "wall_s": wall,
+            "run": rep, "variant": v, "lag": eng._Run.LAG,
+            "spin_reads": v == "spin" if engine_spins is None else e.spin_reads,
+            "tokens_per_s": r.decode_tokens_per_s, "wall_s": wall,
             "tokens_identical_to_first_timed": digests.get("tokens") == digest if rep != "warmup" else None,
             # (the second warm-up compiles the plain decode step a rolled-back session's MTP loop starts with)
             "calls": len(w), "call_p50_ms": float(med), "call_p99_ms": float(np.percentile(w, 99)),
@@ -149,10 +159,9 @@ def main():
         }
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if not k.startswith("calls_")}), flush=True)
-    path = os.path.join(os.environ.get("OUT", "/tmp"), sys.argv[1] if len(sys.argv) > 1 else "call_jitter.json")
-    with open(path, "w") as f:
-        json.dump({"machine": facts, "history": hist, "new_tokens": new, "mtp": mtp, "sessions": S,
-                   "mode": c.cache.mode, "revision": os.environ.get("GLM53_GIT_REVISION"), "runs": results}, f)
+        with open(path, "w") as f:  # after every run: a call cut by its time limit keeps the runs it finished
+            json.dump({"machine": facts, "history": hist, "new_tokens": new, "mtp": mtp, "sessions": S,
+                       "mode": c.cache.mode, "revision": os.environ.get("GLM53_GIT_REVISION"), "runs": results}, f)
 
 
 if __name__ == "__main__":
