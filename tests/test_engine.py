@@ -772,6 +772,40 @@ def test_spinning_reads_poll_each_step_and_change_nothing(model, monkeypatch, mt
     assert_same(spinning, blocking)
 
 
+def test_a_spinning_read_lets_other_python_threads_run():
+    """``wait_spinning`` polls without holding the GIL between polls: a step whose host callbacks need it (the
+    routing probe's) would otherwise get it once a switch interval. Here a thread needs the GIL 20 times before the
+    awaited value is ready; with a 2 s switch interval a loop that kept the GIL would wait ~40 s."""
+    import sys
+    import threading
+
+    from glm53.engine import wait_spinning
+
+    done = threading.Event()
+
+    def worker():
+        for _ in range(20):
+            time.sleep(1e-4)  # gives the GIL up and needs it back
+        done.set()
+
+    class Pending:
+        def is_ready(self):
+            return done.is_set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(2.0)
+    try:
+        thread = threading.Thread(target=worker)
+        t = time.perf_counter()
+        thread.start()
+        wait_spinning(Pending())
+        waited = time.perf_counter() - t
+    finally:
+        sys.setswitchinterval(interval)
+    thread.join()
+    assert waited < 2.0, waited
+
+
 def test_a_ring_makes_every_executables_buffers_before_its_first_call(model, monkeypatch):
     """A loop shorter than the ring (two decode steps, three executables) still leaves every executable's outputs
     and selection buffer made, so a later, longer loop allocates nothing between two of its calls. Made at each
