@@ -9,5 +9,5 @@ export JAX_PLATFORMS=cuda,cpu
 timeout $(( LIMIT - 30 )) python experiments/results/probes/call_jitter.py call_jitter_50k_mtp3_$R.json 2>&1 \
   | grep -v "^prefill:" | cut -c1-1200
 el done
-# Stop 46's second call, at dde4f65 (the engine's reads poll on GPUs): PROBE_VARIANTS=blocking,spin PROBE_REPS=3
+# Stop 46's second call, from dde4f65 on (the engine's reads poll on GPUs): PROBE_VARIANTS=blocking,spin PROBE_REPS=3
 # LIMIT=280, the JSON written after every run.
