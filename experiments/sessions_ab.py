@@ -154,7 +154,8 @@ def main(_):
                              restore_from=once if once and mode == "offload" else "")
         rep = e.memory_report()
         engines[mode] = (e, sids)
-        results.setdefault("build", {})[mode] = {**fig, "output_ring": e.output_ring, "device_memory": device_memory(),
+        results.setdefault("build", {})[mode] = {**fig, "output_ring": e.output_ring, "spin_reads": e.spin_reads,
+                                                 "device_memory": device_memory(),
                                                  "device_cache_bytes": rep["device"]["cache_bytes"],
                                                  "host_pool_bytes": rep["host"]["pool_bytes"],
                                                  "host_used_bytes": rep["host"]["used_bytes"]}

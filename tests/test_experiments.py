@@ -8,10 +8,12 @@ import re
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
 from experiments import compare_profiles
+from kernels_pallas import ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # configs/tiny.py cut to its first two layers (dense + MoE, a full and a shared indexer; MTP kept): every code path
@@ -301,6 +303,8 @@ def test_sessions_ab(tmp_path):
             assert f["copy_steps"] == 0 and f["copy_step_call_ms_median"] is None
     assert 0 < pair["offload"]["hit_rate"] <= 1 and len(pair["offload"]["hit_rate_per_session"]) == 2
     assert report["build"]["offload"]["host_used_bytes"] > 0
+    # how the loops read their steps, so a GPU file says whether its calls were measured with polling reads
+    assert report["build"]["offload"]["spin_reads"] is (jax.default_backend() in ops.GPU_BACKENDS)
     app = report["append"]
     assert app["summary"]["all_identical"] and len(app["pairs"]) == 1
     assert app["pairs"][0]["offload_bulk_bytes_from_host"] > 0
