@@ -1126,7 +1126,8 @@ def wait_spinning(x) -> None:
     (``experiments/results/probes/call_jitter_50k_mtp3_2b1106b.json``), and they came in clusters whether the host
     kept two steps, one or none in flight. A thread that blocks ~7.5 ms a step in the read lets its core idle
     between calls; one that polls keeps it busy: 0 / 18 / 2 calls over 1.25x the median in three 512-call runs against
-    51 / 63 / 29 blocking, interleaved in one process, the same tokens/s.
+    51 / 63 / 29 blocking, interleaved in one process, the same tokens/s (the probe's own loop, which kept the GIL;
+    this one not yet measured on a GPU).
 
     Each poll gives up the GIL (``time.sleep(0)``): a loop that kept it would hand it to another Python thread only
     every switch interval (5 ms), and a step whose host callbacks need it (``glm53.roofline.probe_routing``'s) would
