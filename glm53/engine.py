@@ -1574,6 +1574,12 @@ class _Run:
         its outputs elsewhere). A GPU's ``np.asarray`` is a copy already."""
         return np.array(x) if self.copy_reads else np.asarray(x)
 
+    def _read_step(self, x) -> np.ndarray:
+        """A step's first output read, which waits for the step: polling for it under ``spin_reads``."""
+        if self.spin_reads:
+            wait_spinning(x)
+        return self._read(x)
+
     def _ring(self) -> _StepRing | None:
         """This loop's calls through the engine's ring executables, or None (one executable, fresh outputs): a
         traced run's steps return their fill rounds, which the ring does not carry."""
@@ -1589,9 +1595,7 @@ class _Run:
         the one before it's output, and the first the host's ``self.remaining``)."""
         self._record(rounds)
         t = time.perf_counter()
-        if self.spin_reads:
-            wait_spinning(tokens)
-        tokens = self._read(tokens)  # waits for the step
+        tokens = self._read_step(tokens)
         self.wait_s.append(time.perf_counter() - t)
         remaining_in = self.remaining.copy() if remaining_in is None else np.asarray(remaining_in)
         remaining = self._read(remaining)
@@ -1683,9 +1687,7 @@ class _Run:
     def _absorb_verify(self, emitted, n_emit, remaining, accepted, logits, rounds=None) -> None:
         self._record(rounds)
         t = time.perf_counter()
-        if self.spin_reads:
-            wait_spinning(emitted)
-        emitted = self._read(emitted)  # waits for the step
+        emitted = self._read_step(emitted)
         self.wait_s.append(time.perf_counter() - t)
         n_emit = self._read(n_emit)
         remaining, accepted = self._read(remaining), self._read(accepted)
