@@ -27,8 +27,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
+from experiments import cli
 from glm53.provenance import write_results
 from kernels_pallas import kv_formats, ops
 from kernels_pallas.hot_gather import HOST
@@ -163,4 +164,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -21,8 +21,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
+from experiments import cli
 from glm53.provenance import write_results
 
 frd = importlib.import_module("kernels_pallas.fill_round")
@@ -128,4 +129,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -17,8 +17,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
+from experiments import cli
 from glm53.provenance import write_results
 
 mla = importlib.import_module("kernels_pallas.mla_decode")
@@ -96,4 +97,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

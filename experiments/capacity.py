@@ -22,6 +22,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments import cli
 import glm53
 from glm53 import memory
 from glm53.params import resolve_dtype
@@ -104,4 +105,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

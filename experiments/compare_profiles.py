@@ -12,6 +12,7 @@ import json
 
 from absl import app, flags
 
+from experiments import cli
 from experiments.trace_util import by_op
 
 FLAGS = flags.FLAGS
@@ -71,4 +72,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -37,6 +37,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments import cli
 import glm53
 from glm53 import checkpoint, distributed, offload, roofline
 from glm53.engine import check_sampling
@@ -118,9 +119,13 @@ def model_config_of(config) -> glm53.ModelConfig:
     return checkpoint.read_hf_config(path)
 
 
-def check_run(config) -> None:
+def check_run(config, given: dict | None = None) -> None:
     """The run's settings against each other and the model's config, before the model is built (initialising or
-    reading its weights takes a while): a mistake is a one-line error naming the flag."""
+    reading its weights takes a while): a mistake is a one-line error naming the flag. ``given``: the overrides the
+    command line set (``cli.overrides()``)."""
+    problem = cli.checkpoint_problem(config, given or {}, reads_checkpoint=True)
+    if problem:
+        raise glm53.ConfigError(problem)
     run = config.run
     if run.batch < 1:
         raise glm53.ConfigError(f"--config.run.batch={run.batch}: the run needs at least one prompt")
@@ -142,8 +147,21 @@ def check_run(config) -> None:
                                 f"{run.max_new_tokens} (+ mtp {run.mtp}) needs {need} positions, but the model has "
                                 f"max_position_embeddings={cfg.max_position_embeddings}")
     cache = glm53.CacheConfig.from_config_dict(config.cache)
+    if cache.max_len and cache.max_len < need:
+        raise glm53.ConfigError(f"--config.cache.max_len={cache.max_len} rows cannot hold the {need} positions the "
+                                f"run writes (prompt_len {run.prompt_len} + max_new_tokens {run.max_new_tokens} + mtp "
+                                f"{run.mtp}); raise it, or set 0 to size the cache to the run")
     if cache.mode == "offload":
         offload.validate(cfg, cache)
+    if run.output_json:  # found out now, not after the run
+        where = os.path.dirname(os.path.abspath(run.output_json))
+        try:
+            os.makedirs(where, exist_ok=True)
+        except OSError as e:
+            raise glm53.ConfigError(f"--config.run.output_json={run.output_json}: cannot create {where}: "
+                                    f"{e.strerror}") from None
+        if not os.access(where, os.W_OK) or os.path.isdir(run.output_json):
+            raise glm53.ConfigError(f"--config.run.output_json={run.output_json}: cannot write a file there")
 
 
 def figures(result: glm53.GenerateResult) -> dict:
@@ -277,7 +295,7 @@ def main(argv):
         # before the model is built, not after it (or after the runs)
         raise app.UsageError("--compare_one_device compares a mesh layout with one device: set config.mesh")
     try:
-        check_run(config)
+        check_run(config, cli.overrides())
         options = parse_options(_COMPILER_OPTIONS.value)
         baseline_options = (None if _BASELINE_COMPILER_OPTIONS.value is None
                             else parse_options([o for o in _BASELINE_COMPILER_OPTIONS.value if o]))
@@ -396,7 +414,8 @@ def main(argv):
         if run.compare_resident and mode != "resident":
             out_roofline["resident_baseline"] = rooflines.get("resident")
     if run.output_json and distributed.is_writer():
-        report = {"config": config.to_dict(), "expert_weights": model.expert_weights, "figures": out,
+        report = {"config": config.to_dict(), "model": model.config.to_hf(), "expert_weights": model.expert_weights,
+                  "figures": out,
                   "tokens": result.tokens,
                   **({"roofline": out_roofline} if bandwidth is not None else {}),
                   "cache_stats": jax.tree_util.tree_map(lambda x: np.asarray(x).tolist(), result.cache_stats),
@@ -409,4 +428,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -42,6 +42,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+from experiments import cli  # noqa: E402
 import glm53  # noqa: E402
 from glm53.provenance import provenance  # noqa: E402
 
@@ -220,4 +221,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

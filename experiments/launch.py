@@ -22,6 +22,8 @@ import time
 
 from absl import app, flags
 
+from experiments import cli
+
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("processes", 2, "processes to start")
 flags.DEFINE_integer("devices_per_process", 8, "CPU devices per process (XLA's host platform device count); "
@@ -85,4 +87,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -19,11 +19,11 @@ import json
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 import glm53
-from experiments import workloads
+from experiments import cli, workloads
 from experiments.engine_runs import figures, pooled_loss_pct, run, same_logits
 from glm53.memory import device_memory
 from glm53.provenance import provenance
@@ -41,6 +41,7 @@ flags.DEFINE_integer("check_tokens", 8, "tokens of the logits check run (also th
 
 def main(_):
     c = FLAGS.config
+    cli.check_checkpoint(c, reads_checkpoint=False)
     cc = glm53.CacheConfig.from_config_dict(c.cache)
     model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
     S, new, history = FLAGS.sessions, c.run.max_new_tokens, c.run.prompt_len
@@ -101,4 +102,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -23,13 +23,13 @@ a share of the resident step. A PNG (loss and floor against the decode hit rate)
 
 import json
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 import glm53
 import glm53.roofline
 import kernels_pallas.kv_formats
-from experiments import loss_plot, workloads
+from experiments import cli, loss_plot, workloads
 from experiments.engine_runs import loss_interval_pct, pooled_loss_pct
 from glm53.provenance import provenance
 
@@ -78,6 +78,7 @@ def summarise(pairs: list) -> dict:
 
 def main(_):
     c = FLAGS.config
+    cli.check_checkpoint(c, reads_checkpoint=False)
     model, prompts, cc, K = workloads.setup(c)
     new = c.run.max_new_tokens
     modes = {"resident": cc.replace(mode="resident"), "offload": cc.replace(mode="offload")}
@@ -157,4 +158,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

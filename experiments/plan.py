@@ -37,6 +37,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments import cli
 import glm53
 from glm53 import memory
 from glm53.params import resolve_dtype
@@ -82,8 +83,10 @@ def main(_):
         raise app.UsageError(f"--config.mesh.stages={stages} does not divide the machine's {devices} devices")
     mesh_shape = {"stage": stages, "tp": devices // stages}
     rows = []
-    print(f"{cfg.num_hidden_layers} layers + {cfg.num_nextn_predict_layers} MTP, {cfg.param_count() / 1e9:.1f}B "
-          f"parameters ({FLAGS.expert_weights} experts, {c.dtype}), cache {cc.mode}/{cc.kv_format}, index keys "
+    n = cfg.param_count()
+    params = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    print(f"{cfg.num_hidden_layers} layers + {cfg.num_nextn_predict_layers} MTP, {params} parameters "
+          f"({FLAGS.expert_weights} experts, {c.dtype}), cache {cc.mode}/{cc.kv_format}, index keys "
           f"{cc.index_keys}; machine {FLAGS.machine}: {devices} devices x {device_gib:g} GiB, {host_gib:g} GiB of host "
           f"memory per host, {per_host} devices per host; "
           + (f"tensor parallel over {devices}" if stages == 1 else
@@ -147,4 +150,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -25,9 +25,10 @@ import os
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
+from experiments import cli
 import glm53
 from glm53 import policies
 from glm53.provenance import provenance
@@ -136,6 +137,7 @@ def plot(results: dict, path: str) -> None:
 
 def main(_):
     c = FLAGS.config
+    cli.check_checkpoint(c, reads_checkpoint=False)
     specs = list(FLAGS.policies)
     for s in specs:
         policies.make(s, 1, 1)
@@ -178,4 +180,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

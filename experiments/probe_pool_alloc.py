@@ -26,7 +26,9 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
+
+from experiments import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float("gib", 4.0, "pool size in GiB")
@@ -133,4 +135,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

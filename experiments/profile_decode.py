@@ -26,7 +26,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import glm53
-from experiments import workloads
+from experiments import cli, workloads
 from experiments.trace_util import (by_op, compiled_decode_hlo, device_events, find_xplane, host_events, host_time,
                                     kernel_op_name, kernel_scope, op_names_from_hlo, trace_options)
 from glm53.provenance import provenance
@@ -214,6 +214,7 @@ def step_sequence(steps: list, names_of: dict) -> list:
 
 def main(_):
     c = FLAGS.config
+    cli.check_checkpoint(c, reads_checkpoint=False)
     try:  # an unknown workload fails here, before any compile
         workloads.selection(FLAGS.workload, 8, 64, 0)
     except ValueError as e:
@@ -308,4 +309,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -38,9 +38,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
+from experiments import cli
 import glm53
 from experiments.trace_util import (PARTS, device_events, find_xplane, kernel_op_name, op_names_from_hlo, part_of,
                                     trace_options)
@@ -319,6 +320,7 @@ def projection(runs: list, target: int) -> dict | None:
 
 def main(_):
     c = FLAGS.config
+    cli.check_checkpoint(c, reads_checkpoint=False)
     lens = [int(x) for x in FLAGS.prompt_lens] or [int(c.run.prompt_len)]
     cc = glm53.CacheConfig.from_config_dict(c.cache)
     results = {"config": c.to_dict(), **provenance(), "peak_flops": FLAGS.peak_flops, "prompt_lens": lens,
@@ -355,4 +357,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

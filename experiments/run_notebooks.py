@@ -11,6 +11,8 @@ import nbformat
 from absl import app, flags
 from nbclient import NotebookClient
 
+from experiments import cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _TIMEOUT = flags.DEFINE_integer("cell_timeout_s", 600, "seconds a notebook cell may run")
@@ -34,4 +36,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

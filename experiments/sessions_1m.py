@@ -55,12 +55,12 @@ import traceback
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 from tqdm.auto import tqdm
 
 import glm53
-from experiments import workloads
+from experiments import cli, workloads
 from glm53 import memory
 from glm53.memory import device_memory
 from glm53.engine import compile_seconds
@@ -572,6 +572,7 @@ def ab_run(model, c, planned: dict, rec: Recorder) -> None:
 
 def main(_):
     c = FLAGS.config
+    cli.check_checkpoint(c, reads_checkpoint=False)
     R = {"config": c.to_dict(), **provenance(), "mode": "ab" if FLAGS.ab else "capacity",
          "sessions": FLAGS.sessions, "history_tokens": c.run.prompt_len, "workload": FLAGS.workload,
          "mtp": c.run.mtp, "accept_override": c.run.accept_override,
@@ -619,4 +620,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -44,12 +44,12 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 import glm53
 import glm53.roofline
-from experiments import loss_plot, workloads
+from experiments import cli, loss_plot, workloads
 from experiments.engine_runs import (figures, loss_interval_pct, more_pairs, pooled_loss_pct, run, same_logits,
                                      setting_deadline_s, target_verdict)
 from glm53.memory import device_memory
@@ -130,6 +130,7 @@ def build(model, cc, c, n_sessions: int, save_to: str = "", restore_from: str = 
 def main(_):
     t_start = time.perf_counter()
     c = FLAGS.config
+    cli.check_checkpoint(c, reads_checkpoint=False)
     cc = glm53.CacheConfig.from_config_dict(c.cache)
     model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
     depths = [int(d) for d in FLAGS.mtp]
@@ -353,4 +354,4 @@ def append_ab(engines: dict, vocab: int, c) -> dict:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

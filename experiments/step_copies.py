@@ -18,11 +18,11 @@ import json
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 import glm53
-from experiments import workloads
+from experiments import cli, workloads
 from experiments.trace_util import compiled_decode_hlo, copied_cache_params
 from glm53.provenance import provenance
 
@@ -35,6 +35,7 @@ flags.DEFINE_integer("mtp", 0, "also compile the MTP verify and draft steps of t
 
 def main(_):
     c = FLAGS.config
+    cli.check_checkpoint(c, reads_checkpoint=False)
     model, _, cc, K = workloads.setup(c)
     B = c.run.batch
     results = {"config": c.to_dict(), **provenance(), "lanes": B, "steps": {}}
@@ -76,4 +77,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

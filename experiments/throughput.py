@@ -53,7 +53,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import glm53
-from experiments import workloads
+from experiments import cli, workloads
 from glm53 import memory, roofline
 from glm53.memory import device_memory
 from glm53.provenance import provenance
@@ -256,6 +256,7 @@ def point_roofline(model, e: glm53.Engine, S: int, history: float, res: dict, ba
 def run_mode(model, mode: str, sessions: list, histories: list, results: dict, bandwidth: float,
              probes: dict) -> None:
     c = FLAGS.config
+    cli.check_checkpoint(c, reads_checkpoint=False)
     cfg = model.config
     mtp = FLAGS.mtp
     extra = FLAGS.suffix + max(FLAGS.new_tokens, FLAGS.warmup_tokens, 3, FLAGS.probe_tokens) + mtp + 8
@@ -502,4 +503,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Mapping
 
 from kernels_pallas import indexer_topk, kv_formats
@@ -282,7 +283,9 @@ class CacheConfig:
     # to the run (longest prompt + new tokens + MTP depth).
     max_len: int = 0
     prefill_chunk: int = 256  # tokens per prefill / append step: bounds the transient device memory of a step
-    hot_rows: int = 32768  # offload: hot-cache slots per layer and session
+    # offload: hot-cache slots per layer and session (an Engine cuts it to the slot's rows, a power of two: more
+    # could never fill)
+    hot_rows: int = 32768
     # offload: rows per host page; a page (all layers) is written to host memory in one copy once its rows are final
     copyback_every: int = 64
     # offload: recent-ring rows, at least; raised to a power of two that holds a page plus one step's new rows
@@ -306,8 +309,11 @@ class CacheConfig:
     def validate(self) -> None:
         _require(self.mode in CACHE_MODES, f"cache mode {self.mode!r} unknown; choose one of {CACHE_MODES}")
         kv_formats.get_format(self.kv_format)
-        _require(isinstance(self.max_len, int) and self.max_len >= 0, f"max_len must be an int >= 0, got "
-                 f"{self.max_len!r}")
+        for name in ("max_len", "prefill_chunk", "hot_rows", "copyback_every", "ring_rows"):
+            value = getattr(self, name)
+            _require(isinstance(value, numbers.Integral) and not isinstance(value, bool),
+                     f"{name} must be an int, got {value!r}")
+        _require(self.max_len >= 0, f"max_len must be an int >= 0, got {self.max_len!r}")
         _require(self.prefill_chunk >= 1 and (self.prefill_chunk & (self.prefill_chunk - 1)) == 0,
                  f"prefill_chunk={self.prefill_chunk} must be a power of two")
         _require(self.copyback_every >= 4 and (self.copyback_every & (self.copyback_every - 1)) == 0,

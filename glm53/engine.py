@@ -355,6 +355,14 @@ class Engine:
             raise ConfigError(f"cache.max_len={rows} exceeds the model's max_position_embeddings="
                               f"{self.cfg.max_position_embeddings}")
         self.capacity = capacity_for(rows, cc)
+        if self.offload:
+            # A hot cache with more rows than a slot's history could never fill; it would only hold device memory
+            # (glm53.generate's default 32,768 rows for a 256-row run: 128x the history). It is cut to the
+            # slot's rows (a power of two, at least what a round pins): every row fits either way, so nothing a
+            # step computes changes.
+            fits = 1 << (max(self.capacity, offload.min_hot_rows(self.cfg, cc)) - 1).bit_length()
+            if cc.hot_rows > fits:
+                cc = self.cache_config = cc.replace(hot_rows=fits)
         self.max_rows = min(rows, self.capacity)
         self.page_rows = cc.copyback_every
         self.pages_per_slot = self.capacity // self.page_rows
@@ -823,8 +831,11 @@ class Engine:
         output does not depend on which sessions decode beside it. ``on_token(sid, i, token)`` is called for every
         new token (the host reads each step's tokens ``_Run.LAG`` steps later, so the device never waits for it).
         ``stop_tokens`` (default: the model's eos ids) end a session's generation (the stop token is included).
+        ``return_logits``: keep every new token's logits, ``self.last_run.logits[sid]`` (float32 ``[n, vocab]``: a
+        copy of each step's logits to the host). ``progress``: a tqdm bar over the new tokens.
         Benchmarks only: ``selection_override(step, positions [B]) -> [B, K]`` replaces the DSA selection
-        (positions may lag the steps in flight under MTP): host arrays are checked (range, distinct rows), a
+        (positions may lag the steps in flight under MTP): host arrays are checked (range, no position past its
+        query, distinct rows), a
         ``jax.Array`` goes into the step as it is (shape and dtype checked; no host work, no sync: what
         ``experiments.workloads`` returns); ``accept_override`` accepts that many drafts per step
         whatever they are. ``trace``: a ``glm53.trace.TraceRecorder`` that records every position the steps look
@@ -1386,6 +1397,17 @@ class _Run:
             raise ValueError(f"selection_override must return int [{n}, {K}] positions, got {sel.dtype} {sel.shape}")
         if (sel < 0).any() or (sel >= self.e.capacity).any():
             raise ValueError(f"selection_override returned positions outside [0, {self.e.capacity})")
+        # A query reads only rows written before it or by its own step: a later position is a row not yet written
+        # (it would be read as whatever the slot last held). Under MTP the host's positions may lag: each step in
+        # flight writes at most depth + 1 rows, the verify rows reach depth past the first.
+        reach = pos[:n] + self.mtp * (inflight + 1)
+        active = self.remaining[:n] > inflight
+        late = active[:, None] & (sel > reach[:, None])
+        if late.any():
+            b = int(np.nonzero(late.any(axis=1))[0][0])
+            raise ValueError(f"selection_override selected position {int(sel[b].max())} for session "
+                             f"{self.sessions[b].sid}, whose queries this step are at most at position "
+                             f"{int(reach[b])}: rows past a query are not written yet")
         # Vectorised: a per-row np.unique costs ~0.4 ms a row on a GPU machine's host, between every two steps.
         srt = np.sort(sel, axis=1)
         if (srt[:, 1:] == srt[:, :-1]).any():

@@ -7,6 +7,7 @@ import dataclasses
 import time
 from typing import Callable, Mapping, Sequence
 
+import jax
 import numpy as np
 
 from glm53.config import CacheConfig
@@ -117,8 +118,13 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     cc = cache_config.replace(max_len=cache_config.max_len or min(total, model.config.max_position_embeddings))
     engine = Engine(model, cc, max_sessions=len(toks), kernels=kernels, compiler_options=compiler_options)
 
+    # The prefill's clock runs until its steps have run, not until they are queued: ``open`` returns once they
+    # are dispatched, and the rest of the prefill would otherwise land in whatever reads the device next (the
+    # offload statistics below, or the first token).
+    jax.block_until_ready(engine.cache)
     t0, c0 = time.perf_counter(), compile_seconds()
     sids = [engine.open(t, progress=progress) for t in toks]
+    jax.block_until_ready(engine.cache)
     t_prefill, prefill_compile_s = time.perf_counter() - t0, compile_seconds() - c0
     index = {sid: i for i, sid in enumerate(sids)}
     stats0 = {sid: engine.stats(sid) for sid in sids} if engine.offload else None
@@ -138,7 +144,7 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     if engine.offload:
         stats = _merge_stats([engine.stats(sid) for sid in sids])
         stats["decode"] = _decode_delta(stats, _merge_stats([stats0[sid] for sid in sids]))
-        stats.update(hot_rows=cc.hot_rows, page_rows=cc.copyback_every,
+        stats.update(hot_rows=engine.cache_config.hot_rows, page_rows=cc.copyback_every,
                      ring_rows=engine.cache.ring_rows)
     text = [model.tokenizer.decode(t) for t in tokens] if model.tokenizer is not None else None
     compile_s = run.compile_s + prefill_compile_s

@@ -41,6 +41,20 @@ class Model:
         self.pipeline = None  # a glm53.pipeline.Pipeline when that mesh has stages
         self._digest: str | None = None
 
+    @property
+    def tokenizer(self):
+        """The attached ``glm53.Tokenizer`` (strings in, text out), or None."""
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        # Checked when attached, not at the first string that happens to encode past the vocabulary.
+        if tokenizer is not None and tokenizer.vocab_size > self.config.vocab_size:
+            raise ConfigError(f"the tokenizer has {tokenizer.vocab_size:,} ids but the model's vocabulary holds "
+                              f"{self.config.vocab_size:,} (ids 0-{self.config.vocab_size - 1}): a tokenizer of "
+                              "another model?")
+        self._tokenizer = tokenizer
+
     def __repr__(self):
         experts = ", fp8 experts" if self.expert_weights == "fp8" else ""
         return (f"Model({self.config.num_hidden_layers} layers, hidden {self.config.hidden_size}, "

@@ -6,13 +6,15 @@ Layout of a save directory::
     directory/
       LATEST                 the name of the newest complete version (replaced atomically, last)
       v000002/
-        session.json         format, version, metadata, and a sha256 of every array's bytes
+        session.json         format, version, metadata, a sha256 of every array's bytes, every array file's size
         arrays/              orbax checkpoint of the arrays (history rows, indexer keys, hidden state)
 
 A new save is written into a temporary directory, renamed into place, and only then named in ``LATEST``
 (``os.replace`` of a small file: atomic on POSIX). A crash anywhere before that leaves ``LATEST`` naming the
 previous save, which restores as it was; a half-written version directory is never named and is swept away by the
-next save. Restoring verifies every array and the metadata against their checksums, so flipped bits or an edited
+next save. Restoring first checks that every file orbax wrote is there at its size (a truncated or missing file is
+named before orbax reads it: orbax fails on one mid-read, and its reads still in flight then print tracebacks from
+its threads), then verifies every array and the metadata against their checksums, so flipped bits or an edited
 token list on disk are an error that names what changed, not a session that silently continues from a different
 history. A save goes only into a new or empty directory or one holding glm53 saves: it replaces older versions
 there, and must not delete anything it did not write.
@@ -30,9 +32,10 @@ import uuid
 import numpy as np
 
 FORMAT = "glm53-session"
-# 2: the metadata has a checksum too (``meta_sha256``). Version 1 saves (arrays checksummed only) still restore.
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 2: the metadata has a checksum too (``meta_sha256``). 3: the size of every file under arrays/ (``files``).
+# Version 1 saves (arrays checksummed only) and 2 still restore.
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 _VERSION_RE = re.compile(r"^v(\d{6})$")
 
 
@@ -114,6 +117,29 @@ def _check_target(directory) -> str:
     return directory
 
 
+def _file_sizes(root: str) -> dict[str, int]:
+    """``{path relative to root: bytes}`` of every file under ``root``."""
+    sizes = {}
+    for where, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(where, name)
+            sizes[os.path.relpath(path, root)] = os.path.getsize(path)
+    return sizes
+
+
+def _check_files(version: str, files) -> None:
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, int) for k, v in files.items()):
+        raise SessionFileError(f"{version}/session.json: its file records are malformed: the save is corrupted")
+    root = os.path.join(version, "arrays")
+    for rel, size in sorted(files.items()):
+        path = os.path.join(root, rel)
+        if not os.path.isfile(path):
+            raise SessionFileError(f"{path} is missing: the save is corrupted")
+        if os.path.getsize(path) != size:
+            raise SessionFileError(f"{path} holds {os.path.getsize(path):,} bytes where {size:,} were written: the "
+                                   "save is truncated or corrupted")
+
+
 def _this_process_only():
     """Orbax's options for a checkpoint this process reads or writes on its own: with several JAX processes
     (``glm53.distributed``) orbax would otherwise make every save and restore a collective of all of them. Sessions
@@ -145,7 +171,8 @@ def write(directory: str, arrays: dict, meta: dict, *, _before_commit=None) -> s
     ckptr.wait_until_finished()
     flat = _flatten(arrays)
     records = {k: {"shape": list(v.shape), "dtype": str(v.dtype), "sha256": _digest(v)} for k, v in flat.items()}
-    doc = {"format": FORMAT, "version": VERSION, "meta": meta, "meta_sha256": _meta_digest(meta), "arrays": records}
+    doc = {"format": FORMAT, "version": VERSION, "meta": meta, "meta_sha256": _meta_digest(meta), "arrays": records,
+           "files": _file_sizes(os.path.join(tmp, "arrays"))}
     with open(os.path.join(tmp, "session.json"), "w") as f:
         json.dump(doc, f, indent=1)
         f.flush()
@@ -206,6 +233,8 @@ def read(directory: str) -> tuple[dict, dict]:
             and isinstance(w.get("sha256"), str) for w in expected.values()):
         raise SessionFileError(f"{doc_path}: its array records are malformed (each needs a shape, dtype and "
                                "sha256): the save is corrupted")
+    if doc["version"] >= 3:
+        _check_files(version, doc.get("files"))
     try:
         arrays = ocp.StandardCheckpointer(multiprocessing_options=_this_process_only()).restore(
             os.path.join(version, "arrays"))

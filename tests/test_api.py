@@ -8,8 +8,10 @@ longer than index_topk so the DSA selection is sparse.
 import json
 import os
 import shutil
+import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -166,10 +168,10 @@ def test_save_load_round_trip(model, alone, tmp_path):
         model.save(str(tmp_path / "ckpt"))
 
 
-def _word_tokenizer(path):
+def _word_tokenizer(path, vocab=VOCAB):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(VOCAB)}, unk_token="w1"))
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab)}, unk_token="w1"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(path))
     return str(path)
@@ -187,6 +189,16 @@ def test_tokenizer_strings_in_text_out(model, alone, tmp_path):
     assert res.tokens == alone[0].tokens
     assert res.text == [" ".join(f"w{t}" for t in res.tokens[0])]
     assert alone[0].text is None
+    # A tokenizer with ids the model has no embedding for is refused when attached, not at the first string
+    # that encodes past the vocabulary.
+    wide = glm53.Tokenizer.from_file(_word_tokenizer(tmp_path / "wide.json", VOCAB + 5))
+    with pytest.raises(ConfigError, match=f"the tokenizer has {VOCAB + 5} ids but the model's vocabulary holds "
+                                          f"{VOCAB}"):
+        model.tokenizer = wide
+    assert model.tokenizer is None
+    # One with fewer ids than the model's vocabulary is fine (checkpoints pad their vocabulary).
+    model.tokenizer = glm53.Tokenizer.from_file(_word_tokenizer(tmp_path / "narrow.json", VOCAB - 5))
+    model.tokenizer = None
 
 
 def test_string_prompt_without_tokenizer_raises(model):
@@ -250,9 +262,27 @@ def test_cache_config_errors(model):
         CacheConfig(prefill_chunk=100)
     with pytest.raises(ConfigError, match="unknown cache config fields"):
         CacheConfig.from_config_dict({"mode": "resident", "hot_row": 4})
+    with pytest.raises(ConfigError, match="hot_rows must be an int, got '256'"):
+        CacheConfig(mode="offload", hot_rows="256")
+    with pytest.raises(ConfigError, match="copyback_every must be an int, got True"):
+        CacheConfig(copyback_every=True)
     # max_len too small for prompt + new tokens (24 + 8 = 32 positions).
     with pytest.raises(ValueError, match=r"cache.max_len=16 rows cannot hold the 32 positions"):
         glm53.generate(model, [P1], max_new_tokens=NEW, cache=CacheConfig(kv_format="f32", max_len=16))
+
+
+def test_a_hot_cache_larger_than_the_history_is_cut_to_it(model, batched):
+    """``hot_rows`` past a slot's rows could never fill: the engine allocates a power of two that holds the slot
+    (and what a round pins), says so in its config and statistics, and computes exactly what resident does."""
+    small = CacheConfig(mode="offload", kv_format="f32", copyback_every=16, prefill_chunk=32, hot_rows=1 << 14)
+    res = glm53.generate(model, [P1, P2], max_new_tokens=NEW, cache=small, return_logits=True, keep_cache=True)
+    e = res.engine
+    fits = 1 << (max(e.capacity, glm53.offload.min_hot_rows(model.config, small)) - 1).bit_length()
+    assert e.cache_config.hot_rows == fits < small.hot_rows and res.cache_stats["hot_rows"] == fits
+    assert res.tokens == batched.tokens and np.array_equal(res.logits, batched.logits)
+    asked = glm53.Engine(model, small.replace(hot_rows=fits, max_len=e.cache_config.max_len), max_sessions=2)
+    assert e.memory_report()["device"]["cache_bytes"] == asked.memory_report()["device"]["cache_bytes"]
+    assert glm53.Engine(model, small.replace(hot_rows=fits), max_sessions=2).cache_config.hot_rows == fits
 
 
 @pytest.mark.parametrize("change, match", [
@@ -464,6 +494,40 @@ def test_compiler_options_are_checked_up_front(model):
         glm53.Engine(model, "resident", compiler_options=["xla_dump_to=/tmp"])
     e = glm53.Engine(model, "resident", compiler_options={"xla_cpu_enable_fast_math": False})
     assert e.compiler_options == (("xla_cpu_enable_fast_math", False),)
+
+
+def test_prefill_time_counts_the_prefill_running_not_its_queueing(model, monkeypatch):
+    """``Engine.open`` returns once the prefill's steps are queued. ``generate``'s prefill clock (and so
+    ``prefill_tokens_per_s``) must stop when they have run: each open here leaves the cache behind a computation that
+    runs ~0.2 s after it was queued, which a clock stopped at queueing would not see. (Not a host callback: on a CPU
+    a program with one runs synchronously at its call.)"""
+
+    @jax.jit
+    def late(x):  # x + 0, after 20 dependent 1000 x 1000 matmuls
+        y = jax.lax.fori_loop(0, 20, lambda i, y: jnp.tanh(y @ y), jnp.full((1000, 1000), 1e-3, jnp.float32))
+        return x + (y[0, 0] * 0).astype(x.dtype)
+
+    opened = []
+    open_now = glm53.Engine.open
+
+    def open_late(self, *args, **kw):
+        sid = open_now(self, *args, **kw)
+        leaves, tree = jax.tree.flatten(self.cache)
+        i = min((j for j, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.integer)), key=lambda j: leaves[j].size)
+        leaves[i] = late(leaves[i])
+        self.cache = jax.tree.unflatten(tree, leaves)
+        opened.append(sid)
+        return sid
+
+    glm53.generate(model, [P1], max_new_tokens=2)  # compiled before the clock matters
+    probe = jnp.zeros(3, jnp.int32)
+    late(probe).block_until_ready()
+    t = time.perf_counter()
+    late(probe).block_until_ready()
+    running = time.perf_counter() - t
+    monkeypatch.setattr(glm53.Engine, "open", open_late)
+    res = glm53.generate(model, [P1], max_new_tokens=2)
+    assert opened and len(P1) / res.prefill_tokens_per_s >= running / 2, (len(P1) / res.prefill_tokens_per_s, running)
 
 
 def test_generate_reports_compilation_apart(model):

@@ -440,11 +440,46 @@ def test_generate_refuses_bad_settings_before_building_the_model():
     for args, message in ((["--config.run.batch=0"], "--config.run.batch=0: the run needs at least one prompt"),
                           (["--config.cache.mode=offload", "--config.cache.hot_rows=64"],
                            "hot_rows=64 is below what a round can pin.*raise hot_rows to 256"),
-                          (["--config.run.prompt_len=5000"], "prompt_len=5000 .* needs 5024 positions")):
+                          (["--config.run.prompt_len=5000"], "prompt_len=5000 .* needs 5024 positions"),
+                          (["--config.cache.max_len=100"], "max_len=100 rows cannot hold the 124 positions"),
+                          (["--config.run.output_json=/proc/no/such/out.json"], "output_json=.*cannot create"),
+                          (["--config.checkpoint=/tmp/any_ckpt", "--config.model.num_hidden_layers=2"],
+                           "--config.model.num_hidden_layers: the model comes from --config.checkpoint"),
+                          (["--config.cache.hot_row=5"],
+                           "flag --config.cache.hot_row=5: the config has no field 'hot_row'; did you mean "
+                           '"hot_rows"')):
         p = subprocess.run([sys.executable, "-m", "experiments.generate", *TINY, *args], cwd=ROOT,
                            capture_output=True, text=True, timeout=600)
         assert p.returncode == 1 and "Model(" not in p.stdout and "Traceback" not in p.stderr, p.stderr[-2000:]
-        assert re.search(message, p.stderr.strip().splitlines()[-1]), p.stderr[-2000:]
+        assert re.search(message, "\n".join(p.stderr.strip().splitlines()[-2:])), p.stderr[-2000:]  # absl's flag
+        # errors end on a line of their own pointing at --helpshort
+
+
+def test_generate_runs_a_checkpoint_and_records_the_model_it_loaded(tmp_path):
+    """``--config.checkpoint``: the model is the checkpoint's (here 2 layers, where the config file says 4), the JSON
+    records it, and orbax's INFO lines about the read stay out of the output."""
+    import glm53
+    from configs import tiny
+
+    model_dict = dict(tiny.get_config().model, num_hidden_layers=2, indexer_types=("full", "shared"))
+    glm53.from_config(glm53.ModelConfig(**model_dict), seed=3, dtype="float32").save(str(tmp_path / "ckpt"))
+    out = tmp_path / "gen.json"
+    p = subprocess.run([sys.executable, "-m", "experiments.generate", "--config=configs/tiny.py",
+                        "--config.run.prompt_len=100", "--config.run.batch=1", "--config.run.max_new_tokens=3",
+                        f"--config.checkpoint={tmp_path / 'ckpt'}", f"--config.run.output_json={out}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "orbax" not in p.stderr + p.stdout and "Model(2 layers" in p.stdout, p.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["config"]["model"]["num_hidden_layers"] == 4 and report["model"]["num_hidden_layers"] == 2
+
+
+def test_random_weight_experiments_refuse_a_checkpoint_they_would_ignore():
+    p = subprocess.run([sys.executable, "-m", "experiments.sessions_ab", *TINY, "--config.checkpoint=/tmp/any_ckpt"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert re.search("experiments.sessions_ab: --config.checkpoint=/tmp/any_ckpt: this experiment builds random "
+                     "weights", p.stderr.strip().splitlines()[-1]), p.stderr[-2000:]
 
 
 def test_run_notebooks_refuses_a_name_no_notebook_has():
@@ -460,6 +495,7 @@ def test_generate_roofline(tmp_path):
     _run("experiments.generate", "--config.run.batch=2", "--config.run.max_new_tokens=6", "--config.cache.mode=offload",
          "--config.run.compare_resident=True", f"--config.run.output_json={out}", "--bandwidth_mib=8")
     report = json.loads(out.read_text())
+    assert report["model"]["num_hidden_layers"] == 2  # the model that ran, as _run's flags built it
     roof = report["roofline"]
     bw = roof["bandwidth"]
     assert bw["bandwidth_Bps"] > 0 and bw["array_bytes"] == 8 << 20

@@ -165,6 +165,13 @@ def test_selection_override_controls_locality_and_stays_bit_identical(model):
     with pytest.raises(ValueError, match="selection_override must return int"):
         glm53.generate(model, ps, max_new_tokens=3, cache=cc, selection_override=lambda s, p: np.zeros((2, 3)))
 
+    def ahead(step, positions):  # the query's own row and K - 1 after it: rows not written yet
+        return (positions[:, None] + np.arange(K)).astype(np.int32)
+
+    with pytest.raises(ValueError, match="selected position 55 for session 0, whose queries this step are at most at "
+                                         "position 40:"):
+        glm53.generate(model, ps, max_new_tokens=3, cache=cc, selection_override=ahead)
+
 
 def test_device_array_selection_equals_the_same_host_selection(model):
     """A ``jax.Array`` override (the benchmarks' device-side working sets) goes into the step without host checks:

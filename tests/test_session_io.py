@@ -187,7 +187,36 @@ def test_saves_refuse_what_they_cannot_keep(model, tmp_path):
     refused(v1(fingerprint=[1]), "no engine fingerprint")
     refused(lambda doc: doc.pop("meta"), "metadata is NoneType")
     refused(lambda doc: doc["arrays"]["hidden"].pop("shape"), "array records are malformed")
+    refused(lambda doc: doc["files"].update({"x": "big"}), "file records are malformed")
     json.dump(original, open(doc_path, "w"))
+    assert r.tokens(r.restore(d)) == e.tokens(s)
+    r.close(r.sessions[0])
+
+    def v2(doc):  # a version 2 save records no file sizes: restored on its array checksums alone
+        doc["version"] = 2
+        del doc["files"]
+    v2_doc = json.loads(json.dumps(original))
+    v2(v2_doc)
+    json.dump(v2_doc, open(doc_path, "w"))
+    assert r.tokens(r.restore(d)) == e.tokens(s)
+    r.close(r.sessions[0])
+    json.dump(original, open(doc_path, "w"))
+
+    # A truncated or missing array file is named before orbax reads anything (orbax failing mid-read leaves reads
+    # in flight whose threads print tracebacks).
+    files = original["files"]
+    assert files and all(size > 0 for size in files.values())
+    biggest = os.path.join(version, "arrays", max(files, key=files.get))
+    kept = open(biggest, "rb").read()
+    with open(biggest, "r+b") as f:
+        f.truncate(len(kept) // 2)
+    with pytest.raises(SessionFileError, match=f"holds {len(kept) // 2:,} bytes where {len(kept):,} were written"):
+        r.restore(d)
+    os.remove(biggest)
+    with pytest.raises(SessionFileError, match="arrays/.* is missing"):
+        r.restore(d)
+    assert r.sessions == []
+    open(biggest, "wb").write(kept)
     assert r.tokens(r.restore(d)) == e.tokens(s)
 
     # Only into a new or empty directory, or one of saves: a save replaces older versions, nothing else.

@@ -1,0 +1,80 @@
+"""What the experiments' entry points share around absl and ml_collections.
+
+``run(main)`` is absl's ``app.run`` with one change: a ``--config.X`` override naming a field the config lacks is a
+one-line flag error (``flag --config.cache.hot_row=5: the config has no field 'hot_row'; did you mean "hot_rows"?``)
+instead of ml_collections' 50-line traceback, whose hint ends up buried in an ``AttributeError``'s repr. Every other
+flag error is absl's own. ``check_checkpoint`` keeps a run from quietly ignoring what its command line asked for.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+
+def run(main) -> None:
+    app.run(main, flags_parser=_parse_flags)
+
+
+def _parse_flags(argv: list) -> list:
+    try:
+        return app.parse_flags_with_usage(argv)
+    except (AttributeError, KeyError) as e:  # ml_collections: an override's path through the config is missing
+        sys.exit(f"FATAL Flags parsing error: {unknown_field_message(e, argv)}\n"
+                 "Pass --helpshort or --helpfull to see help on flags.")
+
+
+def unknown_field_message(error: BaseException, argv: list) -> str:
+    """ml_collections wraps its message (the missing key quoted, then a suggestion on the next line) in a KeyError,
+    itself in an AttributeError for a leaf; the flag is the command-line override whose path holds that key."""
+    while error.args and isinstance(error.args[0], BaseException):
+        error = error.args[0]
+    text = str(error.args[0]) if error.args else str(error)
+    first, _, hint = text.partition("\n")
+    key = first.strip("'\"")
+    given = [a for a in argv[1:] if a.startswith("--") and "." in a.split("=", 1)[0]
+             and key in re.split(r"[.=]", a.split("=", 1)[0].lstrip("-"))]
+    where = f"flag {given[0]}: " if given else ""
+    hint = f"; {hint[0].lower()}{hint[1:]}" if hint else ""
+    return f"{where}the config has no field {key!r}{hint}"
+
+
+def overrides(name: str = "config") -> dict:
+    """``{"cache.hot_rows": 4096, ...}``: the config fields the command line set (``--config.cache.hot_rows=4096``)."""
+    return dict(config_flags.get_override_values(flags.FLAGS[name]))
+
+
+def program() -> str:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return spec.name if spec is not None else sys.argv[0]
+
+
+def checkpoint_problem(config, given: dict, *, reads_checkpoint: bool) -> str | None:
+    """Why ``config`` cannot run as asked, or None. With ``config.checkpoint`` set, the model is the checkpoint's:
+    ``--config.model.*`` overrides would be ignored (the checkpoint's own config fixes its architecture), and an
+    experiment that builds random weights from ``config.model`` would ignore the checkpoint itself."""
+    path = config.get("checkpoint", "")
+    if not path:
+        return None
+    if not reads_checkpoint:
+        return (f"--config.checkpoint={path}: this experiment builds random weights from config.model (its "
+                "figures compare cache modes on the same weights, or force selections and acceptance) and reads no "
+                "checkpoint; run a checkpoint through experiments.generate, or leave config.checkpoint empty")
+    model_fields = sorted(k for k in given if k == "model" or k.startswith("model."))
+    if model_fields:
+        named = ", ".join(f"--config.{k}" for k in model_fields)
+        return (f"{named}: the model comes from --config.checkpoint={path}, whose own config fixes its "
+                f"architecture (config.model is read only for random weights); drop the override"
+                f"{'s' if len(model_fields) > 1 else ''}")
+    return None
+
+
+def check_checkpoint(config, *, reads_checkpoint: bool, name: str = "config") -> None:
+    """``checkpoint_problem`` for this process's command line: a one-line exit naming the flag."""
+    problem = checkpoint_problem(config, overrides(name), reads_checkpoint=reads_checkpoint)
+    if problem:
+        sys.exit(f"{program()}: {problem}")
