@@ -51,7 +51,8 @@ def decimals(x: float) -> int:
 
 def main(_):
     c = FLAGS.config
-    cfg = glm53.ModelConfig.from_config_dict(c.model)
+    cli.check_checkpoint(c, reads_checkpoint=True)  # its config: the shapes counted are the checkpoint's
+    cfg = cli.model_config(c)
     cc = glm53.CacheConfig.from_config_dict(c.cache)
     dtype = resolve_dtype(c.dtype)
     out = {"config": c.to_dict(), "git": git_revision()}

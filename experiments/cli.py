@@ -8,11 +8,15 @@ flag error is absl's own. ``check_checkpoint`` keeps a run from quietly ignoring
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 
 from absl import app, flags
 from ml_collections import config_flags
+
+import glm53
+from glm53 import checkpoint
 
 
 def run(main) -> None:
@@ -61,8 +65,7 @@ def checkpoint_problem(config, given: dict, *, reads_checkpoint: bool) -> str | 
     if not path:
         return None
     if not reads_checkpoint:
-        return (f"--config.checkpoint={path}: this experiment builds random weights from config.model (its "
-                "figures compare cache modes on the same weights, or force selections and acceptance) and reads no "
+        return (f"--config.checkpoint={path}: this experiment builds random weights from config.model and reads no "
                 "checkpoint; run a checkpoint through experiments.generate, or leave config.checkpoint empty")
     model_fields = sorted(k for k in given if k == "model" or k.startswith("model."))
     if model_fields:
@@ -71,6 +74,17 @@ def checkpoint_problem(config, given: dict, *, reads_checkpoint: bool) -> str | 
                 f"architecture (config.model is read only for random weights); drop the override"
                 f"{'s' if len(model_fields) > 1 else ''}")
     return None
+
+
+def model_config(config) -> glm53.ModelConfig:
+    """The model's config as the entry point will find it, read without any weight: a checkpoint's own
+    (``config.checkpoint``: an HF directory's config.json or a glm53 save's) when one is set, else ``config.model``."""
+    path = config.get("checkpoint", "")
+    if not path:
+        return glm53.ModelConfig.from_config_dict(config.model)
+    if os.path.exists(os.path.join(path, checkpoint.NATIVE_META)):
+        return checkpoint.read_native_config(path)[0]
+    return checkpoint.read_hf_config(path)
 
 
 def check_checkpoint(config, *, reads_checkpoint: bool, name: str = "config") -> None:

@@ -39,7 +39,7 @@ from ml_collections import config_flags
 
 from experiments import cli
 import glm53
-from glm53 import checkpoint, distributed, offload, roofline
+from glm53 import distributed, offload, roofline
 from glm53.engine import check_sampling
 from glm53.provenance import provenance
 
@@ -109,16 +109,6 @@ def build_model(config, expert_weights: str = "model", one_device: bool = False)
                                  expert_weights=expert_weights)
 
 
-def model_config_of(config) -> glm53.ModelConfig:
-    """The model's config as ``build_model`` will find it, read without any weight."""
-    path = config.checkpoint
-    if not path:
-        return glm53.ModelConfig.from_config_dict(config.model)
-    if os.path.exists(os.path.join(path, checkpoint.NATIVE_META)):
-        return checkpoint.read_native_config(path)[0]
-    return checkpoint.read_hf_config(path)
-
-
 def check_run(config, given: dict | None = None) -> None:
     """The run's settings against each other and the model's config, before the model is built (initialising or
     reading its weights takes a while): a mistake is a one-line error naming the flag. ``given``: the overrides the
@@ -137,7 +127,7 @@ def check_run(config, given: dict | None = None) -> None:
                        None if run.accept_override < 0 else run.accept_override, has_mtp=True)
     except ValueError as e:
         raise glm53.ConfigError(f"--config.run: {e}") from None
-    cfg = model_config_of(config)
+    cfg = cli.model_config(config)
     if run.mtp and not cfg.num_nextn_predict_layers:
         raise glm53.ConfigError(f"--config.run.mtp={run.mtp} needs an MTP module, and this model has none "
                                 "(num_nextn_predict_layers=0)")

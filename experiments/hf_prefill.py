@@ -116,6 +116,7 @@ def prefill(torch, model, ids, mode: str, cache_kw: str, chunk: int):
 
 def main(_):
     c = FLAGS.config
+    cli.check_checkpoint(c, reads_checkpoint=False)
     lens = [int(x) for x in FLAGS.prompt_lens] or [int(c.run.prompt_len)]
     bad = sorted(set(FLAGS.modes) - {"whole", "chunked"})
     if bad:

@@ -69,7 +69,8 @@ def main(_):
         n = FLAGS.devices if FLAGS.machine == "custom" else MACHINES[FLAGS.machine][0]
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}")
     c = FLAGS.config
-    cfg = glm53.ModelConfig.from_config_dict(c.model)
+    cli.check_checkpoint(c, reads_checkpoint=True)  # its config: the shapes counted are the checkpoint's
+    cfg = cli.model_config(c)
     cc = glm53.CacheConfig.from_config_dict(c.cache)
     if FLAGS.machine == "custom":
         if FLAGS.devices < 1 or FLAGS.device_gib <= 0 or FLAGS.host_gib <= 0:

@@ -306,7 +306,8 @@ def _saved_session(meta: dict, directory: str) -> dict:
 # Engine
 # ----------------------------------------------------------------------------------------------------------------
 class Engine:
-    """Sessions of one model on one accelerator.
+    """Sessions of one model on its devices: one accelerator, a tensor-parallel mesh, pipeline stages, or those
+    spread over several processes (the model's ``mesh`` / ``pipeline`` decide; the API is the same).
 
     ``Engine(model, cache=CacheConfig(...), max_sessions=8, host_budget_bytes=None, device_budget_bytes=None)``;
     ``sid = open(ids)``, ``append(sid, ids)``, ``generate({sid: n, ...}, mtp=0, ...)``, ``rollback(sid, n)``,

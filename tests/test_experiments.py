@@ -472,6 +472,11 @@ def test_generate_runs_a_checkpoint_and_records_the_model_it_loaded(tmp_path):
     assert "orbax" not in p.stderr + p.stdout and "Model(2 layers" in p.stdout, p.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["config"]["model"]["num_hidden_layers"] == 4 and report["model"]["num_hidden_layers"] == 2
+    # The planner counts the checkpoint's shapes, not the config file's.
+    p = subprocess.run([sys.executable, "-m", "experiments.plan", "--config=configs/tiny.py", "--history=1000",
+                        f"--config.checkpoint={tmp_path / 'ckpt'}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0 and p.stdout.startswith("2 layers + 1 MTP"), p.stderr[-3000:] + p.stdout[:500]
 
 
 def test_random_weight_experiments_refuse_a_checkpoint_they_would_ignore():
