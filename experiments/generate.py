@@ -340,7 +340,7 @@ def main(argv):
     mode = model.cache_config.mode
     print(f"{run.batch} x {run.prompt_len}-token prompts, {run.max_new_tokens} new tokens, cache {mode}/"
           f"{model.cache_config.kv_format} (an untimed warm-up generate with the same shapes ran first: compile is "
-          "not timed)")
+          "not timed; a line below says so if some shape escaped it)")
     if options:
         print(f"the engine's steps compile with {options}")
     result = timed(mode, options)

@@ -132,6 +132,8 @@ class Session:
     mtp_accepted: list = dataclasses.field(default_factory=lambda: [0] * MAX_MTP_DEPTH)
     # offload: the hot cache's counters folded out of the device's int32 ones ([layers, 5] int64, offload.COUNTERS)
     counter_totals: np.ndarray | None = None
+    # offload: the decode and verify steps' share of counter_totals (the rest: the chunk steps of open and append)
+    decode_totals: np.ndarray | None = None
 
     @property
     def pending(self) -> list:
@@ -428,6 +430,7 @@ class Engine:
         self._free_pages = collections.deque(range(self.pool_pages))
         self._refs = np.zeros(self.pool_pages, np.int64)
         self._sessions: dict[int, Session] = {}
+        self._decoding: set = set()  # sessions of the generate running now: their unfolded counts are decode's
         self._next_sid = 0
         self.last_run: RunReport | None = None
 
@@ -689,6 +692,11 @@ class Engine:
             s.counter_totals = np.zeros((self.cache.num_layers, len(offload.COUNTERS)), np.int64)
         return s.counter_totals
 
+    def _decode_totals(self, s: Session) -> np.ndarray:
+        if s.decode_totals is None:
+            s.decode_totals = np.zeros((self.cache.num_layers, len(offload.COUNTERS)), np.int64)
+        return s.decode_totals
+
     def _fold_counters(self, sessions: list) -> None:
         """Move the sessions' device counters (int32, which one session's decode would overflow after ~1M tokens:
         up to index_topk lookups per layer and token) into their int64 host totals, and zero them on the device.
@@ -768,9 +776,11 @@ class Engine:
         shared = s.host_rows // self.page_rows if self.offload else 0  # complete pages in host memory
         self._admit(1, 0 if share_pages else shared, f"fork of session {sid}")
         slot = self._free_slots.pop(0)
+        # Its own counters, from zero as the device's (copy_slot zeroes them): replace() would share the parent's
+        # totals array, and each session's lookups would then be added into both.
         child = dataclasses.replace(s, sid=self._next_sid, slot=slot, tokens=list(s.tokens), pages=[],
                                     sampler=dict(s.sampler), generated=0, mtp_proposed=[0] * MAX_MTP_DEPTH,
-                                    mtp_accepted=[0] * MAX_MTP_DEPTH)
+                                    mtp_accepted=[0] * MAX_MTP_DEPTH, counter_totals=None, decode_totals=None)
         self._next_sid += 1
         self._run("copy_slot", self.cache, jnp.int32(s.slot), jnp.int32(slot))
         if self.offload:
@@ -830,7 +840,10 @@ class Engine:
         one step of D + 1 rows; greedy output is the same as without MTP. ``temperature == 0`` is greedy;
         ``top_p`` the nucleus mass; draws depend only on ``seed`` and the token's position, so a session's
         output does not depend on which sessions decode beside it. ``on_token(sid, i, token)`` is called for every
-        new token (the host reads each step's tokens ``_Run.LAG`` steps later, so the device never waits for it).
+        new token (the host reads each step's tokens ``_Run.LAG`` steps later, so the device never waits for it);
+        an exception it raises ends the call and propagates, and the steps already dispatched are still taken into
+        their sessions: a session may then hold a few tokens ``on_token`` never saw (``tokens(sid)`` has them,
+        ``rollback`` drops them).
         ``stop_tokens`` (default: the model's eos ids) end a session's generation (the stop token is included).
         ``return_logits``: keep every new token's logits, ``self.last_run.logits[sid]`` (float32 ``[n, vocab]``: a
         copy of each step's logits to the host). ``progress``: a tqdm bar over the new tokens.
@@ -865,11 +878,21 @@ class Engine:
                    temperature=float(temperature), top_p=float(top_p), stop=stop, on_token=on_token,
                    return_logits=return_logits, progress=progress, selection_override=selection_override,
                    accept_override=accept_override, trace=trace)
+        # What the chunk steps of open / append counted is folded first, so that the run's own lookups can be told
+        # apart (``stats``: "decode" and "prefill"); a prefill's per-row history reads would otherwise swamp the
+        # decode's hit rate.
+        self._fold_counters(sessions)
+        before = [self._totals(s).copy() for s in sessions] if self.offload else None
+        self._decoding = {s.sid for s in sessions}
         try:
             run.execute()
         finally:
+            self._decoding = set()
             self._settle(sessions)
             self._fold_counters(sessions)
+            if self.offload:
+                for s, b in zip(sessions, before):
+                    self._decode_totals(s)[:] += self._totals(s) - b
             for s in sessions:  # pages reserved for rows that were not generated go back
                 keep = _ceil_div(len(s.tokens), self.page_rows)
                 if self.offload and len(s.pages) > keep and self._release_pages(s, keep):
@@ -1090,15 +1113,23 @@ class Engine:
 
     def stats(self, sid) -> dict:
         """Counters of one session: tokens, MTP acceptance per draft position, and (offload) hits, misses, fills,
-        evictions and the bytes moved between host and device, per layer and in total."""
+        evictions and the bytes moved between host and device, per layer and in total; and the lookups split by
+        what made them: ``"decode"`` (decode and verify steps: the hot cache at work) and ``"prefill"`` (the chunk
+        steps of open and append, which past ``prefill_chunk x index_topk`` rows read each selected history row
+        from host memory as a miss and fill nothing)."""
         s = self._session(sid)
         out = {"tokens": len(s.tokens), "processed": s.processed, "generated": s.generated,
                "mtp_proposed": list(s.mtp_proposed), "mtp_accepted": list(s.mtp_accepted),
                "mtp_acceptance": [a / p if p else None for a, p in zip(s.mtp_accepted, s.mtp_proposed)]}
         if self.offload:
             counters = np.asarray(self.cache.counters).astype(np.int64)  # [L, S, 5]: since the last fold
+            unfolded = counters[:, s.slot].copy()
             counters[:, s.slot] += self._totals(s)
             out.update(offload.slot_stats(self.cache, s.slot, counters=counters))
+            decode = self._decode_totals(s) + (unfolded if s.sid in self._decoding else 0)
+            row_bytes = self.cache.fmt.bytes_per_row
+            out["decode"] = offload.lookup_stats(decode, row_bytes)
+            out["prefill"] = offload.lookup_stats(counters[:, s.slot] - decode, row_bytes)
             out["host_rows"] = s.host_rows
             unassigned = int(np.asarray(self.cache.unassigned)[s.slot])
             if unassigned:

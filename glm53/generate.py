@@ -109,8 +109,8 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     lens = [len(t) for t in toks]
     # positions a run can write: the prompt, the new tokens, and the drafts of the last MTP step
     total = max(lens) + max_new_tokens + mtp
-    model.check_length(max(lens) + max_new_tokens, f"prompt ({max(lens)} tokens) + max_new_tokens "
-                                                     f"({max_new_tokens})")
+    model.check_length(total, f"prompt ({max(lens)} tokens) + max_new_tokens ({max_new_tokens})"
+                       + (f" + the last MTP step's {mtp} drafts" if mtp else ""))
     if cache_config.max_len and cache_config.max_len < total:
         raise ValueError(f"cache.max_len={cache_config.max_len} rows cannot hold the {total} positions this run "
                          f"needs (longest prompt {max(lens)} + {max_new_tokens} new tokens + MTP depth {mtp}); "

@@ -811,6 +811,16 @@ def init_offload(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, p
 # ----------------------------------------------------------------------------------------------------------------
 # Stats
 # ----------------------------------------------------------------------------------------------------------------
+def lookup_stats(counters, row_bytes: int) -> dict:
+    """Totals of one session's lookup counters ``[L, C]`` (``COUNTERS``): hits, misses, ring reads, fills,
+    evictions, the hit rate (None without lookups) and the bytes the misses read from host memory."""
+    c = np.asarray(counters, np.int64)
+    hits, misses = int(c[:, 0].sum()), int(c[:, 1].sum())
+    return {"hits": hits, "misses": misses, "ring_reads": int(c[:, 2].sum()), "fills": int(c[:, 3].sum()),
+            "evictions": int(c[:, 4].sum()), "hit_rate": hits / (hits + misses) if hits + misses else None,
+            "bytes_from_host": misses * row_bytes}
+
+
 def slot_stats(cache: OffloadCache, slot: int, counters=None, bulk=None, copybacks=None) -> dict:
     """Per-layer counters of one slot and the bytes moved, as plain Python numbers. Arrays already fetched to the
     host can be passed in (``counters [L, S, C]``, ``bulk`` = ``bulk_pages [L, S]`` etc.) to avoid another device

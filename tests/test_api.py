@@ -238,6 +238,10 @@ def test_prompt_errors(model):
         glm53.generate(model, [[1.5, 2.0]], max_new_tokens=2)
     with pytest.raises(ValueError, match="max_position_embeddings=64"):
         glm53.generate(model, [P1], max_new_tokens=64 - len(P1) + 1)
+    # fits without MTP; with it the last verify step writes its drafts past position 63, refused before the prefill
+    with pytest.raises(ValueError, match=r"\+ the last MTP step's 2 drafts needs 66 positions but the model has "
+                                         "max_position_embeddings=64"):
+        glm53.generate(model, [P1], max_new_tokens=64 - len(P1), mtp=2)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model.forward(list(range(65)))
     for n in (0, -3):

@@ -215,12 +215,54 @@ def test_fork_shares_host_pages_and_close_frees_them(model):
     e.generate({c: 5})
     e.close(c)
     assert e.memory_report()["host"]["used_pages"] == 0
+    # Each session counts its own lookups: a fork starts from zero, and neither's decode shows in the other's.
+    def looked_up(sid):
+        st = e.stats(sid)
+        return st["hits"] + st["misses"]
+    p = e.open(ids(150, seed=7))
+    e.generate({p: 4})
+    before = e.stats(p)
+    c = e.fork(p)
+    assert looked_up(c) == 0
+    e.generate({c: 5})
+    after = e.stats(p)
+    assert (after["hits"], after["misses"], after["fills"]) == (before["hits"], before["misses"], before["fills"])
+    child, parent = looked_up(c), looked_up(p)
+    e.generate({p: 5, c: 5})
+    # together: each gains its own lookups (the child, 5 tokens longer, selects at least as many rows a step)
+    assert looked_up(c) - child >= looked_up(p) - parent > 0
+    e.close(p)
+    e.close(c)
     # share_pages=False: the child gets copies of the parent's pages, and decodes the same
     p = e.open(ids(150, seed=7))
     c = e.fork(p, share_pages=False)
     rep = e.memory_report()
     assert rep["sessions"][c]["shared_pages"] == 0 and rep["host"]["used_pages"] == 10 + 9
     assert e.generate({p: 6, c: 6}) == {p: e.tokens(p)[-6:], c: e.tokens(p)[-6:]}
+
+
+def test_stats_tell_the_decode_lookups_from_the_prefill_ones(model):
+    """Past prefill_chunk x index_topk rows (128 here) a chunk step reads each selected history row from host
+    memory, counted as a miss that fills nothing: ``stats`` gives those ("prefill") apart from the decode steps'
+    ("decode"), which together make the totals, also when read inside a generate."""
+    e = engine(model, "offload")
+    s = e.open(ids(200, seed=9))
+
+    def lookups(part):
+        return part["hits"] + part["misses"]
+    opened = e.stats(s)
+    assert lookups(opened["decode"]) == 0
+    assert opened["prefill"]["misses"] == opened["misses"] > 0 and opened["prefill"]["fills"] == 0
+    during = []
+    e.generate({s: 6}, on_token=lambda sid, i, t: during.append(lookups(e.stats(sid)["decode"])))
+    after = e.stats(s)
+    assert after["prefill"] == opened["prefill"]
+    assert lookups(after["decode"]) > 0 and during == sorted(during) and during[-1] <= lookups(after["decode"])
+    for name in ("hits", "misses", "ring_reads", "fills", "evictions", "bytes_from_host"):
+        assert after["decode"][name] + after["prefill"][name] == after[name]
+    e.append(s, ids(40, seed=10))
+    appended = e.stats(s)
+    assert appended["decode"] == after["decode"] and lookups(appended["prefill"]) > lookups(after["prefill"])
 
 
 # -------------------------------------------------------------------------------------------------------------
