@@ -849,9 +849,8 @@ class Engine:
         copy of each step's logits to the host). ``progress``: a tqdm bar over the new tokens.
         Benchmarks only: ``selection_override(step, positions [B]) -> [B, K]`` replaces the DSA selection
         (positions may lag the steps in flight under MTP): host arrays are checked (range, no position past its
-        query, distinct rows), a
-        ``jax.Array`` goes into the step as it is (shape and dtype checked; no host work, no sync: what
-        ``experiments.workloads`` returns); ``accept_override`` accepts that many drafts per step
+        query, distinct rows), a ``jax.Array`` goes into the step as it is (shape and dtype checked; no host work,
+        no sync: what ``experiments.workloads`` returns); ``accept_override`` accepts that many drafts per step
         whatever they are. ``trace``: a ``glm53.trace.TraceRecorder`` that records every position the steps look
         up in the hot cache, for offline policy replays (``glm53.policies``; offload engines only)."""
         reqs = self._check_generate(requests, mtp, temperature, top_p, seed, accept_override)
