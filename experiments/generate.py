@@ -29,12 +29,11 @@ engine's pinned host pool segfaults under the VMM allocator, probes/sessions_ab_
 
 import json
 import os
-import sys
 import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from experiments import cli
@@ -181,9 +180,6 @@ def host_pace(result: glm53.GenerateResult) -> dict:
 def compare_one_device(config, model, prompts, kw: dict, capacity: int, tokens: int) -> dict:
     """``tokens`` new tokens per prompt on the model's mesh and on one device (the same weights, built again without
     the mesh), untimed, logits returned: what a layout changes in the outputs."""
-    if jax.process_count() > 1:
-        raise app.UsageError("--compare_one_device runs in one process (the one-device model is another process's "
-                             "copy in each)")
     mc = glm53.MeshConfig.from_config_dict(config.get("mesh"))
     cache = model.cache_config.replace(max_len=max(capacity, max(map(len, prompts)) + tokens + kw["mtp"]))
     on_mesh = glm53.generate(model, prompts, max_new_tokens=tokens, cache=cache, return_logits=True, **kw)
@@ -281,17 +277,27 @@ def main(argv):
     distributed.initialize()
     config = _CONFIG.value
     run = config.run
+    # Every mistake below ends the run with one line before the model is built (distributed.fail: at once, in a
+    # run of several processes, so the launcher can stop the others).
     if _COMPARE_ONE_DEVICE.value and glm53.sharding.MeshConfig.from_config_dict(config.get("mesh")).devices == 1:
-        # before the model is built, not after it (or after the runs)
-        raise app.UsageError("--compare_one_device compares a mesh layout with one device: set config.mesh")
+        distributed.fail("experiments.generate: --compare_one_device compares a mesh layout with one device: set "
+                         "config.mesh")
+    if _COMPARE_ONE_DEVICE.value and jax.process_count() > 1:
+        distributed.fail("experiments.generate: --compare_one_device runs in one process (the one-device model is "
+                         "another process's copy in each)")
     try:
         check_run(config, cli.overrides())
         options = parse_options(_COMPILER_OPTIONS.value)
         baseline_options = (None if _BASELINE_COMPILER_OPTIONS.value is None
                             else parse_options([o for o in _BASELINE_COMPILER_OPTIONS.value if o]))
+        if baseline_options is not None and baseline_options == options:
+            raise glm53.ConfigError("--baseline_compiler_options equal --compiler_options: nothing to compare")
     except (glm53.ConfigError, ValueError) as e:
-        sys.exit(f"experiments.generate: {e}")
-    model = build_model(config, _EXPERT_WEIGHTS.value)
+        distributed.fail(f"experiments.generate: {e}")
+    try:
+        model = build_model(config, _EXPERT_WEIGHTS.value)
+    except (glm53.ConfigError, glm53.CheckpointError) as e:  # a mesh the model or the devices cannot take, a
+        distributed.fail(f"experiments.generate: {e}")       # checkpoint that cannot load
     print(model)
     rng = np.random.default_rng(run.seed)
     prompts = [rng.integers(0, model.config.vocab_size, run.prompt_len).tolist() for _ in range(run.batch)]
@@ -313,8 +319,6 @@ def main(argv):
     routing_cache = []
 
     compare_options = baseline_options is not None
-    if compare_options and baseline_options == options:
-        raise app.UsageError("--baseline_compiler_options equal --compiler_options: nothing to compare")
 
     def timed(mode, step_options, label=None):
         cache = model.cache_config.replace(mode=mode, max_len=capacity)
@@ -405,7 +409,7 @@ def main(argv):
             out_roofline["resident_baseline"] = rooflines.get("resident")
     if run.output_json and distributed.is_writer():
         report = {"config": config.to_dict(), "model": model.config.to_hf(), "expert_weights": model.expert_weights,
-                  "figures": out,
+                  "processes": jax.process_count(), "figures": out,
                   "tokens": result.tokens,
                   **({"roofline": out_roofline} if bandwidth is not None else {}),
                   "cache_stats": jax.tree_util.tree_map(lambda x: np.asarray(x).tolist(), result.cache_stats),

@@ -2,12 +2,14 @@
 (``glm53.distributed``), here on localhost, each process with its own CPU (or GPU) devices.
 
     python -m experiments.launch --processes=2 --devices_per_process=8 -- \\
-        python -m experiments.generate --config=configs/tiny.py --config.mesh.tp=16 --noroofline
+        python -m experiments.generate --config=configs/tiny.py --config.model.num_attention_heads=16 \
+        --config.mesh.tp=16 --noroofline
 
 Every process gets ``GLM53_COORDINATOR`` (localhost and a free port), ``GLM53_NUM_PROCESSES`` and
 ``GLM53_PROCESS_ID``, and on CPUs ``XLA_FLAGS=--xla_force_host_platform_device_count=<devices_per_process>``;
 the entry point calls ``glm53.distributed.initialize()`` first. Output lines are prefixed with ``[p<i>]``; the
-launcher fails (exit status 1) if any process does, and stops the others after ``--timeout`` seconds.
+launcher fails (exit status 1) if any process does, stopping the others then (a process that joined them exits at
+once when it fails: ``glm53.distributed.fail``), and stops them all after ``--timeout`` seconds.
 On several real hosts, start the entry point once per host with the same three variables instead.
 """
 

@@ -5,6 +5,7 @@
 """
 
 import glob
+import logging
 import os
 
 import nbformat
@@ -14,6 +15,9 @@ from nbclient import NotebookClient
 from experiments import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# nbclient logs each notebook it starts at INFO (traitlets' logger, printed by absl's handler): "executed ..." below
+# says it once
+logging.getLogger("traitlets").setLevel(logging.WARNING)
 
 _TIMEOUT = flags.DEFINE_integer("cell_timeout_s", 600, "seconds a notebook cell may run")
 

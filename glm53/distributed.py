@@ -16,6 +16,9 @@ others wait for it and learn whether it succeeded; every process reads a save to
 from __future__ import annotations
 
 import os
+import sys
+import traceback
+from typing import NoReturn
 
 import jax
 
@@ -50,7 +53,33 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         # collectives); harmless where an accelerator backend is used.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    global _joined
+    _joined = True
+    sys.excepthook = _exit_at_once
     return True
+
+
+# Whether this process joined others (``initialize``). Such a process that fails must end at once: JAX's exit
+# handler would first wait at jax.distributed's shutdown barrier for its peers, which are themselves waiting for it
+# in a collective or at start-up, until the coordination service times out (30 s to minutes), and a launcher that
+# stops the others when one fails (experiments.launch) would see no exit meanwhile.
+_joined = False
+
+
+def _exit_at_once(kind, value, tb) -> None:
+    traceback.print_exception(kind, value, tb)
+    fail(f"process {jax.process_index()} of {jax.process_count()} failed ({kind.__name__}): exiting without waiting "
+         "for the others")
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """End this process with ``message`` on stderr and exit status ``code``; after ``initialize`` joined other
+    processes, at once (``os._exit``: no exit handlers, so no wait at the shutdown barrier)."""
+    print(message, file=sys.stderr, flush=True)
+    if _joined:
+        sys.stdout.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def is_writer() -> bool:

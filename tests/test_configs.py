@@ -124,3 +124,4 @@ def test_generate_entry_point_on_a_tensor_parallel_mesh(tmp_path):
     assert p.returncode != 0 and "set config.mesh" in p.stderr
     p = _run_generate("--config.mesh.stages=8")  # tiny has 4 layers
     assert p.returncode != 0 and "mesh.stages=8 is more than the model's 4 layers" in p.stderr
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]  # one line, as the other settings

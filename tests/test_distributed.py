@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -39,7 +40,7 @@ def test_two_processes_of_eight_devices_match_one_device(tmp_path):
     a, b = json.loads(one.read_text()), json.loads(two.read_text())
     assert b["tokens"] == a["tokens"]
     assert b["figures"]["comparison"]["tokens_identical"] and b["figures"]["comparison"]["logits_bit_identical"]
-    assert b["config"]["mesh"]["tp"] == 16
+    assert b["config"]["mesh"]["tp"] == 16 and (a["processes"], b["processes"]) == (1, 2)
 
 
 @pytest.mark.parametrize("mode", ["offload"])
@@ -149,6 +150,31 @@ def test_launch_fails_when_a_process_fails(tmp_path):
                         sys.executable, "-c", "import os, sys; sys.exit(int(os.environ['GLM53_PROCESS_ID']) * 3)"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and "exit codes [0, 3]" in p.stdout
+
+
+FAILS_AFTER_JOINING = """
+import os, sys
+sys.path.insert(0, os.getcwd())
+from glm53 import distributed
+distributed.initialize()
+if os.environ["GLM53_PROCESS_ID"] == "1":
+    raise RuntimeError("process 1 gives up")
+import jax
+jax.devices()  # process 0 waits here for process 1's devices, which never come
+"""
+
+
+def test_a_process_that_fails_after_joining_ends_at_once(tmp_path):
+    """A process that joined the others and fails exits at once (not at jax.distributed's shutdown barrier, where
+    it waited for its peers until the coordination service timed out, minutes), so the launcher stops the rest."""
+    t = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "experiments.launch", "--processes=2", "--devices_per_process=1", "--",
+                        sys.executable, "-c", FAILS_AFTER_JOINING], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    waited = time.monotonic() - t
+    assert p.returncode == 1 and "exit codes [-9, 1]" in p.stdout, p.stdout[-3000:]
+    assert "[p1] RuntimeError: process 1 gives up" in p.stdout and "process 1 of 2 failed" in p.stdout
+    assert waited < 60, waited  # the coordination service's own timeouts are 2 minutes and more
 
 
 def test_initialize_needs_all_three_settings(monkeypatch):

@@ -501,6 +501,7 @@ def test_generate_roofline(tmp_path):
          "--config.run.compare_resident=True", f"--config.run.output_json={out}", "--bandwidth_mib=8")
     report = json.loads(out.read_text())
     assert report["model"]["num_hidden_layers"] == 2  # the model that ran, as _run's flags built it
+    assert report["processes"] == 1
     roof = report["roofline"]
     bw = roof["bandwidth"]
     assert bw["bandwidth_Bps"] > 0 and bw["array_bytes"] == 8 << 20
