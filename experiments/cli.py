@@ -17,6 +17,7 @@ from ml_collections import config_flags
 
 import glm53
 from glm53 import checkpoint
+from glm53.provenance import module_name
 
 
 def run(main) -> None:
@@ -49,12 +50,6 @@ def unknown_field_message(error: BaseException, argv: list) -> str:
 def overrides(name: str = "config") -> dict:
     """``{"cache.hot_rows": 4096, ...}``: the config fields the command line set (``--config.cache.hot_rows=4096``)."""
     return dict(config_flags.get_override_values(flags.FLAGS[name]))
-
-
-def program() -> str:
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    return spec.name if spec is not None else sys.argv[0]
 
 
 def checkpoint_problem(config, given: dict, *, reads_checkpoint: bool) -> str | None:
@@ -91,4 +86,4 @@ def check_checkpoint(config, *, reads_checkpoint: bool, name: str = "config") ->
     """``checkpoint_problem`` for this process's command line: a one-line exit naming the flag."""
     problem = checkpoint_problem(config, overrides(name), reads_checkpoint=reads_checkpoint)
     if problem:
-        sys.exit(f"{program()}: {problem}")
+        sys.exit(f"{module_name()}: {problem}")

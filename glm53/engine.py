@@ -687,15 +687,11 @@ class Engine:
         dev = np.asarray(self.cache.counters).astype(np.int64)  # [L, S, 5]
         return np.stack([dev[:, s.slot] + self._totals(s) for s in sessions])
 
-    def _totals(self, s: Session) -> np.ndarray:
-        if s.counter_totals is None:
-            s.counter_totals = np.zeros((self.cache.num_layers, len(offload.COUNTERS)), np.int64)
-        return s.counter_totals
-
-    def _decode_totals(self, s: Session) -> np.ndarray:
-        if s.decode_totals is None:
-            s.decode_totals = np.zeros((self.cache.num_layers, len(offload.COUNTERS)), np.int64)
-        return s.decode_totals
+    def _totals(self, s: Session, part: str = "counter_totals") -> np.ndarray:
+        """The session's int64 counters ``[layers, 5]``: all of them, or ``part="decode_totals"``: the decode's."""
+        if getattr(s, part) is None:
+            setattr(s, part, np.zeros((self.cache.num_layers, len(offload.COUNTERS)), np.int64))
+        return getattr(s, part)
 
     def _fold_counters(self, sessions: list) -> None:
         """Move the sessions' device counters (int32, which one session's decode would overflow after ~1M tokens:
@@ -891,7 +887,7 @@ class Engine:
             self._fold_counters(sessions)
             if self.offload:
                 for s, b in zip(sessions, before):
-                    self._decode_totals(s)[:] += self._totals(s) - b
+                    self._totals(s, "decode_totals")[:] += self._totals(s) - b
             for s in sessions:  # pages reserved for rows that were not generated go back
                 keep = _ceil_div(len(s.tokens), self.page_rows)
                 if self.offload and len(s.pages) > keep and self._release_pages(s, keep):
@@ -1125,7 +1121,7 @@ class Engine:
             unfolded = counters[:, s.slot].copy()
             counters[:, s.slot] += self._totals(s)
             out.update(offload.slot_stats(self.cache, s.slot, counters=counters))
-            decode = self._decode_totals(s) + (unfolded if s.sid in self._decoding else 0)
+            decode = self._totals(s, "decode_totals") + (unfolded if s.sid in self._decoding else 0)
             row_bytes = self.cache.fmt.bytes_per_row
             out["decode"] = offload.lookup_stats(decode, row_bytes)
             out["prefill"] = offload.lookup_stats(counters[:, s.slot] - decode, row_bytes)

@@ -836,12 +836,8 @@ def slot_stats(cache: OffloadCache, slot: int, counters=None, bulk=None, copybac
     per["hit_rate"] = [float(h / n) if n else None for h, n in zip(c[:, 0], lookups)]
     per["bulk_pages"] = bulk_pages.tolist()
     per["bulk_rows"] = bulk.tolist()
-    total = int(lookups.sum())
+    totals = lookup_stats(c, row_bytes)
     return {
-        "per_layer": per,
-        "hit_rate": float(c[:, 0].sum() / total) if total else None,
-        "hits": int(c[:, 0].sum()), "misses": int(c[:, 1].sum()), "ring_reads": int(c[:, 2].sum()),
-        "fills": int(c[:, 3].sum()), "evictions": int(c[:, 4].sum()),
-        "bytes_from_host": int(c[:, 1].sum() * row_bytes), "bulk_bytes_from_host": int(bulk.sum() * row_bytes),
+        "per_layer": per, "hit_rate": totals["hit_rate"], **totals, "bulk_bytes_from_host": int(bulk.sum() * row_bytes),
         "copybacks": pages, "bytes_to_host": int(pages * cache.page_rows * cache.num_layers * row_bytes),
     }

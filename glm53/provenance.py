@@ -34,12 +34,13 @@ def run_environment() -> dict:
 
 
 def provenance() -> dict:
-    return {"git": git_revision(), "command": "python -m " + " ".join([_module_name()] + sys.argv[1:]),
+    return {"git": git_revision(), "command": "python -m " + " ".join([module_name()] + sys.argv[1:]),
             "environment": run_environment(), "jax": jax.__version__, "backend": jax.default_backend(),
             "device_kind": jax.devices()[0].device_kind}
 
 
-def _module_name() -> str:
+def module_name() -> str:
+    """The running entry point as ``python -m`` names it (``experiments.generate``), else the script's path."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     return spec.name if spec is not None else sys.argv[0]
