@@ -351,6 +351,13 @@ class Engine:
         self.mesh = getattr(model, "mesh", None)
         self.pipeline = getattr(model, "pipeline", None)
         self.compiler_options = check_compiler_options(compiler_options, pipeline=self.pipeline is not None)
+        groups = self.pipeline.microbatches if self.pipeline is not None else 1
+        if self.max_sessions > 1 and self.max_sessions % groups:
+            # The full bucket (max_sessions lanes) is where micro-batches pay; splitting it unevenly would compile
+            # two group shapes, and falling back to whole batches would run something else than was asked for.
+            # (One session cannot split: a single-session engine runs whole batches under any setting.)
+            raise ConfigError(f"mesh.microbatches={groups} must divide max_sessions={self.max_sessions}: a decode "
+                              f"step of {self.max_sessions} sessions splits into {groups} equal groups")
         if self.offload:
             offload.validate(self.cfg, cc)
         rows = cc.max_len or self.cfg.max_position_embeddings

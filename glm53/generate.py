@@ -116,7 +116,11 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
                          f"needs (longest prompt {max(lens)} + {max_new_tokens} new tokens + MTP depth {mtp}); "
                          "raise cache.max_len or shorten the run")
     cc = cache_config.replace(max_len=cache_config.max_len or min(total, model.config.max_position_embeddings))
-    engine = Engine(model, cc, max_sessions=len(toks), kernels=kernels, compiler_options=compiler_options)
+    # Pipeline micro-batches split the sessions into equal groups (Engine checks they divide its lanes): a lane
+    # short of a multiple stays empty (one more slot of cache, never written).
+    groups = getattr(getattr(model, "pipeline", None), "microbatches", 1)
+    lanes = len(toks) if len(toks) == 1 else -(-len(toks) // groups) * groups
+    engine = Engine(model, cc, max_sessions=lanes, kernels=kernels, compiler_options=compiler_options)
 
     # The prefill's clock runs until its steps have run, not until they are queued: ``open`` returns once they
     # are dispatched, and the rest of the prefill would otherwise land in whatever reads the device next (the

@@ -41,6 +41,7 @@ every process (every engine records, as every engine makes the same calls).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import flax.struct
@@ -703,8 +704,9 @@ class PipelineSteps:
     def _decode(self, params, cache, lanes, tokens, remaining, seed, temperature, top_p, stop_ids, selection=None,
                 *, greedy, kernels, copy_pages, trace=False):
         B = int(lanes.slot.shape[0])
-        # Traced steps run whole (a trace's rows are every lane of one step).
-        M = self.pipeline.microbatches if B % self.pipeline.microbatches == 0 and not trace else 1
+        # Traced steps run whole (a trace's rows are every lane of one step). A bucket of fewer lanes than the
+        # engine's largest (which micro-batches divide: Engine checks) splits into as many equal groups as it can.
+        M = 1 if trace else math.gcd(self.pipeline.microbatches, B)
         parts, outs = list(cache.parts), []
         # Micro-batches over the lanes, issued in order: JAX dispatches asynchronously, so stage s runs micro-batch
         # m + 1 while stage s + 1 runs m. Lanes are independent sessions (every cache update is per slot), but a

@@ -90,8 +90,9 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """``stages x tp`` devices. ``MeshConfig()`` is one device: no mesh at all. ``microbatches``: with stages,
-    how many groups of sessions a decode step splits into so stages work at once (``glm53.pipeline``; 1 keeps
-    every program's batch whole, which is what makes stages bit-identical to one device)."""
+    how many equal groups of sessions a decode step splits into so stages work at once (``glm53.pipeline``; it must
+    divide an engine's ``max_sessions``; 1 keeps every program's batch whole, which is what makes stages
+    bit-identical to one device)."""
 
     stages: int = 1
     tp: int = 1

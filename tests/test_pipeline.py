@@ -119,11 +119,14 @@ def test_stages_of_tensor_parallel_devices_match_one_device():
 
 @pytest.mark.devices(2)
 def test_microbatched_decode_matches_one_device(one_device):
-    """Four sessions on 2 stages decode as two micro-batches of two: the same tokens; logits within 1e-5 (programs
-    of two lanes instead of four: XLA may round a matmul of another shape differently)."""
-    ps = prompts([37, 22, 30, 12])
+    """Three sessions on 2 stages decode as two micro-batches of two (generate's engine rounds its lanes up to a
+    multiple of the groups): the same tokens; logits within 1e-5 (programs of two lanes instead of four: XLA may
+    round a matmul of another shape differently). An engine whose sessions the groups do not divide is refused."""
+    ps = prompts([37, 22, 30])
     base = glm53.generate(one_device, ps, max_new_tokens=7, return_logits=True)
     m = model(MESH_CFG, stages=2, microbatches=2)
+    with pytest.raises(ConfigError, match="mesh.microbatches=2 must divide max_sessions=3"):
+        glm53.Engine(m, CC, max_sessions=3)
     run = glm53.generate(m, ps, max_new_tokens=7, return_logits=True, keep_cache=True)
     assert run.tokens == base.tokens
     assert close(run.logits, base.logits) < 1e-5
