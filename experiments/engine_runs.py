@@ -11,8 +11,9 @@ def run(e: glm53.Engine, sids: list, n: int, depth: int, accept, selection, logi
     acceptance or None, ``selection`` the workload's override or None), then every session rolled back to where it
     was, so the next run starts from the same state. Returns the tokens, the run report and, offloaded, hit rates."""
     before = {s: e.stats(s) for s in sids}
+    # progress=False: a bar's terminal writes would land between the timed step calls
     out = e.generate({s: n for s in sids}, mtp=depth, accept_override=accept, selection_override=selection,
-                     return_logits=logits)
+                     return_logits=logits, progress=False)
     r = e.last_run
     res = {"tokens": [out[s] for s in sids], "report": r}
     if e.offload:

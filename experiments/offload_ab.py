@@ -44,7 +44,7 @@ flags.DEFINE_list("workloads", ["indexer", "local99"],
 def run_once(model, prompts, cc, new_tokens, selections: workloads.Selections, seed, run_cfg):
     return glm53.generate(model, prompts, max_new_tokens=new_tokens, cache=cc, return_logits=True, mtp=run_cfg.mtp,
                           accept_override=None if run_cfg.accept_override < 0 else run_cfg.accept_override,
-                          selection_override=selections(seed))
+                          selection_override=selections(seed), progress=False)  # timed: no terminal writes
 
 
 def floor_pct(pairs: list, row_bytes: int, host_bw: dict | None) -> float | None:

@@ -229,7 +229,7 @@ def main(_):
         def run(keep_cache=False):
             override = workloads.selection(FLAGS.workload, K, c.run.prompt_len, c.run.seed)
             return glm53.generate(model, prompts, max_new_tokens=new, cache=mc, selection_override=override,
-                                  keep_cache=keep_cache)
+                                  keep_cache=keep_cache, progress=False)  # profiled: no terminal writes
 
         warm = run(keep_cache=True)  # compile every shape
         # The decode step's HLO, from arguments shaped like a decode call's (generate below runs greedy).

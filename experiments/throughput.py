@@ -197,7 +197,8 @@ def _selections(K: int, history: int, n: int) -> workloads.Selections:
 
 
 def gen_kw(mtp: int) -> dict:
-    return {"mtp": mtp, "accept_override": mtp if mtp else None}
+    # progress=False: a bar's terminal writes would land between the timed step calls
+    return {"mtp": mtp, "accept_override": mtp if mtp else None, "progress": False}
 
 
 def decode(e: glm53.Engine, sids: list, n: int, sel, mtp: int) -> dict:

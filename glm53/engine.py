@@ -35,13 +35,7 @@ from typing import Callable, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-try:  # notebook progress bars need ipywidgets; without it tqdm.auto warns at import: plain text bars then
-    import ipywidgets  # noqa: F401
-    from tqdm.auto import tqdm
-except ImportError:
-    from tqdm import tqdm
-
-from glm53 import memory, offload, session_io
+from glm53 import memory, offload, progress as progress_lib, session_io
 from glm53 import steps as steps_lib
 from glm53.cache import Lanes, capacity_for, init_resident
 from glm53.config import CacheConfig, ConfigError
@@ -632,7 +626,7 @@ class Engine:
         active[: len(slots)] = True
         return Lanes(slot=self._put(slot), active=self._put(active)), bucket
 
-    def _chunk_steps(self, s: Session, ids: list, *, outputs: str | None = None, progress: bool = False):
+    def _chunk_steps(self, s: Session, ids: list, *, outputs: str | None = None, progress: bool | None = None):
         """Process ``ids`` (the session's unprocessed tokens) in chunk steps; returns the chunks' outputs."""
         n = len(ids)
         C = min(self.chunk, _next_pow2(n))
@@ -641,8 +635,8 @@ class Engine:
         outs = []
         n_chunks = _ceil_div(n, C)
         try:
-            for i in tqdm(range(n_chunks), desc="prefill", unit="chunk", disable=not progress or n_chunks < 2,
-                          leave=False):
+            for i in progress_lib.bar(range(n_chunks), progress=progress, desc="prefill", unit="chunk",
+                                      disable=n_chunks < 2, leave=False):
                 part = ids[i * C:(i + 1) * C]
                 toks = np.zeros((1, C), np.int32)
                 toks[0, : len(part)] = part
@@ -725,8 +719,9 @@ class Engine:
     # ------------------------------------------------------------------------------------------------------------
     # public API: lifecycle
     # ------------------------------------------------------------------------------------------------------------
-    def open(self, prompt, *, progress: bool = False) -> int:
-        """A new session holding ``prompt`` (processed now: prefill). Returns its id."""
+    def open(self, prompt, *, progress: bool | None = None) -> int:
+        """A new session holding ``prompt`` (processed now: prefill). Returns its id. ``progress``: a bar over the
+        prefill's chunks (True: at once; None: once it has run 2 s, ``glm53.progress``; False: none)."""
         ids = self._ids(prompt, "prompt")
         self._check_rows(len(ids), f"a prompt of {len(ids)} tokens")
         self._admit(1, self._pages_needed(None, len(ids)), f"open (a prompt of {len(ids)} tokens)")
@@ -754,8 +749,9 @@ class Engine:
         self._free_slots.append(s.slot)
         self._free_slots.sort()
 
-    def append(self, sid, token_ids, *, progress: bool = False) -> None:
-        """Add ``token_ids`` to the session's history and process them (and a pending generated token) now."""
+    def append(self, sid, token_ids, *, progress: bool | None = None) -> None:
+        """Add ``token_ids`` to the session's history and process them (and a pending generated token) now
+        (``progress`` as in ``open``)."""
         s = self._session(sid)
         ids = self._ids(token_ids, "token_ids")
         rows = len(s.tokens) + len(ids)
@@ -832,7 +828,7 @@ class Engine:
     # ------------------------------------------------------------------------------------------------------------
     def generate(self, requests: Mapping[int, int], *, mtp: int = 0, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, on_token: Callable[[int, int, int], None] | None = None,
-                 stop_tokens=None, return_logits: bool = False, progress: bool = False,
+                 stop_tokens=None, return_logits: bool = False, progress: bool | None = None,
                  selection_override: Callable[[int, np.ndarray], np.ndarray] | None = None,
                  accept_override: int | None = None, trace=None) -> dict[int, list[int]]:
         """Generate ``requests[sid]`` new tokens for each session, all of them decoding together in one jitted
@@ -849,7 +845,8 @@ class Engine:
         ``rollback`` drops them).
         ``stop_tokens`` (default: the model's eos ids) end a session's generation (the stop token is included).
         ``return_logits``: keep every new token's logits, ``self.last_run.logits[sid]`` (float32 ``[n, vocab]``: a
-        copy of each step's logits to the host). ``progress``: a tqdm bar over the new tokens.
+        copy of each step's logits to the host). ``progress``: a tqdm bar over the new tokens
+        (True: at once; None: once the decode has run 2 s; False: none).
         Benchmarks only: ``selection_override(step, positions [B]) -> [B, K]`` replaces the DSA selection
         (positions may lag the steps in flight under MTP): host arrays are checked (range, no position past its
         query, distinct rows), a ``jax.Array`` goes into the step as it is (shape and dtype checked; no host work,
@@ -858,6 +855,7 @@ class Engine:
         up in the hot cache, for offline policy replays (``glm53.policies``; offload engines only)."""
         reqs = self._check_generate(requests, mtp, temperature, top_p, seed, accept_override)
         _check_on_token(on_token)
+        progress_lib.check(progress)
         if trace is not None and not self.offload:
             raise ConfigError("trace: record with an offload engine (mode='offload'): the selections are the same "
                               "bit for bit, and only the offload steps classify what they read")
@@ -1142,7 +1140,7 @@ class Engine:
     # ------------------------------------------------------------------------------------------------------------
     # helpers for Model.forward / Model.draft
     # ------------------------------------------------------------------------------------------------------------
-    def forward_outputs(self, ids: list, outputs: str, progress: bool = False) -> tuple[int, list]:
+    def forward_outputs(self, ids: list, outputs: str, progress: bool | None = None) -> tuple[int, list]:
         """Open a session on ``ids`` and return (its id, the chunk steps' outputs)."""
         self._check_rows(len(ids), f"a sequence of {len(ids)} tokens")
         self._admit(1, self._pages_needed(None, len(ids)), "forward")
@@ -1454,8 +1452,9 @@ class _Run:
     def execute(self) -> None:
         e = self.e
         self.t0 = time.perf_counter()
-        if self.progress:
-            self.bar = tqdm(total=int(self.remaining.sum()), desc="decode", unit="tok", leave=False)
+        if self.progress is not False:
+            self.bar = progress_lib.bar(progress=self.progress, total=int(self.remaining.sum()), desc="decode",
+                                        unit="tok", leave=False)
         # No garbage collection while steps are dispatched: a full collection traverses every live container, the
         # sessions' token lists included (millions of entries at long histories), and stalls the host between two
         # step calls; the loop itself makes almost no reference cycles. Step-call spikes of 2-3x the median were

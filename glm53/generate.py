@@ -10,6 +10,7 @@ from typing import Callable, Mapping, Sequence
 import jax
 import numpy as np
 
+from glm53 import progress as progress_lib
 from glm53.config import CacheConfig
 from glm53.engine import Engine, check_sampling, compile_seconds
 
@@ -76,7 +77,7 @@ def _prompt_list(prompts) -> list:
 def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = "resident",
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, return_logits: bool = False,
              on_token: Callable[[int, int, int], None] | None = None, stop_tokens: Sequence[int] | None = None,
-             progress: bool = False, keep_cache: bool = False, mtp: int = 0, accept_override: int | None = None,
+             progress: bool | None = None, keep_cache: bool = False, mtp: int = 0, accept_override: int | None = None,
              kernels: str = "auto", compiler_options: Mapping | None = None,
              selection_override: Callable[[int, np.ndarray], np.ndarray] | None = None) -> GenerateResult:
     """Decode ``max_new_tokens`` tokens after each prompt.
@@ -86,7 +87,8 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     ``mtp``: MTP speculative decoding depth (0-3). ``on_token(prompt_index, step, token_id)`` is called for every
     generated token. ``stop_tokens`` defaults to the model's eos ids; a session stops at the first one (included).
     ``keep_cache=True`` keeps the engine (``result.engine``) with the sessions open. ``compiler_options``: XLA options
-    for the engine's steps (``Engine``).
+    for the engine's steps (``Engine``). ``progress``: bars over the prefills and the decode (True: at once; the
+    default None: once a part has run 2 s, ``glm53.progress``; False: none).
 
     Benchmarks only: ``selection_override(step, positions) -> [B, K]`` replaces the DSA selection of decode steps
     (the indexer still runs, so the cost of a step is unchanged; a ``jax.Array`` result is used without host
@@ -98,6 +100,7 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     check_sampling(mtp, temperature, top_p, seed, accept_override, has_mtp=bool(model.config.num_nextn_predict_layers))
+    progress_lib.check(progress)
     if isinstance(cache, str):
         cache_config = model.cache_config.replace(mode=cache)
     elif isinstance(cache, CacheConfig):

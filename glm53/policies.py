@@ -394,11 +394,12 @@ def segment_counts(trace) -> np.ndarray:
     return out
 
 
-def sweep(trace, specs, hot_rows_list, *, progress: bool = False) -> list[ReplayResult]:
-    """Every policy in ``specs`` at every size in ``hot_rows_list`` (cold start)."""
-    from tqdm import tqdm
+def sweep(trace, specs, hot_rows_list, *, progress: bool | None = None) -> list[ReplayResult]:
+    """Every policy in ``specs`` at every size in ``hot_rows_list`` (cold start). ``progress``: a bar over the
+    replays (True: at once; None: once they have run 2 s; False: none)."""
+    from glm53 import progress as progress_lib
 
     jobs = [(s, h) for s in specs for h in hot_rows_list]
     for s, _ in jobs:
         make(s, 1, 1)  # bad names fail before any work
-    return [replay(trace, s, h) for s, h in tqdm(jobs, desc="policies", disable=not progress, leave=False)]
+    return [replay(trace, s, h) for s, h in progress_lib.bar(jobs, progress=progress, desc="policies", leave=False)]

@@ -485,6 +485,28 @@ def test_generate_rejects_bad_numbers_up_front(model):
         glm53.generate(model, [P1], max_new_tokens=2, accept_override=2)
 
 
+def test_progress_bars_appear_on_long_work_by_default(model, capsys, monkeypatch):
+    """progress=None (the default) shows the decode's and a long prefill's bars once they have run DELAY_S seconds:
+    none for short work, at once when it is 0; False never; True at once. Anything else is refused up front."""
+    from glm53 import progress
+
+    def bars(**kw):
+        capsys.readouterr()
+        # 24 tokens: two 16-token prefill chunks
+        glm53.generate(model, [P1], max_new_tokens=2, cache=CacheConfig(kv_format="f32", prefill_chunk=16), **kw)
+        err = capsys.readouterr().err
+        return ("prefill" in err, "decode" in err)
+
+    monkeypatch.setattr(progress, "DELAY_S", 3600.0)
+    assert bars() == (False, False)
+    assert bars(progress=True) == (True, True)
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    assert bars() == (True, True)
+    assert bars(progress=False) == (False, False)
+    with pytest.raises(TypeError, match="progress must be True, False or None"):
+        glm53.generate(model, [P1], max_new_tokens=2, progress="yes")
+
+
 def test_compiler_options_are_checked_up_front(model):
     """Engine's compiler_options: XLA's own words for an unknown option or an unparsable value, before any session
     (the check compiles a trivial program, not a step)."""
