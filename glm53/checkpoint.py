@@ -13,11 +13,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from glm53.config import CacheConfig, ConfigError, ModelConfig
 from glm53.params import EXPERT_WEIGHTS, expert_weights_of, param_shapes, quantize_experts, resolve_dtype
-from kernels_pallas.grouped_matmul import dequantize_blocks
+from kernels_pallas.grouped_matmul import SCALE_BLOCK, dequantize_blocks
 from glm53.tokenizer import Tokenizer
 
 NATIVE_META = "glm53.json"
@@ -94,8 +96,10 @@ def hf_to_path(name: str, cfg: ModelConfig) -> tuple[tuple[str, ...], bool] | st
             return "skip"  # copies of the main embedding / LM head, which the MTP module shares
         sub = _layer_path(rest)
         return (("mtp_layer", "block") + sub[0], sub[1]) if sub else None
-    if i >= cfg.num_hidden_layers and cfg.num_nextn_predict_layers == 0:
-        return "skip"  # an MTP layer the config does not ask for (transformers itself ignores these)
+    if i == cfg.num_hidden_layers and cfg.num_nextn_predict_layers == 0:
+        # An MTP layer the config does not ask for (transformers itself ignores these): read_hf checks the
+        # checkpoint's layer is one (it holds MTP-only tensors), not a main layer the config has one too few of.
+        return "skip"
     return None
 
 
@@ -105,11 +109,16 @@ def hf_to_path(name: str, cfg: ModelConfig) -> tuple[tuple[str, ...], bool] | st
 def _weight_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
+    if os.path.exists(index) and os.path.exists(single):
+        # transformers reads the single file here and glm53 would read the shards: a parity check could then compare
+        # two different sets of weights without knowing it.
+        raise CheckpointError(f"{path} holds both model.safetensors and model.safetensors.index.json: one of them is "
+                              "left over from another save; remove it")
     if os.path.exists(index):
         try:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from e
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
@@ -121,10 +130,26 @@ def _weight_files(path: str) -> list[str]:
     raise CheckpointError(f"no weights in {path}: expected model.safetensors or model.safetensors.index.json")
 
 
-# safetensors' numpy and flax readers (0.8) cannot build FP8 arrays ("module 'numpy' has no attribute
-# 'float8_e4m3fn'"), which is how published FP8 checkpoints store their weights: such tensors are read from the file's
-# bytes directly (the format is an 8-byte header length, a JSON header of dtype / shape / offsets, then the data).
-_RAW_DTYPES = {"F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2}
+# Every tensor is read from its file's memory-mapped bytes (the format is an 8-byte header length, a JSON header of
+# dtype / shape / offsets, then the data): safetensors' numpy and flax readers (0.8) cannot build FP8 arrays ("module
+# 'numpy' has no attribute 'float8_e4m3fn'"), which is how published FP8 checkpoints store their weights, and one index
+# over all shards pairs each FP8 weight with its block scale wherever the shards put them.
+_TENSOR_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+                  "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+_FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+_SCALE_SUFFIX = "_scale_inv"
+# Tensors only an MTP layer has: a layer past the main ones holding them is an MTP layer.
+_MTP_ONLY = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+    """Where one tensor's bytes lie."""
+    file: str
+    start: int
+    end: int
+    dtype: str
+    shape: tuple[int, ...]
 
 
 def _safetensors_header(file: str) -> tuple[int, dict]:
@@ -133,12 +158,43 @@ def _safetensors_header(file: str) -> tuple[int, dict]:
         return 8 + n, json.loads(fh.read(n))
 
 
-def _raw_tensor(file: str, data_start: int, info: dict) -> jax.Array:
-    import numpy as np
+def _tensor_index(files: list[str]) -> dict[str, _Stored]:
+    """Every tensor of every file, by name, checked for what can be checked without reading its data."""
+    from safetensors import safe_open
 
-    start, end = info["data_offsets"]
-    data = np.memmap(file, dtype=np.uint8, mode="r", offset=data_start + start, shape=(end - start,))
-    return jnp.asarray(data.view(_RAW_DTYPES[info["dtype"]]).reshape(info["shape"]))
+    index: dict[str, _Stored] = {}
+    for file in files:
+        try:  # safetensors checks the header against the file's size: truncated / corrupt files fail here
+            with safe_open(file, framework="numpy"):
+                pass
+        except Exception as e:  # safetensors raises its own error types
+            raise CheckpointError(f"cannot read {file}: {e}") from e
+        try:
+            data_start, header = _safetensors_header(file)
+        except (OSError, ValueError, struct.error) as e:
+            raise CheckpointError(f"cannot read the header of {file}: {e}") from e
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if name in index:
+                raise CheckpointError(f"tensor {name} appears twice in the checkpoint ({index[name].file} and {file})")
+            if info.get("dtype") not in _TENSOR_DTYPES:
+                raise CheckpointError(f"tensor {name} in {file} is stored as {info.get('dtype')}: weights are floating "
+                                      f"point ({', '.join(_TENSOR_DTYPES)}); is the file corrupted?")
+            a, b = info["data_offsets"]
+            index[name] = _Stored(file, data_start + a, data_start + b, info["dtype"], tuple(info["shape"]))
+    return index
+
+
+def _read(stored: _Stored, name: str) -> jax.Array:
+    dt = _TENSOR_DTYPES[stored.dtype]
+    try:
+        if stored.end == stored.start:
+            return jnp.zeros(stored.shape, dt)
+        data = np.memmap(stored.file, dtype=np.uint8, mode="r", offset=stored.start, shape=(stored.end - stored.start,))
+        return jnp.asarray(data.view(dt).reshape(stored.shape))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read tensor {name} from {stored.file}: {e}") from e
 
 
 def _dequant_fp8_block(w: jax.Array, scale_inv: jax.Array, dtype) -> jax.Array:
@@ -147,51 +203,142 @@ def _dequant_fp8_block(w: jax.Array, scale_inv: jax.Array, dtype) -> jax.Array:
     return dequantize_blocks(w, scale_inv, dtype)
 
 
+def _check_fp8_pair(name: str, weight: _Stored, scale: _Stored | None) -> None:
+    """An FP8 weight needs its block scale, of one value per SCALE_BLOCK x SCALE_BLOCK block: without it the raw e4m3
+    values would load unscaled (wrong by the scale, silently)."""
+    if scale is None:
+        raise CheckpointError(f"tensor {name} is {weight.dtype} (FP8) but the checkpoint has no {name}{_SCALE_SUFFIX} "
+                              f"(its block scales) in any file")
+    if len(weight.shape) != 2:
+        raise CheckpointError(f"tensor {name}: an FP8 weight must be 2-D [out, in], got shape {weight.shape}")
+    want = tuple(-(-d // SCALE_BLOCK) for d in weight.shape)
+    if scale.shape != want:
+        raise CheckpointError(f"tensor {name}{_SCALE_SUFFIX}: shape {scale.shape}, but {name} {weight.shape} in "
+                              f"{SCALE_BLOCK} x {SCALE_BLOCK} blocks needs {want}")
+
+
 def read_hf_config(path: str) -> ModelConfig:
     """The ``ModelConfig`` of an HF-format directory's ``config.json``, read without its weights."""
+    return _model_config(path, _hf_config_dict(path))
+
+
+def _hf_config_dict(path: str) -> dict:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
-        where = "" if os.path.isdir(path) else (" (not a local directory: glm53 reads HF-format checkpoints from disk; "
-                                                "download one first, e.g. huggingface-cli download REPO --local-dir DIR)")
+        if os.path.exists(os.path.join(path, NATIVE_META)):
+            where = " (it is a glm53 checkpoint written by Model.save: load it with glm53.load)"
+        elif not os.path.isdir(path):
+            where = (" (not a local directory: glm53 reads HF-format checkpoints from disk; download one first, e.g. "
+                     "huggingface-cli download REPO --local-dir DIR)")
+        else:
+            where = ""
         raise CheckpointError(f"{path} has no config.json{where}")
     with open(cfg_path) as f:
         try:
             hf_cfg = json.load(f)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
+    if not isinstance(hf_cfg, dict):
+        raise CheckpointError(f"{cfg_path} holds a JSON {type(hf_cfg).__name__}, not the object of a model config")
+    return hf_cfg
+
+
+def _model_config(path: str, hf_cfg: dict) -> ModelConfig:
+    cfg_path = os.path.join(path, "config.json")
     try:
         return ModelConfig.from_hf(hf_cfg)
     except KeyError as e:
         raise CheckpointError(f"{cfg_path} lacks the field {e.args[0]!r}") from e
-    except (ConfigError, TypeError, ValueError) as e:
+    except (ConfigError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{cfg_path} does not describe a model glm53 can run: {e}") from e
 
 
-def read_hf(path: str, dtype, expert_weights: str = "model") -> tuple[ModelConfig, Any, Tokenizer | None]:
+def _hf_names(cfg: ModelConfig, paths) -> dict[tuple[str, ...], str]:
+    """The HF tensor name of each parameter path (the inverse of ``hf_to_path``), for messages that should be
+    searchable in a checkpoint's index."""
+    layer_suffixes = (
+        [f"{n}.weight" for n in _NORMS] + [f"self_attn.{n}.weight" for n in _LINEAR | {"kv_b_proj"}]
+        + [f"self_attn.{n}.weight" for n in ("q_a_layernorm", "kv_a_layernorm")]
+        + [f"self_attn.indexer.{n}.weight" for n in ("wq_b", "wk", "weights_proj", "k_norm")]
+        + ["self_attn.indexer.k_norm.bias", "mlp.gate.weight", "mlp.gate.e_score_correction_bias"]
+        + [f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        + [f"mlp.shared_experts.{n}_proj.weight" for n in ("gate", "up", "down")] + list(_MTP_ONLY))
+    names = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"] + [
+        f"model.layers.{i}.{rest}" for i in range(cfg.num_cache_layers) for rest in layer_suffixes]
+    out = {}
+    for name in names:
+        target = hf_to_path(name, cfg)
+        if isinstance(target, tuple):
+            out[target[0]] = name
+    for p in paths:
+        if p not in out and str(p[-1]).startswith("experts_"):
+            i = cfg.num_hidden_layers if p[0] == "mtp_layer" else int(p[0].split("_")[1])
+            kind = p[-1][len("experts_"):].replace("_scale", "")
+            out[p] = f"model.layers.{i}.mlp.experts.*.{kind}.weight"
+    return out
+
+
+def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True, progress: bool | None = None
+            ) -> tuple[ModelConfig, Any, Tokenizer | None]:
     """Read an HF-format GLM-5 (``glm_moe_dsa``) directory: ``config.json`` plus ``model.safetensors`` or shards
     with ``model.safetensors.index.json``; per-expert tensor names (``mlp.experts.E.gate_proj.weight``) as published
     and as transformers' ``save_pretrained`` writes them, or fused ``mlp.experts.gate_up_proj``.
 
     Tensors stream one at a time from the memory-mapped files to the device (an expert stack is assembled per
-    layer), so the model is never held twice. A ``tokenizer.json`` beside the weights is attached.
+    layer), so the model is never held twice. A ``tokenizer.json`` beside the weights is read and checked first.
+    ``mtp=False`` loads without the MTP module (``num_nextn_predict_layers`` 0; its layer's tensors skipped):
+    checkpoints re-saved by transformers keep the config's MTP layer but drop its tensors. ``progress``: a bar over
+    the bytes read (``glm53.progress``).
 
     ``expert_weights="fp8"`` keeps MoE experts in FP8 on the device: an FP8 checkpoint's expert tensors and block
     scales as they are (not dequantised), other checkpoints' experts quantised after loading
     (``glm53.params.quantize_experts``).
     """
+    from glm53 import progress as progress_lib
+
     if expert_weights not in EXPERT_WEIGHTS:
         raise ValueError(f"expert_weights must be one of {EXPERT_WEIGHTS}, got {expert_weights!r}")
-    from safetensors import safe_open
-
+    progress_lib.check(progress)
     dtype = resolve_dtype(dtype)
-    cfg = read_hf_config(path)
+    hf_cfg = _hf_config_dict(path)
+    cfg = _model_config(path, hf_cfg)
+    if not mtp:
+        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
+    # The tokenizer before the weights: a broken or oversized one is found in a second, not after the whole model.
+    tok_path = os.path.join(path, "tokenizer.json")
+    tokenizer = None
+    if os.path.exists(tok_path):
+        try:
+            tokenizer = Tokenizer.from_file(tok_path)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from e
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise CheckpointError(f"{tok_path} has {tokenizer.vocab_size:,} ids but config.json's vocab_size is "
+                                  f"{cfg.vocab_size:,}: the tokenizer belongs to another model")
+
+    index = _tensor_index(_weight_files(path))
+    N = cfg.num_hidden_layers
+    checkpoint_has_mtp_layer = any(f"model.layers.{N}.{rest}" in index for rest in _MTP_ONLY)
+    if cfg.num_nextn_predict_layers and not any(n.startswith(f"model.layers.{N}.") for n in index):
+        raise CheckpointError(f"config.json has num_nextn_predict_layers={cfg.num_nextn_predict_layers} but the "
+                              f"checkpoint holds no tensor of its MTP layer (model.layers.{N}.*): transformers' "
+                              "save_pretrained drops it; load with mtp=False to run without MTP")
+    fp8 = [n for n, st in index.items() if st.dtype in _FP8_DTYPES]
+    block = (hf_cfg.get("quantization_config") or {}).get("weight_block_size")
+    if fp8 and block is not None and list(block) != [SCALE_BLOCK, SCALE_BLOCK]:
+        raise CheckpointError(f"config.json's quantization_config.weight_block_size={block}: glm53 reads FP8 block "
+                              f"scales of {SCALE_BLOCK} x {SCALE_BLOCK}")
+    for n in fp8:
+        _check_fp8_pair(n, index[n], index.get(n + _SCALE_SUFFIX))
+    scales = {n for n in index if n.endswith(_SCALE_SUFFIX)}
+    unexpected: list[str] = sorted(scales - {n + _SCALE_SUFFIX for n in fp8})  # scales of no FP8 weight
+
     expected = {k: v for k, v in flatten_dict(param_shapes(cfg, dtype)).items()}
     loaded: dict[tuple[str, ...], jax.Array] = {}
     experts: dict[tuple[str, ...], dict[int, jax.Array]] = {}
     fp8_experts: dict[tuple[str, ...], dict[int, tuple[jax.Array, jax.Array]]] = {}  # expert_weights="fp8"
-    unexpected: list[str] = []
 
-    def put(path_, arr, name):
+    def put(path_, arr, name, finite_checked=False):
         want = expected.get(path_)
         if want is None:
             unexpected.append(name)
@@ -202,109 +349,111 @@ def read_hf(path: str, dtype, expert_weights: str = "model") -> tuple[ModelConfi
                                   "config.json describe these weights?")
         if path_ in loaded:
             raise CheckpointError(f"tensor {name} appears twice in the checkpoint")
-        _check_finite(arr, name)
+        if not finite_checked:
+            _check_finite(arr, name)
         loaded[path_] = arr.astype(want.dtype)
 
-    for file in _weight_files(path):
-        try:
-            handle = safe_open(file, framework="flax")
-        except Exception as e:  # safetensors raises its own error types for truncated / corrupt headers
-            raise CheckpointError(f"cannot read {file}: {e}") from e
-        try:
-            data_start, header = _safetensors_header(file)
-        except (OSError, ValueError, struct.error) as e:
-            raise CheckpointError(f"cannot read the header of {file}: {e}") from e
+    def expert(name, stack, e, t, raw_scale):
+        """One expert's [out, in] weight, checked as it arrives (the stack it joins is built when all have)."""
+        want = expected.get(stack)
+        if want is None:
+            unexpected.append(name)
+            return
+        if tuple(t.shape[::-1]) != tuple(want.shape[1:]):
+            raise CheckpointError(f"tensor {name} ({index[name].file}): shape {tuple(t.shape)}, but the model's "
+                                  f"experts are [out, in] = {tuple(want.shape[1:][::-1])}; does config.json describe "
+                                  "these weights?")
+        if stack in loaded or e in experts.get(stack, {}) or e in fp8_experts.get(stack, {}):
+            raise CheckpointError(f"tensor {name}: expert {e} of {'/'.join(stack)} appears twice in the checkpoint")
+        _check_finite(t, name)
+        E = cfg.n_routed_experts
+        # Each layer's stack is built as soon as all its experts have arrived: one layer's experts exist twice, briefly.
+        if raw_scale is not None:  # [out, in] e4m3 and [out/128, in/128]: our layout is [in, out]
+            parts = fp8_experts.setdefault(stack, {})
+            parts[e] = (t.T, raw_scale.astype(jnp.float32).T)
+            if len(parts) == E:
+                del fp8_experts[stack]
+                loaded[stack] = jnp.stack([parts[k][0] for k in range(E)])
+                loaded[stack[:-1] + (stack[-1] + "_scale",)] = jnp.stack([parts[k][1] for k in range(E)])
+        else:
+            parts = experts.setdefault(stack, {})
+            parts[e] = t.T
+            if len(parts) == E:
+                del experts[stack]
+                put(stack, jnp.stack([parts[k] for k in range(E)]), f"{'/'.join(stack)} (stacked experts)",
+                    finite_checked=True)
 
-        def tensor(f, name):
-            info = header.get(name, {})
-            if info.get("dtype") in _RAW_DTYPES:
-                return _raw_tensor(file, data_start, info)
-            return f.get_tensor(name)
-
-        with handle as f:
-            names = list(f.keys())
-            scales = {n[: -len("_scale_inv")] for n in names if n.endswith("weight_scale_inv")}
-            for name in names:
-                if name.endswith("weight_scale_inv"):
-                    continue
-                try:
-                    t = tensor(f, name)
-                except Exception as e:
-                    raise CheckpointError(f"cannot read tensor {name} from {file}: {e}") from e
-                m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(.+)$", name)
-                raw_scale = None
-                if name in scales:
-                    raw_scale = tensor(f, name + "_scale_inv")
-                    if not (m and expert_weights == "fp8"):
+    weights = sorted(set(index) - scales, key=lambda n: (index[n].file, index[n].start))  # in file order
+    total = sum(st.end - st.start for st in index.values())
+    with progress_lib.bar(progress=progress, total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                          desc=f"loading {os.path.basename(os.path.normpath(path))}", leave=False) as bar:
+        for name in weights:
+            stored = index[name]
+            t = _read(stored, name)
+            bar.update(stored.end - stored.start)
+            m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(.+)$", name)
+            raw_scale = None
+            if stored.dtype in _FP8_DTYPES:
+                scale = index[name + _SCALE_SUFFIX]
+                raw_scale = _read(scale, name + _SCALE_SUFFIX)
+                bar.update(scale.end - scale.start)
+                if not (m and expert_weights == "fp8"):
+                    try:
                         t, raw_scale = _dequant_fp8_block(t, raw_scale, dtype), None
-                if m:
-                    i = int(m.group(1))
-                    prefix = (f"layers_{i}",) if i < cfg.num_hidden_layers else ("mtp_layer", "block")
-                    if i >= cfg.num_cache_layers:
-                        if cfg.num_nextn_predict_layers == 0 and i == cfg.num_hidden_layers:
-                            continue
-                        unexpected.append(name)
-                        continue
-                    em = _EXPERT_RE.search(name)
-                    if em:
-                        e, kind = int(em.group(1)), em.group(2)
-                        if e >= cfg.n_routed_experts:
-                            raise CheckpointError(f"tensor {name}: expert {e} but config has n_routed_experts="
-                                                  f"{cfg.n_routed_experts}")
-                        if raw_scale is not None:  # [out, in] e4m3 and [out/128, in/128]: our layout is [in, out]
-                            _check_finite(t, name)
-                            fp8_experts.setdefault(prefix + ("mlp", f"experts_{kind}_proj"), {})[e] = (
-                                t.T, raw_scale.astype(jnp.float32).T)
-                            continue
-                        experts.setdefault(prefix + ("mlp", f"experts_{kind}_proj"), {})[e] = t.T
-                        continue
-                    if m.group(2) == "gate_up_proj":  # fused [E, 2I, H] as transformers holds it in memory
-                        I = cfg.moe_intermediate_size
-                        put(prefix + ("mlp", "experts_gate_proj"), jnp.transpose(t[:, :I], (0, 2, 1)), name)
-                        put(prefix + ("mlp", "experts_up_proj"), jnp.transpose(t[:, I:], (0, 2, 1)), name)
-                        continue
-                    if m.group(2) == "down_proj":
-                        put(prefix + ("mlp", "experts_down_proj"), jnp.transpose(t, (0, 2, 1)), name)
-                        continue
+                    except Exception as e:
+                        raise CheckpointError(f"cannot dequantise tensor {name} with its block scales: {e}") from e
+            if m:
+                i = int(m.group(1))
+                prefix = (f"layers_{i}",) if i < N else ("mtp_layer", "block")
+                if i >= cfg.num_cache_layers:
+                    if i == N and cfg.num_nextn_predict_layers == 0 and checkpoint_has_mtp_layer:
+                        continue  # an MTP layer the config does not ask for (transformers itself ignores these)
                     unexpected.append(name)
                     continue
-                target = hf_to_path(name, cfg)
-                if target == "skip":
+                em = _EXPERT_RE.search(name)
+                if em:
+                    e, kind = int(em.group(1)), em.group(2)
+                    if e >= cfg.n_routed_experts:
+                        raise CheckpointError(f"tensor {name}: expert {e} but config has n_routed_experts="
+                                              f"{cfg.n_routed_experts}")
+                    expert(name, prefix + ("mlp", f"experts_{kind}_proj"), e, t, raw_scale)
                     continue
-                if target is None:
-                    unexpected.append(name)
+                if m.group(2) == "gate_up_proj":  # fused [E, 2I, H] as transformers holds it in memory
+                    I = cfg.moe_intermediate_size
+                    put(prefix + ("mlp", "experts_gate_proj"), jnp.transpose(t[:, :I], (0, 2, 1)), name)
+                    put(prefix + ("mlp", "experts_up_proj"), jnp.transpose(t[:, I:], (0, 2, 1)), name)
                     continue
-                p, transpose = target
-                put(p, t.T if transpose else t, name)
-        # Stack each layer's experts as soon as all of them have arrived: one layer's experts exist twice, briefly.
-        for p in [p for p, parts in experts.items() if len(parts) == cfg.n_routed_experts]:
-            parts = experts.pop(p)
-            put(p, jnp.stack([parts[e] for e in range(cfg.n_routed_experts)]), f"{'/'.join(p)} (stacked experts)")
-        for p in [p for p, parts in fp8_experts.items() if len(parts) == cfg.n_routed_experts]:
-            parts = fp8_experts.pop(p)
-            w8 = jnp.stack([parts[e][0] for e in range(cfg.n_routed_experts)])
-            want = expected.get(p)
-            if want is not None and tuple(w8.shape) != tuple(want.shape):
-                raise CheckpointError(f"{'/'.join(p)} (stacked FP8 experts): shape {tuple(w8.shape)} does not match "
-                                      f"the model's {tuple(want.shape)}")
-            if p in loaded:
-                raise CheckpointError(f"{'/'.join(p)} appears twice in the checkpoint")
-            loaded[p] = w8
-            loaded[p[:-1] + (p[-1] + "_scale",)] = jnp.stack([parts[e][1] for e in range(cfg.n_routed_experts)])
+                if m.group(2) == "down_proj":
+                    put(prefix + ("mlp", "experts_down_proj"), jnp.transpose(t, (0, 2, 1)), name)
+                    continue
+                unexpected.append(name)
+                continue
+            target = hf_to_path(name, cfg)
+            if target == "skip":
+                lm = re.match(r"model\.layers\.(\d+)\.", name)
+                if lm and int(lm.group(1)) == N and not cfg.num_nextn_predict_layers and not checkpoint_has_mtp_layer:
+                    unexpected.append(name)  # a layer past the config's, and not an MTP layer: a config mismatch
+                continue
+            if target is None:
+                unexpected.append(name)
+                continue
+            p, transpose = target
+            put(p, t.T if transpose else t, name)
+    hf_names = _hf_names(cfg, expected)
     experts.update(fp8_experts)
     for p, parts in experts.items():
         missing_e = sorted(set(range(cfg.n_routed_experts)) - set(parts))
-        raise CheckpointError(f"parameter {'/'.join(p)}: experts {missing_e[:8]} missing from the checkpoint")
+        raise CheckpointError(f"parameter {'/'.join(p)}: experts {missing_e[:8]} missing from the checkpoint "
+                              f"({hf_names.get(p, '')})")
     if unexpected:
         raise CheckpointError(f"{len(unexpected)} unexpected tensors (not part of a {cfg.num_hidden_layers}-layer "
                               f"model per config.json): {sorted(unexpected)[:10]}")
     if cfg.tie_word_embeddings:
         expected.pop(("lm_head",), None)
-    missing = sorted("/".join(p) for p in expected if p not in loaded)
+    missing = sorted(p for p in expected if p not in loaded)
     if missing:
-        raise CheckpointError(f"{len(missing)} parameters missing from the checkpoint: {missing[:10]}")
-    tok_path = os.path.join(path, "tokenizer.json")
-    tokenizer = Tokenizer.from_file(tok_path) if os.path.exists(tok_path) else None
+        named = [f"{'/'.join(p)} ({hf_names[p]})" if p in hf_names else "/".join(p) for p in missing]
+        raise CheckpointError(f"{len(missing)} parameters missing from the checkpoint: {named[:10]}")
     params = unflatten_dict(loaded)
     if expert_weights == "fp8":
         params = quantize_experts(params)

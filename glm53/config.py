@@ -111,6 +111,17 @@ class ModelConfig:
         return tuple(l for l in range(self.num_cache_layers) if self.layer_indexer_type(l) == "full")
 
     def validate(self) -> None:
+        # Types first: a config.json with "hidden_size": "64" must be named, not fail as a comparison of str and int.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int":
+                _require(isinstance(value, numbers.Integral) and not isinstance(value, bool),
+                         f"{f.name} must be an int, got {value!r}")
+            elif f.type == "float":
+                _require(isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value),
+                         f"{f.name} must be a finite number, got {value!r}")
+            elif f.type == "bool":
+                _require(isinstance(value, bool), f"{f.name} must be true or false, got {value!r}")
         _require(self.vocab_size > 0 and self.hidden_size > 0, "vocab_size and hidden_size must be positive")
         _require(self.num_hidden_layers >= 1, f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
         _require(len(self.indexer_types) == self.num_hidden_layers,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Any, Mapping
 
@@ -113,10 +114,11 @@ class Model:
                              f"{self.config.max_position_embeddings}")
 
     # ---- public API ----
-    def forward(self, token_ids, *, cache_config: CacheConfig | None = None, progress: bool = False,
+    def forward(self, token_ids, *, cache_config: CacheConfig | None = None, progress: bool | None = None,
                 kernels: str = "auto") -> np.ndarray:
-        """Float32 logits ``[T, vocab]`` of every position of one sequence (the chunked prefill path)."""
-        ids = self.check_tokens(token_ids, "token_ids").tolist()
+        """Float32 logits ``[T, vocab]`` of every position of one sequence (the chunked prefill path; ``token_ids``
+        as ``Engine.open`` takes them, a string too with a tokenizer; ``progress`` as there)."""
+        ids = self.token_ids(token_ids, "token_ids")
         self.check_length(len(ids), "forward")
         cc = (cache_config or self.cache_config).replace(max_len=len(ids))
         engine = Engine(self, cc, max_sessions=1, kernels=kernels)
@@ -128,7 +130,7 @@ class Model:
         token i+1. Returns float32 ``[T-1, vocab]``."""
         if not self.config.num_nextn_predict_layers:
             raise ValueError("this model has no MTP module (num_nextn_predict_layers=0)")
-        ids = self.check_tokens(token_ids, "token_ids").tolist()
+        ids = self.token_ids(token_ids, "token_ids")
         if len(ids) < 2:
             raise ValueError("draft needs at least 2 tokens (a position and its next token)")
         self.check_length(len(ids), "draft")
@@ -185,7 +187,8 @@ def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype
 
 
 def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None,
-                    cache_config: CacheConfig | None = None, expert_weights: str = "model", mesh=None) -> Model:
+                    cache_config: CacheConfig | None = None, expert_weights: str = "model", mesh=None,
+                    mtp: bool = True, progress: bool | None = None) -> Model:
     """Load an HF-format GLM-5 (``glm_moe_dsa``) directory: ``config.json`` plus ``model.safetensors`` or shards
     with ``model.safetensors.index.json``; per-expert tensor names (``mlp.experts.E.gate_proj.weight``) as published
     and as transformers' ``save_pretrained`` writes them, or fused ``mlp.experts.gate_up_proj``. Tensors stream one
@@ -194,14 +197,21 @@ def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None
     checkpoint's own bytes and block scales; other checkpoints' experts quantised), dequantised inside the grouped
     matmul on the same bf16 operands as dequantising on load: decode reads half the expert bytes (outputs
     bit-identical on the CPU; compiled on a GPU the kernel's summation order may differ). ``mesh``: as in
-    ``from_config`` (the tensors are read onto one device first, then placed)."""
+    ``from_config`` (the tensors are read onto one device first, then placed: the whole model must fit on one
+    device's memory while it loads). ``mtp=False`` loads without the MTP module (checkpoints re-saved by
+    transformers keep the config's MTP layer but not its tensors). ``progress``: a bar over the bytes read (True:
+    at once; None: once loading has run 2 s; False: none)."""
     dtype = resolve_dtype(dtype)
     if kv_format is not None:
         cache_config = (cache_config or CacheConfig()).replace(kv_format=kv_format)
+    if not isinstance(mtp, bool):
+        raise TypeError(f"mtp must be True or False, got {mtp!r}")
     hf_config = checkpoint.read_hf_config(path)
+    if not mtp:
+        hf_config = dataclasses.replace(hf_config, num_nextn_predict_layers=0)
     sharding.check_layout(hf_config, mesh)
     _check_cache(hf_config, cache_config)
-    cfg, params, tokenizer = checkpoint.read_hf(path, dtype, expert_weights)
+    cfg, params, tokenizer = checkpoint.read_hf(path, dtype, expert_weights, mtp=mtp, progress=progress)
     return sharding.shard_model(Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer), mesh)
 
 

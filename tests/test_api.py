@@ -562,3 +562,107 @@ def test_generate_reports_compilation_apart(model):
     again = glm53.generate(fresh, [P1[:7]], max_new_tokens=3)
     assert first.compile_s > 0 and "compilation" in first.summary()
     assert again.compile_s < first.compile_s and again.tokens == first.tokens
+
+
+def _with_mtp_layer(ckpt):
+    """The tiny checkpoint with an MTP layer appended as published GLM-5 checkpoints store one (model.layers.N: a
+    decoder layer plus enorm / hnorm / eh_proj / shared_head), and config.json asking for it."""
+    import torch
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+
+    def add(t):
+        gen = torch.Generator().manual_seed(5)
+        for name in [k for k in t if k.startswith(f"model.layers.{n - 1}.")]:  # an MoE layer
+            t[name.replace(f"layers.{n - 1}.", f"layers.{n}.")] = t[name].clone()
+        for name in [k for k in t if k.startswith("model.layers.0.self_attn.indexer.")]:  # MTP runs its own indexer
+            t[name.replace("layers.0.", f"layers.{n}.")] = t[name].clone()
+        for rest, shape in (("enorm.weight", (h,)), ("hnorm.weight", (h,)), ("shared_head.norm.weight", (h,)),
+                            ("eh_proj.weight", (h, 2 * h))):
+            t[f"model.layers.{n}.{rest}"] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+
+    _rewrite(ckpt, add)
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    return cfg
+
+
+def test_mtp_layers_and_layer_counts_are_matched_to_config(ckpt):
+    """An MTP layer loads when config.json asks for it and is skipped when it does not (as transformers does); a
+    config asking for one the checkpoint lacks is refused with the way out (mtp=False); a config with a main layer too
+    few is refused, not loaded without that layer."""
+    cfg = _with_mtp_layer(ckpt)
+    m = glm53.from_pretrained(str(ckpt), dtype="float32")
+    assert m.config.num_nextn_predict_layers == 1 and m.draft(P1).shape == (len(P1) - 1, 256)
+    assert glm53.from_pretrained(str(ckpt), dtype="float32", mtp=False).config.num_nextn_predict_layers == 0
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
+    assert glm53.from_pretrained(str(ckpt), dtype="float32").config.num_nextn_predict_layers == 0
+    # a config with one main layer fewer: the last main layer is not an MTP layer
+    n = cfg["num_hidden_layers"]
+    _rewrite(ckpt, lambda t: [t.pop(k) for k in [k for k in t if k.startswith(f"model.layers.{n}.")]])
+    short = {**cfg, "num_hidden_layers": n - 1, "indexer_types": cfg["indexer_types"][: n - 1],
+             "mlp_layer_types": cfg["mlp_layer_types"][: n - 1]}
+    (ckpt / "config.json").write_text(json.dumps(short))
+    with pytest.raises(CheckpointError, match=rf"unexpected tensors.*model.layers.{n - 1}\."):
+        glm53.from_pretrained(str(ckpt), dtype="float32")
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    with pytest.raises(CheckpointError, match="holds no tensor of its MTP layer.*mtp=False"):
+        glm53.from_pretrained(str(ckpt), dtype="float32")
+    assert glm53.from_pretrained(str(ckpt), dtype="float32", mtp=False).config.num_nextn_predict_layers == 0
+
+
+def test_expert_and_dtype_problems_are_named(ckpt):
+    import torch
+
+    _rewrite(ckpt, lambda t: t.update({"model.layers.1.mlp.experts.3.up_proj.weight": torch.zeros(16, 64)}))
+    with pytest.raises(CheckpointError, match=r"tensor model.layers.1.mlp.experts.3.up_proj.weight \(.*\): shape "
+                                              r"\(16, 64\), but the model's experts are \[out, in\] = \(32, 64\)"):
+        glm53.from_pretrained(str(ckpt))
+    _rewrite(ckpt, lambda t: t.update({"model.layers.1.mlp.experts.3.up_proj.weight": torch.zeros(32, 64,
+                                                                                                  dtype=torch.int32)}))
+    with pytest.raises(CheckpointError, match="experts.3.up_proj.weight in .* is stored as I32"):
+        glm53.from_pretrained(str(ckpt))
+    _rewrite(ckpt, lambda t: t.update({"model.layers.1.mlp.experts.3.up_proj.weight": torch.zeros(32, 64),
+                                       "model.norm.weight_scale_inv": torch.ones(1, 1)}))
+    with pytest.raises(CheckpointError, match=r"1 unexpected tensors.*model.norm.weight_scale_inv"):
+        glm53.from_pretrained(str(ckpt))
+
+
+def test_missing_tensors_are_named_as_the_checkpoint_names_them(ckpt):
+    _rewrite(ckpt, lambda t: t.pop("model.layers.1.mlp.gate.e_score_correction_bias"))
+    with pytest.raises(CheckpointError, match=r"layers_1/mlp/e_score_correction_bias "
+                                              r"\(model.layers.1.mlp.gate.e_score_correction_bias\)"):
+        glm53.from_pretrained(str(ckpt))
+
+
+def test_tokenizer_and_directory_problems_come_before_the_weights(ckpt, tmp_path):
+    (ckpt / "model.safetensors").write_bytes(b"\x00" * 64)  # weights that cannot be read: the tokenizer is first
+    (ckpt / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="tokenizer.json is not a valid tokenizer.json"):
+        glm53.from_pretrained(str(ckpt))
+    _word_tokenizer(ckpt / "tokenizer.json", vocab=1000)
+    with pytest.raises(CheckpointError, match="tokenizer.json has 1,000 ids but config.json's vocab_size is 256"):
+        glm53.from_pretrained(str(ckpt))
+    os.remove(ckpt / "tokenizer.json")
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    with pytest.raises(CheckpointError, match="holds both model.safetensors and model.safetensors.index.json"):
+        glm53.from_pretrained(str(ckpt))
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "hidden_size": "64"}))
+    with pytest.raises(CheckpointError, match="hidden_size must be an int, got '64'"):
+        glm53.from_pretrained(str(ckpt))
+    (ckpt / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="holds a JSON list, not the object of a model config"):
+        glm53.from_pretrained(str(ckpt))
+    native = tmp_path / "native"
+    glm53.from_config(CFG, seed=0, dtype="float32").save(str(native))
+    with pytest.raises(CheckpointError, match="written by Model.save: load it with glm53.load"):
+        glm53.from_pretrained(str(native))
+
+
+def test_loading_shows_progress_and_forward_takes_strings(ckpt, capsys):
+    _word_tokenizer(ckpt / "tokenizer.json", vocab=256)
+    m = glm53.from_pretrained(str(ckpt), dtype="float32", progress=True)
+    assert "loading ckpt" in capsys.readouterr().err
+    text = " ".join(f"w{i}" for i in P1)
+    np.testing.assert_array_equal(m.forward(text), m.forward(P1))

@@ -106,3 +106,52 @@ def test_fp8_experts_survive_native_save_and_load(tmp_path):
         assert pa == pb and a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     assert expert_weights_of(back.params) == "fp8"
+
+
+def test_fp8_weights_meet_their_scales_across_shards_and_are_checked(tmp_path):
+    """Published FP8 checkpoints are sharded, and a weight's block scale may lie in another shard than the weight:
+    both expert modes load the same parameters as from one file. A weight without its scale, a scale of the wrong
+    shape or another block size is refused, naming the tensor: the raw e4m3 values would otherwise load unscaled."""
+    import json
+
+    one = tmp_path / "one"
+    tensors = _fp8_checkpoint(str(one))
+    sharded = tmp_path / "sharded"
+    os.makedirs(sharded)
+    for f in os.listdir(one):
+        if f != "model.safetensors":
+            (sharded / f).write_bytes((one / f).read_bytes())
+    shards = {"weights.safetensors": {n: t for n, t in tensors.items() if not n.endswith("_scale_inv")},
+              "scales.safetensors": {n: t for n, t in tensors.items() if n.endswith("_scale_inv")}}
+    for f, part in shards.items():
+        save_file(part, str(sharded / f), metadata={"format": "pt"})
+    (sharded / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {n: f for f, part in shards.items() for n in part}}))
+    for mode in ("model", "fp8"):
+        a = glm53.from_pretrained(str(one), dtype="float32", expert_weights=mode)
+        b = glm53.from_pretrained(str(sharded), dtype="float32", expert_weights=mode)
+        for x, y in zip(jax.tree_util.tree_leaves(a.params), jax.tree_util.tree_leaves(b.params)):
+            np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+    def rewrite(edit):
+        t = dict(shards["scales.safetensors"])
+        edit(t)
+        save_file(t, str(sharded / "scales.safetensors"), metadata={"format": "pt"})
+        index = {"weight_map": {**{n: "weights.safetensors" for n in shards["weights.safetensors"]},
+                                **{n: "scales.safetensors" for n in t}}}
+        (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    o_proj = "model.layers.2.self_attn.o_proj.weight"
+    rewrite(lambda t: t.pop(o_proj + "_scale_inv"))
+    with pytest.raises(glm53.CheckpointError, match=rf"{o_proj} is F8_E4M3 \(FP8\) but the checkpoint has no "
+                                                    rf"{o_proj}_scale_inv"):
+        glm53.from_pretrained(str(sharded), dtype="float32")
+    expert = "model.layers.1.mlp.experts.3.gate_proj.weight"
+    rewrite(lambda t: t.update({expert + "_scale_inv": np.ones((2, 2), np.float32)}))
+    with pytest.raises(glm53.CheckpointError, match=rf"{expert}_scale_inv: shape \(2, 2\), but .* needs \(1, 1\)"):
+        glm53.from_pretrained(str(sharded), dtype="float32", expert_weights="fp8")
+    rewrite(lambda t: None)
+    cfg = json.loads((sharded / "config.json").read_text())
+    (sharded / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"weight_block_size": [64, 64]}}))
+    with pytest.raises(glm53.CheckpointError, match=r"weight_block_size=\[64, 64\]"):
+        glm53.from_pretrained(str(sharded), dtype="float32")
