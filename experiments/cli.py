@@ -3,7 +3,8 @@
 ``run(main)`` is absl's ``app.run`` with one change: a ``--config.X`` override naming a field the config lacks is a
 one-line flag error (``flag --config.cache.hot_row=5: the config has no field 'hot_row'; did you mean "hot_rows"?``)
 instead of ml_collections' 50-line traceback, whose hint ends up buried in an ``AttributeError``'s repr. Every other
-flag error is absl's own. ``check_checkpoint`` keeps a run from quietly ignoring what its command line asked for.
+flag error is absl's own. ``check_checkpoint`` and ``unread_overrides`` keep a run from quietly ignoring what its
+command line asked for.
 """
 
 from __future__ import annotations
@@ -87,3 +88,32 @@ def check_checkpoint(config, *, reads_checkpoint: bool, name: str = "config") ->
     problem = checkpoint_problem(config, overrides(name), reads_checkpoint=reads_checkpoint)
     if problem:
         sys.exit(f"{module_name()}: {problem}")
+
+
+def readable(value, digits: int = 4):
+    """``value`` (a summary dict, list, number) with floats rounded to ``digits`` significant digits, for printing:
+    the JSON keeps full precision; the terminal needs ``0.9772``, not ``0.9772135416666666``."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}")
+    if isinstance(value, dict):
+        return {k: readable(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(readable(v, digits) for v in value)
+    return value
+
+
+def params_text(n: float) -> str:
+    """A parameter count as people say it: ``8.87B``, ``1.1M`` (a tiny model is not ``0.00B``)."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def unread_overrides(given: dict, read: tuple, why: str) -> str | None:
+    """The ``--config.*`` overrides in ``given`` (``overrides()``) that no field in ``read`` covers (dotted paths:
+    ``"run.seed"``, or ``"model"`` for all of config.model), named on one line with ``why`` the experiment leaves
+    them unread; None when it reads them all. An override it would ignore would otherwise go into its results as
+    if it had been used."""
+    unread = sorted(k for k in given if not any(k == r or k.startswith(r + ".") for r in read))
+    if not unread:
+        return None
+    named = ", ".join(f"--config.{k}={given[k]}" for k in unread)
+    return f"{named}: {why}; drop the override{'s' if len(unread) > 1 else ''}"

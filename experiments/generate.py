@@ -200,15 +200,16 @@ def compare_one_device(config, model, prompts, kw: dict, capacity: int, tokens: 
     return out
 
 
-def print_cache_stats(stats: dict, indent: str = "  ") -> None:
-    """Scalars as ``name: value``; per-layer sequences (also inside nested dicts) as one table row per layer."""
+def print_cache_stats(stats: dict, main_layers: int, indent: str = "  ") -> None:
+    """Scalars as ``name: value``; per-layer sequences (also inside nested dicts) as one table row per layer (cache
+    layers past the ``main_layers`` are the MTP module's, labelled so)."""
     per_layer = {k: v for k, v in stats.items() if not isinstance(v, (dict, str)) and np.ndim(v) >= 1}
     for k, v in stats.items():
         if isinstance(v, dict):
             print(f"{indent}{k}:")
-            print_cache_stats(v, indent + "  ")
+            print_cache_stats(v, main_layers, indent + "  ")
         elif k not in per_layer:
-            print(f"{indent}{k}: {v}")
+            print(f"{indent}{k}: {cli.readable(v)}")
     if per_layer:
         names = list(per_layer)
         width = max(10, *(len(k) for k in names))
@@ -218,7 +219,8 @@ def print_cache_stats(stats: dict, indent: str = "  ") -> None:
             for k in names:
                 x = per_layer[k][l] if l < len(per_layer[k]) else ""
                 cells.append(f"{x:.4f}" if isinstance(x, float) else "-" if x is None else str(x))
-            print(f"{indent}{l:>5} " + " ".join(f"{c:>{width}}" for c in cells))
+            label = str(l) if l < main_layers else "mtp" if l == main_layers else f"mtp{l - main_layers}"
+            print(f"{indent}{label:>5} " + " ".join(f"{c:>{width}}" for c in cells))
 
 
 def routing_of(model, engine, run, mtp: int, kw: dict) -> tuple:
@@ -363,7 +365,7 @@ def main(argv):
         print(f"  ({result.compile_s:.2f} s of the run was compilation the warm-up did not cover)")
     if result.cache_stats is not None:
         print("cache stats:")
-        print_cache_stats(result.cache_stats)
+        print_cache_stats(result.cache_stats, model.config.num_hidden_layers)
     out = {"mode": mode, "run": figures(result), "compiler_options": options}
 
     if compare_options:

@@ -25,9 +25,10 @@ def plot(points: list[dict], path: str, title: str) -> str | None:
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     x = [100 * p["hit_rate"] for p in points]
     ax.plot(x, [p["loss_pct"] for p in points], "o", label="offload loss (pooled pairs)")
-    for p, xi in zip(points, x):
+    for i, (p, xi) in enumerate(zip(points, x)):
         ax.annotate(p["label"], (xi, p["loss_pct"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.vlines(xi, p["loss_min"], p["loss_max"], alpha=0.4)
+        ax.vlines(xi, p["loss_min"], p["loss_max"], alpha=0.4,
+                  label="lowest to highest pair" if i == 0 else None)
     floors = [(xi, p["floor_pct"]) for p, xi in zip(points, x) if p.get("floor_pct") is not None]
     if floors:
         fx, fy = zip(*sorted(floors))

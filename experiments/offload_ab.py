@@ -8,8 +8,10 @@ fixed set of index_topk history positions of which 1% is replaced every step, so
 set is hot — the article's high-reuse regime), ``drift<c>`` (the same with a fraction ``c`` replaced), ``window<s>``
 (a window sliding by ``s`` positions a step) and ``uniform`` (fresh positions every step). Each workload runs
 ``--pairs`` interleaved pairs (resident then offload, then offload then resident, ...); ``config.run.mtp`` and
-``config.run.accept_override`` apply to both modes. Compilation is excluded: every shape is warmed up first with a
-short prompt and the same cache capacity.
+``config.run.accept_override`` apply to both modes. Compilation is excluded: every workload and mode first runs
+with the timed prompts and token count until a round compiles nothing (a shorter warm-up leaves the end-of-prefill
+and end-of-run settles of the timed page counts to compile inside the first timed run); each pair records the
+compile seconds its runs still saw (``compile_s``) and the summary whether any did (``timed_runs_compiled``).
 
 **Loss against hit rate.** One run can sweep the hit rate with the synthetic workloads:
 
@@ -27,6 +29,7 @@ from absl import flags
 from ml_collections import config_flags
 
 import glm53
+import glm53.engine
 import glm53.roofline
 import kernels_pallas.kv_formats
 from experiments import cli, loss_plot, workloads
@@ -82,22 +85,27 @@ def main(_):
     model, prompts, cc, K = workloads.setup(c)
     new = c.run.max_new_tokens
     modes = {"resident": cc.replace(mode="resident"), "offload": cc.replace(mode="offload")}
-    warm = [p[: min(len(p), cc.prefill_chunk)] for p in prompts]
     # a bad name fails here, before any run
     series = {wl: workloads.Selections(wl, K, c.run.prompt_len, len(prompts)) for wl in FLAGS.workloads}
+    warmup_compile_s = {}
     for wl in FLAGS.workloads:
-        for m in modes.values():
-            # copyback_every + 2 tokens: decode crosses a page boundary, so the one-page copyback compiles too
-            # The timed runs' history: the override's jitted step compiles here, for the shapes it will run with
-            # (positions past the short warm-up prompt are inside the capacity: their rows are just empty).
-            run_once(model, warm, m, cc.copyback_every + 2, series[wl], c.run.seed, c.run)
-    print(f"{model}; prompt {c.run.prompt_len} x {c.run.batch}, {new} new tokens; warm-up done", flush=True)
+        # Rounds of the timed shape, until one compiles nothing (at most 3): the prefill's and the run's last
+        # settles compile for their page counts, which only the timed lengths have.
+        rounds = warmup_compile_s[wl] = []
+        while not rounds or (rounds[-1] > 0 and len(rounds) < 3):
+            before = glm53.engine.compile_seconds()
+            for m in modes.values():
+                run_once(model, prompts, m, new, series[wl], c.run.seed, c.run)
+            rounds.append(glm53.engine.compile_seconds() - before)
+    print(f"{model}; prompt {c.run.prompt_len} x {c.run.batch}, {new} new tokens; warm-up done (compile seconds per "
+          f"round: {cli.readable(warmup_compile_s)})", flush=True)
 
     row_bytes = kernels_pallas.kv_formats.get_format(cc.kv_format).bytes_per_row
     host_bw = glm53.roofline.measure_host_read_bandwidth(cc.kv_format)
     if host_bw:
         print(f"zero-copy host reads: {host_bw['GBps']:.2f} GB/s", flush=True)
-    results = {"config": c.to_dict(), **provenance(), "host_read_bandwidth": host_bw, "workloads": {}}
+    results = {"config": c.to_dict(), **provenance(), "host_read_bandwidth": host_bw,
+               "warmup_compile_s": warmup_compile_s, "workloads": {}}
     for wl in FLAGS.workloads:
         pairs = []
         for p in range(FLAGS.pairs):
@@ -112,6 +120,7 @@ def main(_):
                 "resident_decode_tok_s": r.decode_tokens_per_s, "offload_decode_tok_s": o.decode_tokens_per_s,
                 "offload_loss_pct": 100 * (1 - o.decode_tokens_per_s / r.decode_tokens_per_s),
                 "resident_ttft_s": r.time_to_first_token_s, "offload_ttft_s": o.time_to_first_token_s,
+                "compile_s": {"resident": r.compile_s, "offload": o.compile_s},  # 0 unless the warm-up missed a shape
                 "resident_prefill_tok_s": r.prefill_tokens_per_s, "offload_prefill_tok_s": o.prefill_tokens_per_s,
                 "decode_hit_rate": o.cache_stats["decode"]["hit_rate"],
                 "decode_steps": len(o.decode_step_call_s),
@@ -142,7 +151,7 @@ def main(_):
                   f"identical {pair['logits_identical']}; TTFT {pair['resident_ttft_s']:.2f} s vs "
                   f"{pair['offload_ttft_s']:.2f} s; host loop {r.decode_host_loop_s:.3f} / {o.decode_host_loop_s:.3f} "
                   f"s, step calls {r.decode_step_calls_s:.3f} / {o.decode_step_calls_s:.3f} s; call ms percentiles "
-                  f"{pair['decode_step_call_ms_percentiles']}; slowest offload calls (ms, step) "
+                  f"{cli.readable(pair['decode_step_call_ms_percentiles'], 3)}; slowest offload calls (ms, step) "
                   f"{pair['offload_slowest_step_calls']}; copyback step calls (ms, step) "
                   f"{pair['offload_copyback_step_call_ms']} vs {pair['offload_other_step_call_ms_p50']:.2f} ms median "
                   "otherwise", flush=True)
@@ -150,7 +159,11 @@ def main(_):
         results.setdefault("summary", {})[wl] = summary = summarise(pairs)
         summary["decode_hit_rate"] = float(np.mean([p["decode_hit_rate"] for p in pairs]))
         summary["floor_pct"] = floor_pct(pairs, row_bytes, host_bw)
-        print(f"[{wl}] {summary}", flush=True)
+        summary["timed_runs_compiled"] = any(v > 0 for p in pairs for v in p["compile_s"].values())
+        print(f"[{wl}] {cli.readable(summary)}", flush=True)
+        if summary["timed_runs_compiled"]:
+            print(f"[{wl}] WARNING: a timed run compiled ({[p['compile_s'] for p in pairs]} s): its figures include "
+                  "compilation", flush=True)
         if FLAGS.out:  # after every workload, so a run cut short still leaves what it measured
             results["plot"] = plot(results, FLAGS.out.rsplit(".", 1)[0] + ".png")
             with open(FLAGS.out, "w") as f:

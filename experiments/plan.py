@@ -85,7 +85,7 @@ def main(_):
     mesh_shape = {"stage": stages, "tp": devices // stages}
     rows = []
     n = cfg.param_count()
-    params = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    params = cli.params_text(n)
     print(f"{cfg.num_hidden_layers} layers + {cfg.num_nextn_predict_layers} MTP, {params} parameters "
           f"({FLAGS.expert_weights} experts, {c.dtype}), cache {cc.mode}/{cc.kv_format}, index keys "
           f"{cc.index_keys}; machine {FLAGS.machine}: {devices} devices x {device_gib:g} GiB, {host_gib:g} GiB of host "

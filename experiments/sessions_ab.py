@@ -268,7 +268,7 @@ def main(_):
         entry["summary"]["loss_interval_pct"] = interval
         entry["summary"]["target_pct"] = FLAGS.target_pct
         entry["summary"]["target"] = target_verdict(interval, FLAGS.target_pct)
-        print(f"[{name}] {entry['summary']}", flush=True)
+        print(f"[{name}] {cli.readable(entry['summary'])}", flush=True)
         if len(entry["pairs"]) > 1 and not entry["summary"]["resolved"]:
             print(f"[{name}] WARNING: runs of one mode scatter by {max(spread.values()):.1f}% (over "
                   f"{SPREAD_LIMIT_PCT}%): this machine does not resolve the loss", flush=True)
@@ -349,7 +349,7 @@ def append_ab(engines: dict, vocab: int, c) -> dict:
     out["summary"] = {"pooled_offload_extra_pct": 100 * (o_s / r_s - 1),
                       "all_identical": all(q["tokens_identical"] and q["logits_identical"] for q in out["pairs"]),
                       "timed_appends_compiled": any(v > 0 for q in out["pairs"] for v in q["compile_s"].values())}
-    print(f"[append] {out['summary']}", flush=True)
+    print(f"[append] {cli.readable(out['summary'])}", flush=True)
     return out
 
 

@@ -408,7 +408,7 @@ def plot(results: dict, path: str) -> str | None:
     model = results.get("model", {})
     title = "decode throughput vs sessions"
     if model:
-        title += f" ({model.get('params', 0) / 1e9:.2f}B params, {results.get('device_kind', '')})"
+        title += f" ({cli.params_text(model.get('params', 0))} params, {results.get('device_kind', '')})"
     if bw:
         title += f"\nroofline (dashed): bytes per step at {bw / 1e9:,.0f} GB/s measured HBM bandwidth"
     ax.set_title(title, fontsize=10)
