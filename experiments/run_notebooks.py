@@ -22,6 +22,40 @@ logging.getLogger("traitlets").setLevel(logging.WARNING)
 _TIMEOUT = flags.DEFINE_integer("cell_timeout_s", 600, "seconds a notebook cell may run")
 
 
+def as_a_terminal_leaves_it(text: str) -> str:
+    """``text`` as a terminal shows it once written: each line's last carriage-return segment. Progress bars redraw a
+    line with ``\\r`` and clear it at the end (``leave=False``); a notebook keeps every redraw in its stream output, and
+    the saved notebook would show them all."""
+    lines = []
+    for line in text.split("\n"):
+        shown = line.split("\r")[-1]
+        if shown.strip() or not line.strip():  # a line that only held redrawn bars goes
+            lines.append(shown)
+    return "\n".join(lines)
+
+
+def without_progress_bars(nb) -> None:
+    """Every stream output of ``nb`` as a terminal would leave it (progress bars gone, everything else kept)."""
+    for cell in nb.cells:
+        merged = []  # a bar's draws and its clearing arrive as separate outputs: one stream's run of them is one text
+        for out in cell.get("outputs", []):
+            last = merged[-1] if merged else None
+            if (out.get("output_type") == "stream" and last is not None and last.get("output_type") == "stream"
+                    and last.get("name") == out.get("name")):
+                last["text"] += out["text"]
+            else:
+                merged.append(out)
+        outputs = []
+        for out in merged:
+            if out.get("output_type") == "stream":
+                out["text"] = as_a_terminal_leaves_it(out["text"])
+                if not out["text"].strip():
+                    continue
+            outputs.append(out)
+        if "outputs" in cell:
+            cell["outputs"] = outputs
+
+
 def main(argv) -> None:
     names = argv[1:]
     paths = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
@@ -35,6 +69,7 @@ def main(argv) -> None:
         nb = nbformat.read(path, as_version=4)
         NotebookClient(nb, kernel_name="python3", timeout=_TIMEOUT.value,
                        resources={"metadata": {"path": ROOT}}).execute()
+        without_progress_bars(nb)
         nbformat.write(nb, path)
         print(f"executed {os.path.relpath(path, ROOT)}", flush=True)
 

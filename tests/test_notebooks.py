@@ -23,7 +23,21 @@ def test_notebook_executes(path):
     # them); here they are executed again from the top.
     assert all(c.get("execution_count") for c in nb.cells if c.cell_type == "code"), \
         "commit notebooks executed: python -m experiments.run_notebooks"
-    # Raises CellExecutionError (with the cell and traceback) on the first failing cell.
-    NotebookClient(nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": ROOT}}).execute()
+    # Raises CellExecutionError (with the cell and traceback) on the first failing cell. Run from notebooks/, where
+    # Jupyter opens them: each finds the repository above it.
+    NotebookClient(nb, kernel_name="python3", timeout=300,
+                   resources={"metadata": {"path": os.path.dirname(path)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
+
+
+def test_committed_outputs_keep_no_progress_bar_redraws():
+    """A bar's redraws (``\\r``) stay out of the saved notebooks: run_notebooks keeps what a terminal would show."""
+    from experiments.run_notebooks import as_a_terminal_leaves_it
+
+    assert as_a_terminal_leaves_it("a\rb\nkept\n\rdecode:  12%|#  | 3/24\r                \r\nend") == "b\nkept\nend"
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        redrawn = [c.source[:40] for c in nb.cells if c.cell_type == "code" for o in c.outputs
+                   if o.output_type == "stream" and "\r" in o.text]
+        assert not redrawn, f"{os.path.basename(path)}: re-run python -m experiments.run_notebooks"
