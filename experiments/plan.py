@@ -16,7 +16,8 @@ compiled ahead of time on abstract shapes for the machine's mesh, no weights and
 (``glm53.memory.compiled_step_memory``), and the peak per device it runs in. The workspace is the backend's: run it
 on the GPU the engine will use (the mesh must fit its devices); on a CPU the mesh is made of host devices and the
 workspace is that of the jnp reference paths (whose MoE gathers the routed experts' weights), an upper bound of no
-use for a GPU. The one committed CPU compile of the full GLM-5 (16 stages, FP8 experts: ``plan_glm5_article_stages16_fp8_compiled_cpu.json``) records 132 s.
+use for a GPU. The one committed CPU compile of the full GLM-5 (16 stages, FP8 experts:
+``plan_glm5_article_stages16_fp8_compiled_cpu.json``) records 132 s.
 
     python -m experiments.plan --config=configs/h200_bench.py --machine=h200 --sessions=10 --history=50000 --compile
 
