@@ -11,9 +11,21 @@ rounds come to the host one step late, as the tokens do.
 A trace holds, for each generate call (a *segment*), the state of the engine's hot cache for each session at its
 start (``position_of_slot``, ``pin_round``, ``rounds``, ``clock``) and the engine's counters at its start and end: a
 replay of the engine's own policy from that state must reproduce those counters exactly (``tests/test_policies.py``).
+What happened to the hot caches between two calls is kept too, so a cold replay of any policy can apply it to that
+policy's own state (``glm53.policies.replay``): each session's ``host_len`` at the segment's start (a rollback empties
+the hot slots at positions from there on, ``offload.truncate_slot``) and its ``parent``, for a session first seen in
+this segment whose hot cache is a copy of one recorded before (a fork, ``offload.copy_slot``). The recorder finds
+the parent by comparing the new session's hot-cache state with the state every recorded session ended its last
+segment in (cut at the new session's ``host_len``, in case the parent was rolled back before the fork): a copy is
+equal to it in every layer's slot map, round count and clock. Traces saved before these were kept still load;
+their replays infer ``host_len`` from each session's first step in the segment and start new sessions from the
+snapshot.
+
 Each record is one (step, layer, session) round of ``count`` entries at ``offset`` in the flat ``positions`` /
-``valid`` / ``in_ring`` arrays. Files are ``.npz`` (compressed), with the config, the cache geometry and the git
-revision in ``meta``.
+``valid`` / ``in_ring`` arrays. A valid entry that the ring did not serve names a row of history: its position must
+lie in ``[0, meta["capacity"])`` (checked whenever a trace is built or loaded); invalid and ring entries may hold
+anything (the fill never reads their rows). Files are ``.npz`` (compressed), with the config, the cache geometry
+and the git revision in ``meta``.
 """
 
 from __future__ import annotations
@@ -29,6 +41,12 @@ from glm53.provenance import git_revision
 RECORD_FIELDS = ("step", "layer", "session", "start", "offset", "count")
 ENTRY_FIELDS = ("positions", "valid", "in_ring")
 SNAPSHOT_FIELDS = ("position_of_slot", "pin_round", "rounds", "clock")
+# Kept per segment since rollback and fork between calls are replayed cold; optional, so version-1 files saved
+# before them still load (their replays infer what they can: ``glm53.policies.replay``).
+SEGMENT_FIELDS_SINCE_V1 = ("host_len", "parents")
+# What a fork copies of a session's hot cache and a rollback leaves as it was (apart from emptied slots): how the
+# recorder recognises a fork's parent.
+_FORK_FIELDS = ("position_of_slot", "rounds", "clock")
 FORMAT_VERSION = 1
 
 
@@ -39,9 +57,11 @@ class SelectionTrace:
     ``meta``: ``hot_rows``, ``capacity``, ``num_layers``, ``page_rows``, ``row_bytes``, ``topk``, ``source`` and, for
     recorded traces, ``model`` / ``cache`` configs and ``git``. ``segments``: one dict per generate call with
     ``first_step``, ``end_step`` (exclusive), ``sessions`` (indices into ``sessions``), the hot-cache ``snapshot`` of
-    each at the start (``[L, H]`` / ``[L]`` arrays; the policy's own state as ``policy_<name>``) and
-    ``counters_before`` / ``counters_after`` (``[n, L, 5]``,
-    ``glm53.offload.COUNTERS``), or an empty list for synthetic traces."""
+    each at the start (``[L, H]`` / ``[L]`` arrays; the policy's own state as ``policy_<name>``),
+    ``counters_before`` / ``counters_after`` (``[n, L, 5]``, ``glm53.offload.COUNTERS``) and, in traces recorded
+    since they were kept, ``host_len`` (``[n]``: rows of each session in host memory at the start) and ``parents``
+    (``[n]``: the session index a new session was forked from, -1 for none); an empty list for synthetic
+    traces."""
 
     meta: dict
     sessions: list
@@ -68,6 +88,27 @@ class SelectionTrace:
             raise ValueError("trace: a record points outside the entry arrays")
         if n and (np.diff(self.step) < 0).any():
             raise ValueError("trace: records are not sorted by step")
+        self._check_positions()
+
+    def _check_positions(self) -> None:
+        """Every valid entry the ring did not serve names a row of history, in ``[0, capacity)``: a replay looks it
+        up in a map of ``capacity`` positions, and an out-of-range one would alias another row (and hit)."""
+        capacity = self.meta.get("capacity")
+        if capacity is None:
+            raise ValueError("trace: meta has no 'capacity' (the rows of history a session's positions index)")
+        looked = self.valid & ~self.in_ring
+        bad = looked & ((self.positions < 0) | (self.positions >= int(capacity)))
+        if not bad.any():
+            return
+        e = int(np.argmax(bad))
+        holders = np.flatnonzero((self.offset <= e) & (e < self.offset + self.count))
+        if not holders.size:
+            raise ValueError(f"trace: entry {e} looks up position {int(self.positions[e])}, outside the history "
+                             f"[0, {capacity}) (meta['capacity'])")
+        i = int(holders[0])
+        raise ValueError(f"trace: record {i} (step {int(self.step[i])}, layer {int(self.layer[i])}, session "
+                         f"{int(self.session[i])}) looks up position {int(self.positions[e])}, outside the history "
+                         f"[0, {capacity}) (meta['capacity']); {int(bad.sum())} such entries in all")
 
     # ---- views ----
     @property
@@ -98,8 +139,9 @@ class SelectionTrace:
         for k, seg in enumerate(self.segments):
             arrays[f"seg{k}_sessions"] = np.asarray(seg["sessions"], np.int64)
             arrays[f"seg{k}_steps"] = np.asarray([seg["first_step"], seg["end_step"]], np.int64)
-            for name in ("counters_before", "counters_after"):
-                arrays[f"seg{k}_{name}"] = np.asarray(seg[name])
+            for name in ("counters_before", "counters_after") + SEGMENT_FIELDS_SINCE_V1:
+                if name in seg:  # host_len and parents: absent from traces recorded before they were kept
+                    arrays[f"seg{k}_{name}"] = np.asarray(seg[name])
             for name, a in seg["snapshot"].items():  # SNAPSHOT_FIELDS and the policy's own state
                 arrays[f"seg{k}_snap_{name}"] = np.asarray(a)
         meta = {**self.meta, "format_version": FORMAT_VERSION, "num_segments": len(self.segments)}
@@ -131,14 +173,19 @@ class SelectionTrace:
                                  "counters_before": z[f"seg{k}_counters_before"],
                                  "counters_after": z[f"seg{k}_counters_after"],
                                  "snapshot": {f[len(f"seg{k}_snap_"):]: z[f] for f in z.files
-                                              if f.startswith(f"seg{k}_snap_")}})
+                                              if f.startswith(f"seg{k}_snap_")},
+                                 **{name: z[f"seg{k}_{name}"] for name in SEGMENT_FIELDS_SINCE_V1
+                                    if f"seg{k}_{name}" in z.files}})
             return cls(meta=meta, sessions=z["sessions"].tolist(), segments=segments,
                        **{f: z[f] for f in RECORD_FIELDS + ENTRY_FIELDS})
 
     @classmethod
     def from_rounds(cls, rounds, *, meta: dict, sessions: list | None = None) -> "SelectionTrace":
         """A trace from ``rounds``: an iterable of ``(step, layer, session, start, positions)`` (valid lookups of
-        host rows, no ring): synthetic workloads and other sources of selections."""
+        host rows, no ring): synthetic workloads and other sources of selections. ``meta`` must give ``capacity``:
+        every position lies in ``[0, capacity)``."""
+        if meta.get("capacity") is None:
+            raise ValueError("trace: from_rounds needs meta['capacity'] (the rows of history the positions index)")
         cols = {f: [] for f in RECORD_FIELDS}
         pos, n_sessions = [], 0
         offset = 0
@@ -177,6 +224,7 @@ class TraceRecorder:
         self._steps = 0
         self.segments: list = []
         self._open = None
+        self._last_state: dict = {}  # session index -> its hot cache (_FORK_FIELDS) at the end of its last segment
 
     # ---- called by the engine ----
     def begin(self, engine, sessions: list) -> None:
@@ -194,13 +242,18 @@ class TraceRecorder:
                          "git": git_revision()}
         elif self._engine_id != id(engine):
             raise ValueError("trace: a recorder follows one engine (its sessions, slots and hot caches)")
+        new = [s.sid not in self._index for s in sessions]
         idx = [self._session_index(s.sid) for s in sessions]
         slots = np.asarray([s.slot for s in sessions])
         c = engine.cache
         snap = {n: np.asarray(getattr(c, n))[:, slots].swapaxes(0, 1) for n in SNAPSHOT_FIELDS}  # [n, L, ...]
         snap.update({f"policy_{n}": np.asarray(a)[:, slots].swapaxes(0, 1) for n, a in c.policy_state.items()})
+        host_len = np.asarray(c.host_len)[slots].astype(np.int64)
+        parents = np.asarray([self._parent(snap, j, int(host_len[j])) if is_new else -1
+                              for j, is_new in enumerate(new)], np.int64)
         self._open = {"first_step": self._steps, "sessions": idx, "snapshot": snap,
-                      "counters_before": engine.session_counters(sessions)}
+                      "counters_before": engine.session_counters(sessions), "host_len": host_len,
+                      "parents": parents}
 
     def end(self, engine, sessions: list) -> None:
         if self._open is None:
@@ -209,6 +262,24 @@ class TraceRecorder:
         seg["end_step"] = self._steps
         seg["counters_after"] = engine.session_counters(sessions)
         self.segments.append(seg)
+        slots = np.asarray([s.slot for s in sessions])
+        state = {n: np.asarray(getattr(engine.cache, n))[:, slots].swapaxes(0, 1) for n in _FORK_FIELDS}
+        for j, i in enumerate(seg["sessions"]):
+            self._last_state[i] = {n: a[j] for n, a in state.items()}
+
+    def _parent(self, snap: dict, j: int, host_len: int) -> int:
+        """The recorded session whose hot cache, as its last segment left it and cut at ``host_len`` as a rollback
+        cuts it, session ``j`` of ``snap`` holds a copy of: its fork parent; -1 when it holds nothing (a fresh
+        session) or no recorded state matches (its parent ran outside the recorder since)."""
+        mine = {n: snap[n][j] for n in _FORK_FIELDS}
+        if not (mine["rounds"] > 0).any():
+            return -1
+        for i, st in self._last_state.items():
+            pos = np.where(st["position_of_slot"] >= host_len, -1, st["position_of_slot"])
+            if (np.array_equal(pos, mine["position_of_slot"]) and np.array_equal(st["rounds"], mine["rounds"])
+                    and np.array_equal(st["clock"], mine["clock"])):
+                return int(i)
+        return -1
 
     def add_step(self, rounds: dict, lane_sids: list) -> None:
         """One step's ``trace_rounds`` output (host arrays), lane b running session ``lane_sids[b]`` (padding

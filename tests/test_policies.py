@@ -1,8 +1,12 @@
 """Selection traces and the policy simulator: a trace recorded from the engine replays through the engine's own
-policy to the engine's counters exactly (decode, MTP verify and drafts, several sessions, rollback and fork
-between calls); round by round it equals the engine's fill (``fill_round_reference``) from random states; the file
-round-trips; every policy keeps its invariants; the policies behave as their definitions say on synthetic traces;
-recording changes no output."""
+policy to the engine's counters exactly, from the snapshots and cold (decode, MTP verify and drafts, several
+sessions, rollback and fork between calls); round by round it equals the engine's fill (``fill_round_reference``)
+from random states; the file round-trips; every policy keeps its invariants; the policies behave as their
+definitions say on synthetic traces; added policies plug in and are held to the hooks' contract; recording changes
+no output."""
+
+import json
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -72,6 +76,58 @@ def test_engine_trace_replays_to_the_engines_counters(recorded, tmp_path):
                           policies.segment_counts(cut))
 
 
+def _table(r):
+    return np.stack([r.per_layer[n] for n in policies.COUNTS[:5]], 1)
+
+
+def test_cold_replay_follows_rollback_and_fork_between_calls(recorded):
+    """Between the two calls session a was rolled back and b forked (into c): a cold replay of the engine's own
+    policy applies both to its states and so reproduces the engine's counters over the whole run, as the snapshot
+    replay does. The trace names the fork's parent and each session's host rows; a trace saved before those were
+    kept infers the rollback and starts the child from its snapshot: for the engine's policy, exact as well."""
+    _, rec, _ = recorded
+    trace = rec.trace()
+    want = policies.segment_counts(trace)
+    assert np.array_equal(_table(policies.replay(trace, "circular")), want)
+    second = trace.segments[1]
+    a, b = 0, 1  # session indices, in the order the recorder met them: a, b, then the fork
+    assert second["parents"].tolist() == [-1, b] and trace.segments[0]["parents"].tolist() == [-1, -1]
+    # a: 324 rows, rolled back to 317 processed: host memory cut to its whole 16-row pages, into what it held
+    assert second["sessions"][0] == a and second["host_len"][0] == 304
+    old = SelectionTrace(**{**trace.__dict__, "segments": [
+        {k: v for k, v in seg.items() if k not in ("host_len", "parents")} for seg in trace.segments]})
+    assert np.array_equal(_table(policies.replay(old, "circular")), want)
+
+
+def _with_segments(rows, segments, capacity=100, hot_rows=4):
+    """A one-layer trace of ``rows`` (step, session, positions) with hand-made segments: ``(first, end, sessions,
+    host_len, parents, snapshot positions [n, H])``."""
+    t = SelectionTrace.from_rounds(((s, 0, sess, 50, p) for s, sess, p in rows),
+                                   meta={"capacity": capacity, "hot_rows": hot_rows, "page_rows": 8})
+    t.segments = [{"first_step": f, "end_step": e, "sessions": sess, "host_len": np.asarray(hl),
+                   "parents": np.asarray(par),
+                   "snapshot": {"position_of_slot": np.asarray(snap)[:, None], "clock": np.zeros((len(sess), 1)),
+                                "rounds": np.ones((len(sess), 1))}}
+                  for f, e, sess, hl, par, snap in segments]
+    return t
+
+
+def test_cold_replay_forks_from_the_parents_replayed_state():
+    """For any policy, a forked session starts as a copy of its parent's replayed state (not the engine's
+    snapshot of it), and a rollback empties the replayed slots at positions from the new host length on."""
+    empty = [[-1] * 4]
+    rows = [(0, 0, [1, 2, 3, 4]), (1, 0, [5]),  # LRU: 5 evicts 1; holds 2 3 4 5
+            (2, 1, [2, 3, 4, 5]),  # the fork: all hot in its parent's LRU state (the snapshot says 10-13)
+            (2, 0, [4, 5, 2])]  # rolled back to 4 host rows: 4 and 5 are gone
+    t = _with_segments(rows, [(0, 2, [0], [50], [-1], empty),
+                              (2, 3, [0, 1], [4, 50], [-1, 0], empty + [[10, 11, 12, 13]])])
+    r = policies.replay(t, "lru", 4)
+    assert r.total("hits") == 4 + 1 and r.total("misses") == 5 + 2
+    # without a parent the fork starts from the snapshot's positions: 4 misses
+    t.segments[1]["parents"] = np.asarray([-1, -1])
+    assert policies.replay(t, "lru", 4).total("hits") == 1
+
+
 def _same(x, y):
     for part_x, part_y in zip(x, y, strict=True):
         for (tx, lx), (ty, ly) in zip(part_x, part_y, strict=True):
@@ -101,6 +157,7 @@ def test_engine_lfu_policy(model, recorded):
     assert want[:, 4].sum() > 0
     _, circ, _ = recorded
     assert not np.array_equal(policies.segment_counts(circ.trace()), want)
+    assert np.array_equal(_table(policies.replay(trace, "lfu")), want)  # cold, rollback and fork applied
     with pytest.raises(ValueError, match="recording engine's policy"):
         policies.replay(trace, "circular", from_snapshots=True)
     # the accounting counts the policy's state
@@ -145,6 +202,101 @@ def test_bad_trace_files_are_refused(tmp_path):
         SelectionTrace.load(str(tmp_path / "y.npz"))
     with pytest.raises(ValueError, match="unknown policy"):
         policies.make("fifo", 8, 100)
+
+
+def test_positions_outside_the_history_are_refused():
+    """A valid host lookup outside [0, capacity) is an error naming its record (a replay would alias it onto
+    another row and count made-up hits); invalid and ring entries may hold anything."""
+    rows = [(s, 0, 0, 1000, np.arange(s * 10, s * 10 + 10)) for s in range(100)]
+    with pytest.raises(ValueError, match=r"record 10 \(step 10, layer 0, session 0\) looks up position 100, "
+                                         r"outside the history \[0, 100\)"):
+        SelectionTrace.from_rounds(rows, meta={"capacity": 100})
+    with pytest.raises(ValueError, match="position -5"):
+        SelectionTrace.from_rounds([(0, 0, 0, 10, [3]), (1, 0, 0, 10, [-5, 3])], meta={"capacity": 100})
+    with pytest.raises(ValueError, match="capacity"):
+        SelectionTrace.from_rounds(rows, meta={})
+    t = SelectionTrace.from_rounds([(0, 0, 0, 10, [3, 4])], meta={"capacity": 100})
+    t2 = SelectionTrace(**{**t.__dict__, "positions": np.asarray([3, 500], np.int32),
+                           "valid": np.asarray([True, False])})
+    assert policies.replay(t2, "lru", 4).total("misses") == 1
+
+
+def test_hot_rows_are_checked_with_a_clear_message():
+    t = _synthetic([np.arange(32)] * 3, capacity=256)
+    for bad in (0, -5):
+        with pytest.raises(ValueError, match=f"hot_rows must be >= 1, got {bad}"):
+            policies.replay(t, "lru", bad)
+    calls = []
+    real = policies.replay
+    try:
+        policies.replay = lambda *a, **k: calls.append(a) or real(*a, **k)
+        with pytest.raises(ValueError, match="hot_rows must be >= 1, got 0"):
+            policies.sweep(t, ["lru"], [64, 0])
+    finally:
+        policies.replay = real
+    assert not calls  # refused before any replay
+    with pytest.raises(ValueError, match=r"hot_rows=512 exceeds the trace's capacity \(256 rows"):
+        policies.replay(t, "lru", 512)
+    assert policies.replay(t, "lru", 256).total("misses") == 32
+    with pytest.raises(ValueError, match="this trace .* has none: replay it cold"):
+        policies.replay(t, "lru", 64, from_snapshots=True)
+
+
+def test_added_policies_plug_in_and_are_held_to_the_contract():
+    """``register`` makes a name usable wherever a built-in's is (with +prefetch); an instance replays as itself;
+    huge ranking keys still order exactly; a policy returning bad victims is named in the error."""
+    class _PinFirst(policies.Ranked):
+        """Keeps positions below ``pinned_rows`` (attention sinks), LRU among the rest."""
+
+        name = "pinfirst"
+
+        def __init__(self, hot_rows, capacity, pinned_rows=4):
+            super().__init__(hot_rows, capacity)
+            self.pinned_rows = pinned_rows
+
+        def key(self, st, t, start, window):
+            sink = (st.position_of_slot >= 0) & (st.position_of_slot < self.pinned_rows)
+            return np.where(sink, np.int64(1) << 61, st.last_use)  # * hot_rows would overflow: the exact slow path
+
+    sinks = np.arange(4)
+    t = _synthetic([np.concatenate([sinks, 100 + np.arange(t * 8, t * 8 + 8)]) if t % 5 == 0
+                    else 100 + np.arange(t * 8, t * 8 + 8) for t in range(50)])
+    policies.register("pinfirst4", lambda h, n: _PinFirst(h, n, 4), replace=True)
+    pin, lru = policies.replay(t, "pinfirst4", 16), policies.replay(t, "lru", 16)
+    assert pin.policy == "pinfirst4" and pin.total("hits") == 4 * 9 and lru.total("hits") == 0
+    assert policies.replay(t, _PinFirst(16, 4096), None).per_layer == pin.per_layer
+    res = policies.sweep(t, ["pinfirst4+prefetch2", _PinFirst(32, 4096)], [16, 64])
+    assert [(r.policy, r.hot_rows) for r in res] == [("pinfirst4+prefetch2", 16), ("pinfirst4+prefetch2", 64),
+                                                      ("pinfirst", 32)]
+    with pytest.raises(ValueError, match="registered already"):
+        policies.register("pinfirst4", lambda h, n: _PinFirst(h, n))
+    with pytest.raises(ValueError, match="not a name for a new policy"):
+        policies.register("lru", lambda h, n: _PinFirst(h, n))
+
+    class Slot0(policies.Policy):
+        name = "slot0"
+
+        def victims(self, st, n, pinned, t, start, window):
+            return np.zeros(n, np.int64), 1
+
+    with pytest.raises(ValueError, match="policy 'slot0': victims\\(\\) returned a slot more than once"):
+        policies.replay(t, Slot0(16, 4096))
+
+    class Pinned(policies.Policy):
+        name = "pinned"
+
+        def victims(self, st, n, pinned, t, start, window):
+            return np.flatnonzero(pinned)[:n] if pinned.any() else np.arange(n), 1
+
+    with pytest.raises(ValueError, match="policy 'pinned': victims\\(\\) returned slot .*pinned this round"):
+        policies.replay(_synthetic([np.arange(8), np.arange(4, 12)]), Pinned(16, 4096))
+    # the overflow guard: a key of 2**50 on the slot holding position 0 must keep it, even with 8,192 slots
+    keep0 = _PinFirst(8192, 100_000, pinned_rows=1)
+    st_ = keep0.new_state()
+    st_.load(np.arange(8192), 0)
+    st_.last_use[:] = 5
+    victim, _ = keep0.victims(st_, 1, np.zeros(8192, bool), 10, 100_000, 1)
+    assert st_.position_of_slot[victim].tolist() == [1]
 
 
 def _synthetic(rows_per_step, capacity=4096, layers=1):
@@ -206,6 +358,12 @@ def test_policies_on_synthetic_traces():
     slide = _synthetic([np.arange(t * 4, t * 4 + 16) for t in range(40)])
     base, pre = policies.replay(slide, "lru", 64), policies.replay(slide, "lru+prefetch8", 64)
     assert pre.hit_rate > base.hit_rate and pre.total("prefetched") > 0
+    # ... but a prefetched row is read from host memory too: the headline counts it, and it reads more here
+    d = pre.to_dict()
+    assert d["host_rows"] == pre.total("misses") + pre.total("prefetched") and d["host_bytes"] == 656 * d["host_rows"]
+    assert pre.host_rows > base.host_rows
+    # prefetch fills search apart from demand fills: the demand searches are the rounds that missed
+    assert d["scan"]["rounds"] == base.scan["rounds"] and d["prefetch_scan"]["rounds"] > 0
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -250,3 +408,43 @@ def test_circular_round_equals_the_engines_fill(seed, rounds):
         assert np.array_equal(np.asarray(maps["slot_of_position"])[0, 0], stt.slot_of_position)
         assert int(maps["clock"][0, 0]) == stt.clock
         assert np.asarray(maps["counters"])[0, 0].tolist() == counts[:5].tolist()
+
+
+def _sweep(*args):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    return subprocess.run([sys.executable, "-m", "experiments.policy_sweep", *args],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+
+
+def test_policy_sweep_refuses_what_it_would_ignore_before_recording():
+    """A flag the sweep cannot use, or a config override it would not read, ends it with one line naming it,
+    before the model trace is recorded."""
+    for args, message in ((["--hot_rows=abc"], "--hot_rows=abc: 'abc' is not a whole number"),
+                          (["--workloads=foo"], "--workloads=foo: unknown workload 'foo'"),
+                          (["--workloads=model", "--config.run.batch=3", "--config.run.temperature=0.9",
+                            "--config.mesh.stages=2"], r"--config.mesh.stages=2: the model trace reads"),
+                          (["--workloads=uniform", "--config.run.batch=3"],
+                           "--config.run.batch=3: no 'model' workload runs"),
+                          (["--workloads=model", "--model_hot_rows=256,512"],
+                           r"--model_hot_rows=256,512: 512 exceeds the model trace's capacity \(384 rows")):
+        p = _sweep(*args)
+        last = p.stderr.strip().splitlines()[-1]
+        assert p.returncode == 1 and "Traceback" not in p.stderr and "trace {" not in p.stdout, p.stderr[-2000:]
+        assert re.search("^experiments.policy_sweep: " + message, last), last
+
+
+def test_policy_sweep_checks_the_engines_own_policy(tmp_path):
+    """The model trace of an LFU engine (the check replayed the engine's policy, whatever it was, as circular):
+    replayed from the snapshots and cold, both equal the engine's counters; the JSON reports rows from host."""
+    out = tmp_path / "ps.json"
+    p = _sweep("--workloads=model", "--config.cache.policy=lfu", "--config.run.max_new_tokens=3",
+               "--config.run.prompt_len=100", "--config.model.num_hidden_layers=2",
+               "--config.model.indexer_types=('full','shared')", "--policies=circular,lfu+prefetch4", f"--out={out}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads(out.read_text())["workloads"]["model"]
+    check = report["engine_check"]
+    assert check["policy"] == "lfu" and check["replayed_equal"] and check["cold_equal"]
+    assert all(r["host_rows"] == r["misses"] + r["prefetched"] for r in report["results"])
