@@ -197,6 +197,15 @@ class Policy:
         _check_size(hot_rows)
         self.H, self.N = int(hot_rows), int(capacity)
 
+    def __init_subclass__(cls, **kwargs):
+        # A policy written against the private hooks would otherwise be silently the base's (or fail on its first
+        # fill with "define victims()")
+        super().__init_subclass__(**kwargs)
+        old = [n for n in ("_victims", "_touch", "_filled", "_key") if n in vars(cls)]
+        if old:
+            raise TypeError(f"policy class {cls.__name__}: the hooks are public now: rename {', '.join(old)} to "
+                            f"{', '.join(n[1:] for n in old)}")
+
     def new_state(self) -> State:
         return State(self.H, self.N)
 
