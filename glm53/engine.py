@@ -29,6 +29,8 @@ import gc
 import inspect
 import math
 import os
+import signal
+import threading
 import time
 from typing import Callable, Mapping
 
@@ -299,6 +301,62 @@ def _saved_session(meta: dict, directory: str) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# One call at a time; Ctrl-C at safe points
+# ----------------------------------------------------------------------------------------------------------------
+def _deliver_interrupt(handler) -> None:
+    """What SIGINT would have done under ``handler`` (the one installed before the engine's call)."""
+    if handler is signal.SIG_IGN:
+        return
+    if callable(handler):
+        handler(signal.SIGINT, None)
+    else:  # SIG_DFL, or installed outside Python: stop the call as the interpreter's own handler would
+        raise KeyboardInterrupt
+
+
+def _one_call_at_a_time(method):
+    """An engine call runs alone, and a Ctrl-C waits for a safe point in it.
+
+    A call made while another runs (from its ``on_token`` callback, or from another thread) is refused: the running
+    call has steps in flight whose results it has not taken yet, and a rollback, append, fork or close of one of
+    their sessions then would leave host and device disagreeing about it, silently.
+
+    SIGINT during a call only sets a flag; the call raises ``KeyboardInterrupt`` at its next safe point (between two
+    steps, once the last one's cache is stored and its results queued; or when the call ends): a Ctrl-C that landed
+    between a step's return and the store of the cache it returned (the old one was donated to it) lost every
+    session, and one that landed in a decode step's read dropped that step's tokens on the host while the device
+    kept their rows (``tests/test_engine.py``). In the main thread only, where Python runs signal handlers."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if not self._call_lock.acquire(blocking=False):
+            raise RuntimeError(f"Engine.{method.__name__} called while Engine.{self._running} is running (from its "
+                               "on_token callback or another thread): an engine runs one call at a time, and the "
+                               "running one still has steps in flight; call it once that one has returned")
+        self._running = method.__name__
+        deferred = threading.current_thread() is threading.main_thread()
+        try:
+            if deferred:
+                previous = self._previous_sigint = signal.getsignal(signal.SIGINT)
+                self._interrupted = []
+                signal.signal(signal.SIGINT, lambda signum, frame: self._interrupted.append(signum))
+            try:
+                result = method(self, *args, **kwargs)
+            finally:
+                if deferred:
+                    signal.signal(signal.SIGINT, previous)
+            if deferred and self._interrupted:  # arrived after the last safe point: the call's work is whole
+                self._interrupted = []
+                _deliver_interrupt(previous)
+            return result
+        finally:
+            self._interrupted = []
+            self._running = None
+            self._call_lock.release()
+
+    return call
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Engine
 # ----------------------------------------------------------------------------------------------------------------
 class Engine:
@@ -314,6 +372,8 @@ class Engine:
     ``device_budget_bytes`` is checked against the cache, the parameters, the largest transient buffer and the
     output rings' step buffers (``step_buffers_bound``) when the engine is built. ``kernels`` picks the Pallas
     kernels or their jnp references (``"auto"``: kernels on GPUs).
+    One call runs at a time: a call made while another runs (from its ``on_token``, or another thread) is refused,
+    and a Ctrl-C stops a call at its next safe point, every session consistent (``_one_call_at_a_time``).
     ``compiler_options`` (``{"xla_...": value}``) are XLA options the engine's steps compile with (``jax.jit``'s
     ``compiler_options``; not on pipeline stages): two engines of one model in one process then A/B an option with
     the same autotuned GEMMs, which two processes do not share (their greedy tokens part within tens of tokens).
@@ -428,6 +488,10 @@ class Engine:
         self._rings: dict = {}
         self._ring_buffers: dict = {}  # step name -> (argument shapes, _RingBuffers): the last loop's only
         self._free_slots = list(range(self.max_sessions))
+        self._call_lock = threading.Lock()  # ``_one_call_at_a_time``
+        self._running: str | None = None
+        self._interrupted: list = []  # SIGINTs that arrived during the running call
+        self._previous_sigint = signal.default_int_handler
         self._free_pages = collections.deque(range(self.pool_pages))
         self._refs = np.zeros(self.pool_pages, np.int64)
         self._sessions: dict[int, Session] = {}
@@ -654,6 +718,7 @@ class Engine:
                 s.hidden_valid = True
                 if outputs:
                     outs.append(out)
+                self._safe_point()
         finally:
             # Interrupted or not, every page the chunks completed goes to host memory, as between any two API calls:
             # a save's flush writes only the partial page past them.
@@ -719,6 +784,7 @@ class Engine:
     # ------------------------------------------------------------------------------------------------------------
     # public API: lifecycle
     # ------------------------------------------------------------------------------------------------------------
+    @_one_call_at_a_time
     def open(self, prompt, *, progress: bool | None = None) -> int:
         """A new session holding ``prompt`` (processed now: prefill). Returns its id. ``progress``: a bar over the
         prefill's chunks (True: at once; None: once it has run 2 s, ``glm53.progress``; False: none)."""
@@ -728,6 +794,7 @@ class Engine:
         s = self._new_session(ids)
         try:
             self._chunk_steps(s, ids, progress=progress)
+            self._safe_point()
         except BaseException:
             self._drop(s)
             raise
@@ -743,12 +810,20 @@ class Engine:
             self._push_pages(s)
         return s
 
+    def _safe_point(self) -> None:
+        """Where a Ctrl-C that arrived during the call is raised (``_one_call_at_a_time``): every step dispatched so
+        far has its cache stored and its results queued, so the call's cleanup leaves every session consistent."""
+        if self._interrupted:
+            self._interrupted = []
+            _deliver_interrupt(self._previous_sigint)
+
     def _drop(self, s: Session) -> None:
         self._release_pages(s, 0)
         self._sessions.pop(s.sid, None)
         self._free_slots.append(s.slot)
         self._free_slots.sort()
 
+    @_one_call_at_a_time
     def append(self, sid, token_ids, *, progress: bool | None = None) -> None:
         """Add ``token_ids`` to the session's history and process them (and a pending generated token) now
         (``progress`` as in ``open``)."""
@@ -762,16 +837,20 @@ class Engine:
         s.tokens.extend(ids)
         self._chunk_steps(s, s.tokens[s.processed:], progress=progress)
 
+    @_one_call_at_a_time
     def close(self, sid) -> None:
         """End a session: its slot is free again and its host pages go back to the pool (shared ones when their
         last holder closes)."""
         self._drop(self._session(sid))
 
+    @_one_call_at_a_time
     def fork(self, sid, *, share_pages: bool = True) -> int:
         """A new session with the same history. Offload: the parent's host pages are shared (they are immutable
         once written); the ring, the hot cache and the indexer keys are copied on the device. ``share_pages=False``
         copies the host pages instead (benchmarks that need every session's history in its own host memory)."""
         s = self._session(sid)
+        if not isinstance(share_pages, bool):
+            raise TypeError(f"share_pages must be True or False, got {share_pages!r}")
         shared = s.host_rows // self.page_rows if self.offload else 0  # complete pages in host memory
         self._admit(1, 0 if share_pages else shared, f"fork of session {sid}")
         slot = self._free_slots.pop(0)
@@ -794,8 +873,14 @@ class Engine:
                 self._run("write_pages", self.cache, buf, jnp.asarray(child.pages, jnp.int32), kernels=self.kernels)
             self._push_pages(child)
         self._sessions[child.sid] = child
+        try:
+            self._safe_point()
+        except BaseException:  # a Ctrl-C during the fork: no child the caller never heard of
+            self._drop(child)
+            raise
         return child.sid
 
+    @_one_call_at_a_time
     def rollback(self, sid, n_tokens: int) -> None:
         """Remove the last ``n_tokens`` tokens of the session's history (at least one token stays). Rows past the
         new end are rolled out of the cache; offload: host pages past it are released (shared ones only lose this
@@ -826,6 +911,7 @@ class Engine:
     # ------------------------------------------------------------------------------------------------------------
     # public API: generate
     # ------------------------------------------------------------------------------------------------------------
+    @_one_call_at_a_time
     def generate(self, requests: Mapping[int, int], *, mtp: int = 0, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, on_token: Callable[[int, int, int], None] | None = None,
                  stop_tokens=None, return_logits: bool = False, progress: bool | None = None,
@@ -868,29 +954,31 @@ class Engine:
         rows = {s.sid: len(s.tokens) + reqs[s.sid] for s in sessions}  # rows that can become final
         self._admit(0, sum(self._pages_needed(s, rows[s.sid]) for s in sessions),
                     f"generate for sessions {list(reqs)}")
-        for s in sessions:
-            if self._assign_pages(s, rows[s.sid]):
-                self._push_pages(s)
-            s.sampler = {"seed": int(seed), "temperature": float(temperature), "top_p": float(top_p)}
-            if len(s.pending) > 1:  # only after an interrupted append: process all but the last first
-                self._chunk_steps(s, s.pending[:-1])
-        run = _Run(self, sessions, reqs, mtp=mtp, greedy=float(temperature) == 0.0, seed=int(seed),
-                   temperature=float(temperature), top_p=float(top_p), stop=stop, on_token=on_token,
-                   return_logits=return_logits, progress=progress, selection_override=selection_override,
-                   accept_override=accept_override, trace=trace)
-        # What the chunk steps of open / append counted is folded first, so that the run's own lookups can be told
-        # apart (``stats``: "decode" and "prefill"); a prefill's per-row history reads would otherwise swamp the
-        # decode's hit rate.
-        self._fold_counters(sessions)
-        before = [self._totals(s).copy() for s in sessions] if self.offload else None
-        self._decoding = {s.sid for s in sessions}
-        try:
+        before = None
+        try:  # pages reserved here go back in the finally, whatever fails before or during the run
+            for s in sessions:
+                if self._assign_pages(s, rows[s.sid]):
+                    self._push_pages(s)
+                if len(s.pending) > 1:  # only after an interrupted append: process all but the last first
+                    self._chunk_steps(s, s.pending[:-1])
+            run = _Run(self, sessions, reqs, mtp=mtp, greedy=float(temperature) == 0.0, seed=int(seed),
+                       temperature=float(temperature), top_p=float(top_p), stop=stop, on_token=on_token,
+                       return_logits=return_logits, progress=progress, selection_override=selection_override,
+                       accept_override=accept_override, trace=trace)
+            # What the chunk steps of open / append counted is folded first, so that the run's own lookups can be
+            # told apart (``stats``: "decode" and "prefill"); a prefill's per-row history reads would otherwise
+            # swamp the decode's hit rate.
+            self._fold_counters(sessions)
+            before = [self._totals(s).copy() for s in sessions] if self.offload else None
+            self._decoding = {s.sid for s in sessions}
+            for s in sessions:  # what a save records as the session's sampler: the run's, once it runs
+                s.sampler = {"seed": int(seed), "temperature": float(temperature), "top_p": float(top_p)}
             run.execute()
         finally:
             self._decoding = set()
             self._settle(sessions)
             self._fold_counters(sessions)
-            if self.offload:
+            if before is not None:
                 for s, b in zip(sessions, before):
                     self._totals(s, "decode_totals")[:] += self._totals(s) - b
             for s in sessions:  # pages reserved for rows that were not generated go back
@@ -944,6 +1032,7 @@ class Engine:
                 "params_digest": self.model.params_digest(), "kv_format": self.cache_config.kv_format,
                 "index_keys": self.cache_config.index_keys}
 
+    @_one_call_at_a_time
     def save(self, sid, directory: str) -> str:
         """Save a session to ``directory`` (atomic; a later save to the same directory replaces it). The flush
         barrier comes first: the partial ring page is written to host memory and the write waited for, then the
@@ -1000,6 +1089,7 @@ class Engine:
             raise error_type(f"{what}: process(es) {np.nonzero(failed)[0].tolist()} failed (their logs say why)")
         return result
 
+    @_one_call_at_a_time
     def restore(self, directory: str) -> int:
         """A new session from a save (made by this or any engine of the same model and kv_format, in either cache
         mode, with any hot_rows). Returns its id; it continues exactly as the saved session would have."""
@@ -1047,6 +1137,11 @@ class Engine:
         s.processed, s.mtp_processed = n, n_mtp
         s.host_rows = self._committed(s) // self.page_rows * self.page_rows if self.offload else 0
         s.hidden_valid, s.sampler, s.generated = saved["hidden_valid"], saved["sampler"], saved["generated"]
+        try:
+            self._safe_point()
+        except BaseException:  # a Ctrl-C during the restore: no session the caller never heard of
+            self._drop(s)
+            raise
         return s.sid
 
     def _check_fingerprint(self, saved, directory: str) -> None:
@@ -1616,6 +1711,7 @@ class _Run:
             # under the ring their buffers are written again before this step is read.
             inflight.append((tokens, remaining, logits if self.return_logits else None, None,
                              outs[3] if len(outs) > 3 else None))
+            e._safe_point()
             if len(inflight) > self.LAG:
                 self._absorb_decode(*inflight.popleft())
         self.t_loop = time.perf_counter() - t_loop0
@@ -1733,6 +1829,7 @@ class _Run:
                 e._fold_counters(self.sessions)
             inflight.append((emitted, n_emit, remaining, accepted, logits if self.return_logits else None,
                              outs[8] if len(outs) > 8 else None))
+            e._safe_point()
             if len(inflight) > self.LAG:
                 self._absorb_verify(*inflight.popleft())
         self.t_loop = time.perf_counter() - t_loop0

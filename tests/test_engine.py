@@ -1028,3 +1028,119 @@ def test_output_ring_is_bit_identical_and_writes_in_place(model):
         ringed.output_ring = 2
         ringed.generate({ringed.sessions[0]: 2})
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ctrl-C, calls from on_token, failed generates: no session lost or silently wrong
+# ---------------------------------------------------------------------------------------------------------------
+def _sigint_on_call(obj, name, n, monkeypatch, after=False):
+    """``obj.name``'s n-th call receives a real SIGINT (Ctrl-C), before or after doing its work."""
+    import signal
+
+    real, calls = getattr(obj, name), [0]
+
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n and not after:
+            signal.raise_signal(signal.SIGINT)
+        out = real(*args, **kwargs)
+        if calls[0] == n and after:
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(obj, name, wrapped)
+
+
+@pytest.mark.parametrize("mode", ["offload", "resident"])
+def test_ctrl_c_in_a_decode_read_stops_at_a_safe_point(model, mode, monkeypatch):
+    """A Ctrl-C while the host waits for a step's tokens used to drop that step on the host while the device kept
+    its row: every later token silently wrong. It now stops the call at the next safe point; the sessions continue
+    bit-identically to an engine that generated as many tokens without the interrupt."""
+    e, ref = engine(model, mode, 2), engine(model, mode, 2)
+    a, b = e.open(ids(70, 1)), e.open(ids(50, 2))
+    ra, rb = ref.open(ids(70, 1)), ref.open(ids(50, 2))
+    _sigint_on_call(glm53.engine._Run, "_read_step", 5, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        e.generate({a: 20, b: 20})
+    monkeypatch.undo()
+    done = {s: len(e.tokens(s)) - n for s, n in ((a, 70), (b, 50))}
+    assert 0 < done[a] < 20 and done[a] == done[b]
+    ref.generate({ra: done[a], rb: done[b]})
+    assert e.tokens(a) == ref.tokens(ra) and e.tokens(b) == ref.tokens(rb)
+    got = e.generate({a: 6, b: 6}, return_logits=True)
+    logits = e.last_run.logits
+    want = ref.generate({ra: 6, rb: 6}, return_logits=True)
+    assert [got[a], got[b]] == [want[ra], want[rb]]
+    assert np.array_equal(logits[a], ref.last_run.logits[ra]) and np.array_equal(logits[b], ref.last_run.logits[rb])
+
+
+def test_ctrl_c_between_a_step_and_its_cache_loses_nothing(model):
+    """A Ctrl-C landing after a chunk step returned, before the engine stored the cache it returned (the old one
+    was donated to it), used to lose every session. Now the open it interrupts is undone whole (slot and pages
+    back) and the other session decodes as if nothing happened."""
+    import signal
+
+    e, ref = engine(model, "offload", 2), engine(model, "offload", 1)
+    other, r = e.open(ids(70, 1)), ref.open(ids(70, 1))
+    before = e.memory_report()
+    real = e._step("chunk")
+    calls = [0]
+
+    def chunk(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == 2:
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    e._steps["chunk"] = chunk
+    with pytest.raises(KeyboardInterrupt):
+        e.open(ids(64, 2))
+    e._steps["chunk"] = real
+    assert e.sessions == [other] and e.memory_report() == before
+    assert e.generate({other: 8}) == {other: ref.generate({r: 8})[r]}
+
+
+def test_engine_calls_from_on_token_are_refused(model):
+    """on_token calling back into the engine (a rollback, append, fork, close of a session whose steps are still in
+    flight) silently corrupted sessions; it is refused, and the sessions continue as an engine that was not asked."""
+    e, ref = engine(model, "offload", 2), engine(model, "offload", 2)
+    a, b = e.open(ids(70, 1)), e.open(ids(50, 2))
+    ra, rb = ref.open(ids(70, 1)), ref.open(ids(50, 2))
+
+    def meddle(sid, i, tok):
+        if sid == a and i == 3:
+            e.rollback(a, 2)
+
+    with pytest.raises(RuntimeError, match=r"Engine.rollback called while Engine.generate is running"):
+        e.generate({a: 12, b: 12}, on_token=meddle)
+    done = {s: len(e.tokens(s)) - n for s, n in ((a, 70), (b, 50))}
+    ref.generate({ra: done[a], rb: done[b]})
+    assert e.tokens(a) == ref.tokens(ra) and e.tokens(b) == ref.tokens(rb)
+    assert e.generate({a: 5, b: 5}) == {a: ref.generate({ra: 5, rb: 5})[ra], b: ref.tokens(rb)[-5:]}
+    with pytest.raises(TypeError, match="share_pages must be True or False"):
+        e.fork(a, share_pages="no")
+
+
+def test_a_generate_that_fails_before_decoding_gives_its_pages_back(model):
+    """Pages a generate reserved went unreturned when the prefill of an interrupted append's leftover failed before
+    the decode started."""
+    e = engine(model, "offload", 2)
+    a, b = e.open(ids(70, 1)), e.open(ids(40, 2))
+    real = e._step("chunk")
+    calls = [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] >= 2:
+            raise RuntimeError("chunk step failed")
+        return real(*args, **kwargs)
+
+    e._steps["chunk"] = failing
+    with pytest.raises(RuntimeError, match="chunk step failed"):
+        e.append(a, ids(64, 3))  # one chunk processed, the rest pending
+    used = e.memory_report()
+    with pytest.raises(RuntimeError, match="chunk step failed"):
+        e.generate({b: 200, a: 4})  # reserves b's pages, then a's leftover prefill fails
+    assert e.memory_report() == used
+    e._steps["chunk"] = real
