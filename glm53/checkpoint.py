@@ -389,27 +389,40 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
                           desc=f"loading {os.path.basename(os.path.normpath(path))}", leave=False) as bar:
         for name in weights:
             stored = index[name]
-            t = _read(stored, name)
-            bar.update(stored.end - stored.start)
+            scale = index.get(name + _SCALE_SUFFIX) if stored.dtype in _FP8_DTYPES else None
+            bar.update(stored.end - stored.start + (scale.end - scale.start if scale else 0))
+            # What the tensor is, from its name, before its bytes are read: skipped and unexpected tensors (an MTP
+            # layer loaded with mtp=False holds a whole MoE layer) are never read.
             m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(.+)$", name)
+            target = None
+            if m:
+                i = int(m.group(1))
+                if i >= cfg.num_cache_layers:
+                    if not (i == N and cfg.num_nextn_predict_layers == 0 and checkpoint_has_mtp_layer):
+                        unexpected.append(name)
+                    continue  # else an MTP layer the config does not ask for (transformers itself ignores these)
+            else:
+                target = hf_to_path(name, cfg)
+                if target == "skip":
+                    lm = re.match(r"model\.layers\.(\d+)\.", name)
+                    if lm and int(lm.group(1)) == N and not cfg.num_nextn_predict_layers \
+                            and not checkpoint_has_mtp_layer:
+                        unexpected.append(name)  # a layer past the config's, and not an MTP layer: a mismatch
+                    continue
+                if target is None:
+                    unexpected.append(name)
+                    continue
+            t = _read(stored, name)
             raw_scale = None
-            if stored.dtype in _FP8_DTYPES:
-                scale = index[name + _SCALE_SUFFIX]
+            if scale is not None:
                 raw_scale = _read(scale, name + _SCALE_SUFFIX)
-                bar.update(scale.end - scale.start)
                 if not (m and expert_weights == "fp8"):
                     try:
                         t, raw_scale = _dequant_fp8_block(t, raw_scale, dtype), None
                     except Exception as e:
                         raise CheckpointError(f"cannot dequantise tensor {name} with its block scales: {e}") from e
             if m:
-                i = int(m.group(1))
                 prefix = (f"layers_{i}",) if i < N else ("mtp_layer", "block")
-                if i >= cfg.num_cache_layers:
-                    if i == N and cfg.num_nextn_predict_layers == 0 and checkpoint_has_mtp_layer:
-                        continue  # an MTP layer the config does not ask for (transformers itself ignores these)
-                    unexpected.append(name)
-                    continue
                 em = _EXPERT_RE.search(name)
                 if em:
                     e, kind = int(em.group(1)), em.group(2)
@@ -417,25 +430,14 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
                         raise CheckpointError(f"tensor {name}: expert {e} but config has n_routed_experts="
                                               f"{cfg.n_routed_experts}")
                     expert(name, prefix + ("mlp", f"experts_{kind}_proj"), e, t, raw_scale)
-                    continue
-                if m.group(2) == "gate_up_proj":  # fused [E, 2I, H] as transformers holds it in memory
+                elif m.group(2) == "gate_up_proj":  # fused [E, 2I, H] as transformers holds it in memory
                     I = cfg.moe_intermediate_size
                     put(prefix + ("mlp", "experts_gate_proj"), jnp.transpose(t[:, :I], (0, 2, 1)), name)
                     put(prefix + ("mlp", "experts_up_proj"), jnp.transpose(t[:, I:], (0, 2, 1)), name)
-                    continue
-                if m.group(2) == "down_proj":
+                elif m.group(2) == "down_proj":
                     put(prefix + ("mlp", "experts_down_proj"), jnp.transpose(t, (0, 2, 1)), name)
-                    continue
-                unexpected.append(name)
-                continue
-            target = hf_to_path(name, cfg)
-            if target == "skip":
-                lm = re.match(r"model\.layers\.(\d+)\.", name)
-                if lm and int(lm.group(1)) == N and not cfg.num_nextn_predict_layers and not checkpoint_has_mtp_layer:
-                    unexpected.append(name)  # a layer past the config's, and not an MTP layer: a config mismatch
-                continue
-            if target is None:
-                unexpected.append(name)
+                else:
+                    unexpected.append(name)
                 continue
             p, transpose = target
             put(p, t.T if transpose else t, name)
