@@ -441,12 +441,11 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
                 continue
             p, transpose = target
             put(p, t.T if transpose else t, name)
-    hf_names = _hf_names(cfg, expected)
     experts.update(fp8_experts)
     for p, parts in experts.items():
         missing_e = sorted(set(range(cfg.n_routed_experts)) - set(parts))
         raise CheckpointError(f"parameter {'/'.join(p)}: experts {missing_e[:8]} missing from the checkpoint "
-                              f"({hf_names.get(p, '')})")
+                              f"({_hf_names(cfg, [p]).get(p, '')})")
     if unexpected:
         raise CheckpointError(f"{len(unexpected)} unexpected tensors (not part of a {cfg.num_hidden_layers}-layer "
                               f"model per config.json): {sorted(unexpected)[:10]}")
@@ -454,6 +453,7 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
         expected.pop(("lm_head",), None)
     missing = sorted(p for p in expected if p not in loaded)
     if missing:
+        hf_names = _hf_names(cfg, missing)  # only for the message
         named = [f"{'/'.join(p)} ({hf_names[p]})" if p in hf_names else "/".join(p) for p in missing]
         raise CheckpointError(f"{len(missing)} parameters missing from the checkpoint: {named[:10]}")
     params = unflatten_dict(loaded)
