@@ -99,6 +99,29 @@ def same_logits(a: dict, sids_a: list, b: dict, sids_b: list) -> bool:
     return all(np.array_equal(a["report"].logits[x], b["report"].logits[y]) for x, y in zip(sids_a, sids_b))
 
 
+def per_session_decode_tokens(report, tokens: list) -> list | None:
+    """Each session's tokens that ``report.decode_s`` timed (the loop's steps emitted them), for tokens/s per session
+    that add up to ``report.decode_tokens``. A session whose history ends with a processed token samples its first
+    new token from its stored hidden state before the loop (timed in ``first_token_s``); one with a pending token (a
+    session rolled back after an earlier run, as every timed run of the A/Bs is) gets every token from the loop.
+    ``tokens``: each session's tokens of the run. None when some sessions took their first token before the loop and
+    others did not: the report does not say which."""
+    before_loop = sum(len(t) for t in tokens) - report.decode_tokens
+    if before_loop == 0:
+        return [len(t) for t in tokens]
+    if before_loop == len(tokens):
+        return [len(t) - 1 for t in tokens]
+    return None
+
+
+def per_session_tokens_per_s(report, tokens: list) -> list | None:
+    """``per_session_decode_tokens`` over ``report.decode_s`` (None entries without a timed decode)."""
+    n = per_session_decode_tokens(report, tokens)
+    if n is None:
+        return None
+    return [k / report.decode_s if report.decode_s > 0 else None for k in n]
+
+
 def _median_ms(seconds: list) -> float | None:
     return 1e3 * float(np.median(seconds)) if seconds else None
 
@@ -110,9 +133,9 @@ def figures(res: dict, n_sessions: int) -> dict:
     total = sum(len(t) for t in res["tokens"])
     copyback, copying = set(r.copyback_steps), set(r.copy_steps)
     return {
-        # every session's tokens after its first (the first is the previous token's, sampled before the loop)
+        # the tokens the decode loop emitted, over its time (a first token sampled before the loop is not in it)
         "aggregate_tokens_per_s": r.decode_tokens / r.decode_s,
-        "per_session_tokens_per_s": [(len(t) - 1) / r.decode_s for t in res["tokens"]],
+        "per_session_tokens_per_s": per_session_tokens_per_s(r, res["tokens"]),
         "tokens_total": total, "decode_s": r.decode_s, "first_token_s": r.first_token_s, "steps": r.steps,
         "mtp_proposed": r.mtp_proposed, "mtp_accepted": r.mtp_accepted, "mtp_committed": r.mtp_committed,
         "acceptance_real": r.acceptance, "tokens_per_step_per_session": r.decode_tokens / max(r.steps, 1) / n_sessions,

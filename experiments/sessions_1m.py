@@ -61,6 +61,7 @@ from tqdm.auto import tqdm
 
 import glm53
 from experiments import cli, workloads
+from experiments.engine_runs import per_session_tokens_per_s
 from glm53 import memory
 from glm53.memory import device_memory
 from glm53.engine import compile_seconds
@@ -391,9 +392,9 @@ def figures(res: dict, n_sessions: int) -> dict:
     r = res["report"]
     pct = r.step_call_ms
     out = {
-        # every session's tokens after its first (the first is sampled from the stored hidden state, before the loop)
+        # the tokens the decode loop emitted, over its time (a first token sampled before the loop is not in it)
         "aggregate_tokens_per_s": r.decode_tokens / r.decode_s if r.decode_s > 0 else None,
-        "per_session_tokens_per_s": [(len(t) - 1) / r.decode_s if r.decode_s > 0 else None for t in res["tokens"]],
+        "per_session_tokens_per_s": per_session_tokens_per_s(r, res["tokens"]),
         "tokens_total": sum(len(t) for t in res["tokens"]), "decode_s": r.decode_s, "first_token_s": r.first_token_s,
         "steps": r.steps, "ms_per_step": 1e3 * r.decode_s / max(r.steps, 1), "bucket": r.bucket, "mtp": r.mtp,
         "mtp_proposed": r.mtp_proposed, "mtp_accepted": r.mtp_accepted, "mtp_committed": r.mtp_committed,
@@ -485,8 +486,9 @@ def capacity_run(model, c, planned: dict, rec: Recorder) -> None:
     R["decode"]["tokens_head"] = [t[:16] for t in res["tokens"]]
     R["final"] = memory_snapshot(e)
     rec.save()
+    per = f["per_session_tokens_per_s"]
     print(f"[offload] decode {n} x {c.run.max_new_tokens} tokens: {f['aggregate_tokens_per_s']:,.1f} tok/s aggregate "
-          f"({np.mean(f['per_session_tokens_per_s']):,.2f} per session, {f['ms_per_step']:.1f} ms/step); hit rate "
+          f"({np.mean(per) if per else float('nan'):,.2f} per session, {f['ms_per_step']:.1f} ms/step); hit rate "
           f"{f['hit_rate']}; from host {gib(f.get('bytes_from_host_per_s'))}/s; device peak "
           f"{gib(R['final']['device'].get('peak_bytes_in_use'))}; RSS {gib(R['final']['host'].get('rss'))}", flush=True)
 
