@@ -125,6 +125,7 @@ def plan(model, cc: glm53.CacheConfig, sessions: list, max_history: int, extra_r
     ``max_sessions``; the rest get a reason."""
     cfg = model.config
     capacity = glm53.cache.capacity_for(cc.max_len, cc)
+    cc = memory.engine_cache_config(cfg, cc, capacity)  # offload's hot_rows as the engine cuts them
     params = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(model.params))
     row = kv_formats.get_format(cc.kv_format).bytes_per_row
     transient = capacity * row if cc.mode == "offload" else 0

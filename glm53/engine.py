@@ -424,7 +424,7 @@ class Engine:
             # (glm53.generate's default 32,768 rows for a 256-row run: 128x the history). It is cut to the
             # slot's rows (a power of two, at least what a round pins): every row fits either way, so nothing a
             # step computes changes.
-            fits = 1 << (max(self.capacity, offload.min_hot_rows(self.cfg, cc)) - 1).bit_length()
+            fits = offload.hot_rows_for(self.cfg, cc, self.capacity)
             if cc.hot_rows > fits:
                 cc = self.cache_config = cc.replace(hot_rows=fits)
         self.max_rows = min(rows, self.capacity)

@@ -37,6 +37,14 @@ def device_memory() -> dict:
     return out
 
 
+def engine_cache_config(cfg: ModelConfig, cc: CacheConfig, capacity: int) -> CacheConfig:
+    """``cc`` as an engine of ``capacity`` rows per slot runs it: offload's ``hot_rows`` cut to what a slot can fill
+    (``glm53.offload.hot_rows_for``), so the bytes counted here are the ones the engine allocates."""
+    if cc.mode != "offload":
+        return cc
+    return cc.replace(hot_rows=offload.hot_rows_for(cfg, cc, capacity))
+
+
 def _plane_bytes(shapes: dict) -> int:
     """Bytes of ``{plane: (shape, dtype)}`` (padding rows included)."""
     return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize for shape, dt in shapes.values())
@@ -170,6 +178,7 @@ def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtyp
     stages, tp = int(mesh_shape.get("stage", 1)), int(mesh_shape.get("tp", 1))
     devices = stages * tp
     capacity = cache.capacity_for(history, cc)
+    cc = engine_cache_config(cfg, cc, capacity)
     pages_per_slot = capacity // cc.copyback_every if cc.mode == "offload" else 0
     shapes = param_shapes(cfg, dtype, expert_weights)
     if stages > 1:  # glm53.pipeline: each stage its layers' weights and cache, over its tp devices
@@ -275,6 +284,7 @@ def session_bytes(cfg: ModelConfig, cc: CacheConfig, history: int, dtype) -> dic
     layer too), the indexer keys, slot maps, ring and page rounding; ``transient`` is the largest buffer a
     prefill / append chunk adds (offload's bulk read of one layer)."""
     capacity = cache.capacity_for(history, cc)
+    cc = engine_cache_config(cfg, cc, capacity)
     pages = capacity // cc.copyback_every if cc.mode == "offload" else 0
     # A slot's share of an engine of 2**24 slots: every part is slots x its per-slot size, and at this many slots no
     # plane is in the range that gets addressing pads (glm53.cache.padded_rows: a whole-array effect of some engine
@@ -313,6 +323,7 @@ def abstract_engine_state(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, h
              else jax.tree.map(lambda _: placed(), params))
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, where)
     capacity = cache.capacity_for(history, cc)
+    cc = engine_cache_config(cfg, cc, capacity)
     if cc.mode == "offload":
         pages = allocated_pages(cfg, cc, sessions * (capacity // cc.copyback_every))
         planes = kv_formats.get_format(cc.kv_format).plane_shapes(offload.pool_rows(cfg, cc, pages))
@@ -448,6 +459,7 @@ def compiled_stage_memory(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, h
     steps = pipeline.PipelineSteps(pipe, GLM5(cfg, dtype))
     trees = pipeline.stage_param_trees(cfg, pipe.layers, shapes)
     capacity = cache.capacity_for(history, cc)
+    cc = engine_cache_config(cfg, cc, capacity)
     pages = (allocated_pages(cfg, cc, sessions * (capacity // cc.copyback_every), pipe.layer_counts)
              if cc.mode == "offload" else 0)
     counted = plan(cfg, cc, sessions=sessions, history=history, dtype=dtype, mesh_shape=dict(mesh.shape),

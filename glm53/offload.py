@@ -631,6 +631,14 @@ def min_hot_rows(cfg: ModelConfig, cc: CacheConfig) -> int:
     return cfg.index_topk + ring_rows_for(cc)
 
 
+def hot_rows_for(cfg: ModelConfig, cc: CacheConfig, capacity: int) -> int:
+    """The hot-cache rows an engine of ``capacity`` rows per slot allocates: ``cc.hot_rows``, cut to the slot's rows
+    (a power of two, at least what a round pins) when larger: a hot cache with more rows than a slot's history could
+    never fill. ``Engine`` and the capacity accounting (``glm53.memory``) both take it from here."""
+    fits = 1 << (max(capacity, min_hot_rows(cfg, cc)) - 1).bit_length()
+    return min(cc.hot_rows, fits)
+
+
 def slot_map_dtype(hot_rows: int) -> np.dtype:
     """``slot_of_position``'s dtype, chosen here only: int16 when every slot (< hot_rows) and the -1 sentinel fit,
     i.e. ``hot_rows <= 32,768`` (the design's 2 bytes per position: 18 MB instead of 36 MB for 9 layers of a

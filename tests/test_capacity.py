@@ -65,3 +65,19 @@ def test_capacity_for_given_sizes():
                         "--sessions=16"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "16 sessions on custom: 1 devices x 139.0 GiB, 125.0 GiB per host" in p.stdout
+
+
+def test_a_hot_cache_larger_than_a_slot_is_counted_as_the_engine_cuts_it():
+    """An offload engine cuts hot_rows to the slot's rows (a larger hot cache could never fill); the accounting
+    counted the hot cache, its maps and pins at the configured size: 4,096 rows per layer for a 304-row slot."""
+    cc = CacheConfig(mode="offload", kv_format="q8g64", prefill_chunk=16, copyback_every=16, hot_rows=4096,
+                     max_len=300)
+    model = glm53.from_config(CFG, seed=0, dtype="float32", cache_config=cc)
+    e = glm53.Engine(model, max_sessions=2)
+    assert e.cache_config.hot_rows < cc.hot_rows
+    report = e.memory_report()
+    s = memory.session_bytes(CFG, cc, 300, jnp.float32)
+    assert sum(s["device"].values()) == report["device"]["per_slot_bytes"]
+    p = memory.plan(CFG, cc, sessions=2, history=300, dtype=jnp.float32)
+    assert p["per_device"]["cache"] == report["device"]["cache_bytes"]
+    assert p["per_host"]["pool"] == report["host"]["pool_bytes"]
