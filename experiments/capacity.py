@@ -52,6 +52,10 @@ def decimals(x: float) -> int:
 def main(_):
     c = FLAGS.config
     cli.check_checkpoint(c, reads_checkpoint=True)  # its config: the shapes counted are the checkpoint's
+    cli.refuse_unread_overrides(
+        ("model", "dtype", "checkpoint") + cli.cache_fields_but(c, "max_len"),
+        "experiments.capacity counts config.model (or the checkpoint's), dtype and cache but its max_len: the rows "
+        "come from --history, the sessions from --sessions and the devices from --machine")
     cfg = cli.model_config(c)
     cc = glm53.CacheConfig.from_config_dict(c.cache)
     dtype = resolve_dtype(c.dtype)

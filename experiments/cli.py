@@ -90,6 +90,20 @@ def check_checkpoint(config, *, reads_checkpoint: bool, name: str = "config") ->
         sys.exit(f"{module_name()}: {problem}")
 
 
+def cache_fields_but(config, *left: str) -> tuple:
+    """``("cache.kv_format", ...)``: every field of ``config.cache`` but ``left`` (which the experiment sets itself),
+    for ``refuse_unread_overrides``."""
+    return tuple(f"cache.{k}" for k in config.cache if k not in left)
+
+
+def refuse_unread_overrides(read: tuple, why: str, name: str = "config") -> None:
+    """``unread_overrides`` for this process's command line: a one-line exit naming the flags the entry point would
+    ignore (and record in its results as if they had been used)."""
+    problem = unread_overrides(overrides(name), read, why)
+    if problem:
+        sys.exit(f"{module_name()}: {problem}")
+
+
 def readable(value, digits: int = 4):
     """``value`` (a summary dict, list, number) with floats rounded to ``digits`` significant digits, for printing:
     the JSON keeps full precision; the terminal needs ``0.9772``, not ``0.9772135416666666``."""

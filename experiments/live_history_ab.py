@@ -42,6 +42,12 @@ flags.DEFINE_integer("check_tokens", 8, "tokens of the logits check run (also th
 def main(_):
     c = FLAGS.config
     cli.check_checkpoint(c, reads_checkpoint=False)
+    cli.refuse_unread_overrides(
+        ("model", "seed", "dtype", "run.prompt_len", "run.max_new_tokens", "run.seed")
+        + cli.cache_fields_but(c, "max_len"),
+        "experiments.live_history_ab reads config.model, seed, dtype, run.{prompt_len,max_new_tokens,seed} and cache "
+        "but its max_len (the two capacities: the run's own and --large_capacity); sessions come from --sessions, "
+        "the output from --out, decoding is greedy without MTP, and it runs on one device")
     cc = glm53.CacheConfig.from_config_dict(c.cache)
     model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
     S, new, history = FLAGS.sessions, c.run.max_new_tokens, c.run.prompt_len

@@ -575,6 +575,12 @@ def ab_run(model, c, planned: dict, rec: Recorder) -> None:
 def main(_):
     c = FLAGS.config
     cli.check_checkpoint(c, reads_checkpoint=False)
+    cli.refuse_unread_overrides(
+        ("model", "seed", "dtype", "mesh", "run.prompt_len", "run.max_new_tokens", "run.mtp", "run.accept_override",
+         "run.seed") + cli.cache_fields_but(c, "mode", "max_len"),
+        "experiments.sessions_1m reads config.model, seed, dtype, mesh, run.{prompt_len,max_new_tokens,mtp,"
+        "accept_override,seed} and cache but its mode (offload; --ab: both) and max_len (from the run's lengths); "
+        "sessions come from --sessions, the output from --out, and decoding is greedy")
     R = {"config": c.to_dict(), **provenance(), "mode": "ab" if FLAGS.ab else "capacity",
          "sessions": FLAGS.sessions, "history_tokens": c.run.prompt_len, "workload": FLAGS.workload,
          "mtp": c.run.mtp, "accept_override": c.run.accept_override,

@@ -131,6 +131,12 @@ def main(_):
     t_start = time.perf_counter()
     c = FLAGS.config
     cli.check_checkpoint(c, reads_checkpoint=False)
+    cli.refuse_unread_overrides(
+        ("model", "seed", "dtype", "run.prompt_len", "run.max_new_tokens", "run.seed")
+        + cli.cache_fields_but(c, "mode", "max_len"),
+        "experiments.sessions_ab reads config.model, seed, dtype, run.{prompt_len,max_new_tokens,seed} and cache but "
+        "its mode (both run) and max_len (from the run's lengths); sessions come from --sessions, MTP from --mtp "
+        "(drafts forced), the output from --out, decoding is greedy, and it runs on one device")
     cc = glm53.CacheConfig.from_config_dict(c.cache)
     model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
     depths = [int(d) for d in FLAGS.mtp]

@@ -447,6 +447,12 @@ def main(_):
         merge_only()
         return
     c = FLAGS.config
+    cli.check_checkpoint(c, reads_checkpoint=False)
+    cli.refuse_unread_overrides(
+        ("model", "seed", "dtype", "run.seed") + cli.cache_fields_but(c, "mode", "max_len"),
+        "experiments.throughput reads config.model, seed, dtype, run.seed and cache but its mode (--modes) and "
+        "max_len (from --histories); sessions come from --sessions, tokens from --new_tokens, MTP from --mtp, the "
+        "output from --out, and it runs on one device")
     sessions = sorted({int(s) for s in FLAGS.sessions})
     histories = sorted({int(h) for h in FLAGS.histories})
     modes = list(FLAGS.modes)

@@ -22,8 +22,18 @@ TINY = ["--config=configs/tiny.py", "--config.run.prompt_len=100", "--config.run
         "--config.model.num_hidden_layers=2", "--config.model.indexer_types=('full','shared')"]
 
 
+# The fields of TINY an entry point does not read, and so refuses (cli.refuse_unread_overrides)
+UNREAD = {"experiments.throughput": ("run.prompt_len", "run.batch"), "experiments.sessions_ab": ("run.batch",),
+          "experiments.live_history_ab": ("run.batch",), "experiments.sessions_1m": ("run.batch",)}
+
+
+def tiny(module):
+    """TINY without the overrides ``module`` would refuse."""
+    return [a for a in TINY if not any(a.startswith(f"--config.{f}=") for f in UNREAD.get(module, ()))]
+
+
 def _run(module, *args, env=None):
-    p = subprocess.run([sys.executable, "-m", module, *TINY, *args], cwd=ROOT, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", module, *tiny(module), *args], cwd=ROOT, capture_output=True, text=True,
                        timeout=600, env=None if env is None else {**os.environ, **env})
     assert p.returncode == 0, p.stderr[-3000:]
     return p
@@ -392,7 +402,8 @@ def test_sessions_1m_ab_on_stages(tmp_path):
 
 def test_sessions_1m_refuses_what_host_ram_cannot_hold(tmp_path):
     out = tmp_path / "refused.json"
-    p = subprocess.run([sys.executable, "-m", "experiments.sessions_1m", *TINY, "--host_margin_gib=1e9",
+    p = subprocess.run([sys.executable, "-m", "experiments.sessions_1m", *tiny("experiments.sessions_1m"),
+                        "--host_margin_gib=1e9",
                         f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 2 and "host RAM" in p.stderr and "sessions fit" in p.stderr
     report = json.loads(out.read_text())
@@ -485,7 +496,8 @@ def test_generate_runs_a_checkpoint_and_records_the_model_it_loaded(tmp_path):
 
 
 def test_random_weight_experiments_refuse_a_checkpoint_they_would_ignore():
-    p = subprocess.run([sys.executable, "-m", "experiments.sessions_ab", *TINY, "--config.checkpoint=/tmp/any_ckpt"],
+    p = subprocess.run([sys.executable, "-m", "experiments.sessions_ab", *tiny("experiments.sessions_ab"),
+                        "--config.checkpoint=/tmp/any_ckpt"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert re.search("experiments.sessions_ab: --config.checkpoint=/tmp/any_ckpt: this experiment builds random "
@@ -780,3 +792,19 @@ def test_per_session_tokens_per_s_add_up_to_the_aggregate():
         assert f["tokens_total"] == 10
         assert sum(f["per_session_tokens_per_s"]) == pytest.approx(f["aggregate_tokens_per_s"], rel=1e-9)
     assert engine_runs.per_session_decode_tokens(res["report"], res["tokens"]) == [5, 5]
+
+
+@pytest.mark.parametrize("module,flag,reads", [
+    ("experiments.throughput", "--config.run.mtp=2", "--mtp"),
+    ("experiments.sessions_ab", "--config.mesh.tp=2", "one device"),
+    ("experiments.live_history_ab", "--config.run.temperature=0.7", "greedy"),
+    ("experiments.sessions_1m", "--config.cache.mode=resident", "offload"),
+    ("experiments.capacity", "--config.cache.max_len=100", "--history")])
+def test_experiments_refuse_config_overrides_they_would_ignore(module, flag, reads):
+    """An override an entry point does not read would have gone into its results' config as if it had run (a
+    throughput run at --config.run.mtp=2 decoded at MTP 0): refused at once, on one line naming the flag."""
+    p = subprocess.run([sys.executable, "-m", module, "--config=configs/tiny.py", flag], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert last.startswith(f"{module}: {flag}: ") and reads in last, last
