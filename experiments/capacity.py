@@ -17,6 +17,7 @@ sessions of a history fit a machine.
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 from absl import app, flags
@@ -24,9 +25,10 @@ from ml_collections import config_flags
 
 from experiments import cli
 import glm53
-from glm53 import memory
+from glm53 import memory, offload
+from glm53.config import ConfigError
 from glm53.params import resolve_dtype
-from glm53.provenance import git_revision
+from glm53.provenance import git_revision, module_name
 
 # The article's figures as printed (kv-offload-article.md), in the units it prints them.
 ARTICLE = [(656, "B"), (31.281, "MiB"), (4.765, "GiB"), (1.28125, "MiB"), (20.5, "MiB"), (99.94, "GiB"),
@@ -40,13 +42,25 @@ flags.DEFINE_enum("machine", "article", list(memory.MACHINES) + ["custom"],
 flags.DEFINE_integer("devices", 0, "--machine=custom: devices (the tp mesh)")
 flags.DEFINE_float("device_gib", 0.0, "--machine=custom: GiB per device")
 flags.DEFINE_float("host_gib", 0.0, "--machine=custom: GiB of host memory per host (all devices on one host)")
-flags.DEFINE_integer("sessions", 15, "sessions for the fit table")
+flags.DEFINE_integer("sessions", 15, "sessions for the fit table", lower_bound=1)
 flags.DEFINE_string("out", "", "write the tables as JSON here")
 
 
 def decimals(x: float) -> int:
     s = f"{x}"
     return len(s.split(".")[1]) if "." in s else 0
+
+
+def histories() -> list[int]:
+    """``--history`` as token counts, each at least 1 (a usage error names the flag otherwise)."""
+    try:
+        hs = [int(x) for x in FLAGS.history]
+    except ValueError:
+        hs = []
+    if not hs or min(hs) < 1:
+        raise app.UsageError(f"--history={','.join(FLAGS.history)}: give history lengths in tokens, whole numbers "
+                             ">= 1, comma-separated")
+    return hs
 
 
 def main(_):
@@ -58,6 +72,12 @@ def main(_):
         "come from --history, the sessions from --sessions and the devices from --machine")
     cfg = cli.model_config(c)
     cc = glm53.CacheConfig.from_config_dict(c.cache)
+    if cc.mode == "offload":
+        try:  # what Engine refuses is no engine to count
+            offload.validate(cfg, cc)
+        except ConfigError as err:
+            sys.exit(f"{module_name()}: {err}")
+    hs = histories()
     dtype = resolve_dtype(c.dtype)
     out = {"config": c.to_dict(), "git": git_revision()}
 
@@ -73,7 +93,7 @@ def main(_):
 
     print("\n2. One session in glm53 (one replica), by part")
     out["session"] = {}
-    for h in (int(x) for x in FLAGS.history):
+    for h in hs:
         parts = memory.session_bytes(cfg, cc, h, dtype)
         fp8 = memory.session_bytes(cfg, cc.replace(index_keys="fp8"), h, dtype)
         parts["index_keys_fp8"] = fp8["device"]["index_keys"] + fp8["device"].get("index_key_scale", 0)
@@ -96,7 +116,7 @@ def main(_):
     print(f"\n3. {FLAGS.sessions} sessions on {FLAGS.machine}: {devices} devices x {device_gib} GiB, {host_gib} GiB per "
           f"host, {per_host} devices per host (tensor parallel; experiments.plan has the details)")
     out["fit"] = []
-    for h in (int(x) for x in FLAGS.history):
+    for h in hs:
         p = memory.plan(cfg, cc, sessions=FLAGS.sessions, history=h, dtype=dtype, mesh_shape={"stage": 1, "tp": devices},
                         device_bytes=int(device_gib * 2**30), host_bytes=int(host_gib * 2**30),
                         devices_per_host=per_host)

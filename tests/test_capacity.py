@@ -81,3 +81,17 @@ def test_a_hot_cache_larger_than_a_slot_is_counted_as_the_engine_cuts_it():
     p = memory.plan(CFG, cc, sessions=2, history=300, dtype=jnp.float32)
     assert p["per_device"]["cache"] == report["device"]["cache_bytes"]
     assert p["per_host"]["pool"] == report["host"]["pool_bytes"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--history=50k"], "--history=50k: give history lengths in tokens"),
+    (["--history=100,0"], "--history=100,0: give history lengths in tokens"),
+    (["--sessions=0"], "flag --sessions=0: 0 is not a positive integer"),
+    (["--config.cache.mode=offload", "--config.cache.hot_rows=100"], "offload: hot_rows=100 is below what a round")])
+def test_capacity_refuses_what_no_engine_could_be(args, message):
+    """A history that is no token count (a traceback before), a history or session count of zero, an offload cache
+    the engine refuses (counted as if it could run before): each a one-line error naming the problem."""
+    p = subprocess.run([sys.executable, "-m", "experiments.capacity", "--config=configs/tiny.py", *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert message in p.stderr, p.stderr[-2000:]
