@@ -28,7 +28,7 @@ import glm53
 from glm53 import memory, offload
 from glm53.config import ConfigError
 from glm53.params import resolve_dtype
-from glm53.provenance import git_revision, module_name
+from glm53.provenance import module_name, provenance
 
 # The article's figures as printed (kv-offload-article.md), in the units it prints them.
 ARTICLE = [(656, "B"), (31.281, "MiB"), (4.765, "GiB"), (1.28125, "MiB"), (20.5, "MiB"), (99.94, "GiB"),
@@ -79,7 +79,7 @@ def main(_):
             sys.exit(f"{module_name()}: {err}")
     hs = histories()
     dtype = resolve_dtype(c.dtype)
-    out = {"config": c.to_dict(), "git": git_revision()}
+    out = {"config": c.to_dict(), **provenance()}  # the git revision, the command, the environment
 
     print(f"1. The article's MLA payload ({cc.kv_format} rows, {cfg.num_hidden_layers} main-model layers, owner + "
           "peer replicas; MLA only)")

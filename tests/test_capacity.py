@@ -95,3 +95,14 @@ def test_capacity_refuses_what_no_engine_could_be(args, message):
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert message in p.stderr, p.stderr[-2000:]
+
+
+def test_capacity_records_its_command(tmp_path):
+    """The JSON records the command that made it beside the git revision, as every other entry point's does."""
+    out = tmp_path / "cap.json"
+    p = subprocess.run([sys.executable, "-m", "experiments.capacity", "--config=configs/tiny.py", "--history=100",
+                        f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["git"]["commit"] and r["command"] == (f"python -m experiments.capacity --config=configs/tiny.py "
+                                                  f"--history=100 --out={out}")
