@@ -359,13 +359,15 @@ def memory_snapshot(e: glm53.Engine) -> dict:
     return {"engine": rep, "host": host_memory(), "device": device_memory()}
 
 
-def run(e: glm53.Engine, sids: list, n: int, c, selection, *, logits: bool = False, rollback: bool = True) -> dict:
-    """Generate ``n`` tokens for every session together; counters before/after; roll back if asked."""
+def run(e: glm53.Engine, sids: list, n: int, c, selection, *, logits: bool = False, rollback: bool = True,
+        timed: bool = False) -> dict:
+    """Generate ``n`` tokens for every session together; counters before/after; roll back if asked. ``timed``: no
+    progress bar (its terminal writes would land between the timed step calls); untimed runs show theirs."""
     mtp = int(c.run.mtp)
     accept = None if c.run.accept_override < 0 or not mtp else int(c.run.accept_override)
     before = {s: e.stats(s) for s in sids}
     out = e.generate({s: n for s in sids}, mtp=mtp, accept_override=accept, selection_override=selection,
-                     return_logits=logits, progress=True)
+                     return_logits=logits, progress=not timed)
     r = e.last_run
     res = {"tokens": [out[s] for s in sids], "report": r}
     if e.offload:
@@ -481,7 +483,7 @@ def capacity_run(model, c, planned: dict, rec: Recorder) -> None:
     warm = run(e, sids, FLAGS.check_tokens, c, select(1))
     R["decode_warmup"] = {"tokens": FLAGS.check_tokens, "compile_s": warm["report"].compile_s}
     rec.save()
-    res = run(e, sids, c.run.max_new_tokens, c, select(10), rollback=False)
+    res = run(e, sids, c.run.max_new_tokens, c, select(10), rollback=False, timed=True)
     f = R["decode"] = figures(res, n)
     R["decode"]["tokens_head"] = [t[:16] for t in res["tokens"]]
     R["final"] = memory_snapshot(e)
@@ -549,7 +551,7 @@ def ab_run(model, c, planned: dict, rec: Recorder) -> None:
         runs = {}
         for mode in order:
             e, sids = engines[mode]
-            runs[mode] = run(e, sids, c.run.max_new_tokens, c, select(10 + p))
+            runs[mode] = run(e, sids, c.run.max_new_tokens, c, select(10 + p), timed=True)
         fr, fo = figures(runs["resident"], n), figures(runs["offload"], n)
         pair = {"order": order, "tokens_identical": runs["resident"]["tokens"] == runs["offload"]["tokens"],
                 "resident": fr, "offload": fo,

@@ -808,3 +808,12 @@ def test_experiments_refuse_config_overrides_they_would_ignore(module, flag, rea
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert last.startswith(f"{module}: {flag}: ") and reads in last, last
+
+
+def test_sessions_1m_times_its_decode_without_a_progress_bar(tmp_path):
+    """The timed decode shows no bar (its writes would fall between the timed step calls); the untimed warm-up,
+    which compiles, shows its own."""
+    p = _run("experiments.sessions_1m", "--config.run.prompt_len=40", "--config.run.max_new_tokens=5",
+             "--sessions=2", "--check_tokens=3", "--suffix=2", f"--out={tmp_path / 's.json'}")
+    assert "/6 [" in p.stderr  # the warm-up's bar: 2 sessions x 3 tokens
+    assert "/10 [" not in p.stderr, p.stderr[-2000:]  # none for the timed 2 x 5
