@@ -19,7 +19,7 @@ import json
 
 import jax
 import numpy as np
-from absl import flags
+from absl import app, flags
 from ml_collections import config_flags
 
 import glm53
@@ -49,11 +49,18 @@ def main(_):
         "but its max_len (the two capacities: the run's own and --large_capacity); sessions come from --sessions, "
         "the output from --out, decoding is greedy without MTP, and it runs on one device")
     cc = glm53.CacheConfig.from_config_dict(c.cache)
-    model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
     S, new, history = FLAGS.sessions, c.run.max_new_tokens, c.run.prompt_len
     small = history + max(new, FLAGS.check_tokens) + 64
+    # Both before the model is built and the small engine prefilled (the large engine refused it after them)
     if FLAGS.large_capacity <= small:
-        raise ValueError(f"--large_capacity={FLAGS.large_capacity} is not larger than the run's own capacity {small}")
+        raise app.UsageError(f"--large_capacity={FLAGS.large_capacity} is not larger than the run's own capacity "
+                             f"{small}")
+    positions = c.model.max_position_embeddings
+    if FLAGS.large_capacity > positions:
+        raise app.UsageError(f"--large_capacity={FLAGS.large_capacity} exceeds the model's max_position_embeddings="
+                             f"{positions}: use --config=configs/h200_1m.py, a smaller --large_capacity or "
+                             f"--config.model.max_position_embeddings={FLAGS.large_capacity}")
+    model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
     K = min(model.config.index_topk, small)
     workloads.selection(FLAGS.workload, K, history, 0, S)  # a bad name fails before any prefill
     rng = np.random.default_rng(c.run.seed)

@@ -817,3 +817,15 @@ def test_sessions_1m_times_its_decode_without_a_progress_bar(tmp_path):
              "--sessions=2", "--check_tokens=3", "--suffix=2", f"--out={tmp_path / 's.json'}")
     assert "/6 [" in p.stderr  # the warm-up's bar: 2 sessions x 3 tokens
     assert "/10 [" not in p.stderr, p.stderr[-2000:]  # none for the timed 2 x 5
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--large_capacity=1048576", "--large_capacity=1048576 exceeds the model's max_position_embeddings=4096"),
+    ("--large_capacity=64", "--large_capacity=64 is not larger than the run's own capacity")])
+def test_live_history_ab_refuses_a_large_capacity_it_cannot_build_before_prefilling(flag, message):
+    """configs/tiny.py with the default 1M-row large cache: refused on one line before any model or prefill (it was
+    a traceback from the large engine, after the small one had prefilled)."""
+    p = subprocess.run([sys.executable, "-m", "experiments.live_history_ab", "--config=configs/tiny.py", flag],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert message in p.stderr and "prefill" not in p.stdout + p.stderr.replace(message, ""), p.stderr[-2000:]
