@@ -6,7 +6,8 @@
         --host_gib=125 --sessions=16 --history=1048576
 
 ``glm53.memory.plan`` counts what an engine would allocate: each device's shards of the parameters under
-``glm53.sharding``'s rules (``--config.mesh.tp``; ``--machine`` sets it to the machine's device count), the cache
+``glm53.sharding``'s rules (tp is the machine's device count over ``--config.mesh.stages``; a ``--config.mesh.tp``
+other than that, or a layout no engine could run, is refused with what is wrong), the cache
 (replicated over the mesh), the largest transient buffer and the host pool (one copy per device, in its host's
 memory), and how many sessions of each history fit by device memory and by host memory. The same figures as
 ``Engine.memory_report()`` for the same engine (``tests/test_plan.py``).
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 from absl import app, flags
@@ -80,10 +82,11 @@ def main(_):
         per_host = FLAGS.devices_per_host or devices
     else:
         devices, device_gib, host_gib, per_host = MACHINES[FLAGS.machine]
-    stages = int(c.mesh.get("stages", 1)) if "mesh" in c else 1
-    if devices % stages:
-        raise app.UsageError(f"--config.mesh.stages={stages} does not divide the machine's {devices} devices")
-    mesh_shape = {"stage": stages, "tp": devices // stages}
+    try:
+        mesh_shape = memory.machine_mesh(cfg, c.get("mesh"), devices)
+    except glm53.ConfigError as e:
+        sys.exit(f"experiments.plan: {e}")
+    stages = mesh_shape["stage"]
     rows = []
     n = cfg.param_count()
     params = cli.params_text(n)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from glm53 import cache, offload
-from glm53.config import CacheConfig, ModelConfig
+from glm53.config import CacheConfig, ConfigError, ModelConfig
 from kernels_pallas import kv_formats
 
 
@@ -133,6 +133,28 @@ MACHINES = {
 }
 
 
+def machine_mesh(cfg: ModelConfig, mesh, devices: int) -> dict:
+    """The ``{"stage": S, "tp": T}`` the machine's ``devices`` are planned as: ``mesh.stages`` stages of
+    ``devices / S`` tensor-parallel devices. Refused, with what is wrong, where no engine could be built so: stages
+    not dividing the devices, a ``mesh.tp`` other than the one that follows (it would be silently replaced), tp not
+    dividing the heads, more stages than layers."""
+    from glm53 import sharding
+
+    mc = sharding.MeshConfig.from_config_dict(mesh)  # every setting an int >= 1
+    if devices % mc.stages:
+        raise ConfigError(f"mesh.stages={mc.stages} does not divide the machine's {devices} devices")
+    tp = devices // mc.stages
+    if mc.tp not in (1, tp):
+        raise ConfigError(f"mesh.tp={mc.tp}: the planner lays the machine's {devices} devices out as {mc.stages} "
+                          f"stage(s) x tp={tp} (tp follows from the machine and mesh.stages); drop it, or choose a "
+                          "machine of stages x tp devices")
+    try:
+        sharding.check_shape(cfg, mc.stages, tp)
+    except ConfigError as e:
+        raise ConfigError(f"{devices} devices as {mc.stages} stage(s) x tp={tp}: {e}") from None
+    return {"stage": mc.stages, "tp": tp}
+
+
 MAX_MTP_DEPTH = 3
 
 
@@ -176,6 +198,7 @@ def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtyp
 
     mesh_shape = dict(mesh_shape or {"stage": 1, "tp": 1})
     stages, tp = int(mesh_shape.get("stage", 1)), int(mesh_shape.get("tp", 1))
+    sharding.check_shape(cfg, stages, tp)  # a layout no engine could be built on is refused, not planned
     devices = stages * tp
     capacity = cache.capacity_for(history, cc)
     cc = engine_cache_config(cfg, cc, capacity)

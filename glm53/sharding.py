@@ -197,12 +197,16 @@ def param_shardings(params, mesh: Mesh):
 def check_model(cfg, mesh: Mesh) -> None:
     """Head counts a ``tp`` split must divide (a width divisible by tp but not on a head boundary would split a
     head across devices), and a main layer for every pipeline stage."""
-    tp = mesh.shape["tp"]
+    check_shape(cfg, mesh.shape["stage"], mesh.shape["tp"])
+
+
+def check_shape(cfg, stages: int, tp: int) -> None:
+    """``check_model`` on mesh sizes alone (the planner's ``mesh_shape``: no devices)."""
     for name in ("num_attention_heads", "index_n_heads"):
         n = getattr(cfg, name)
         if n % tp:
             raise ConfigError(f"mesh.tp={tp} does not divide {name}={n}")
-    check_stages(cfg, mesh.shape["stage"])
+    check_stages(cfg, stages)
 
 
 def check_stages(cfg, stages: int) -> None:

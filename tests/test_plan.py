@@ -183,3 +183,48 @@ def test_device_memory_reports_the_fullest_device(monkeypatch):
     assert memory.device_memory() == {"bytes_in_use": 5, "peak_bytes_in_use": 9, "bytes_limit": 100}
     monkeypatch.setattr(jax, "local_devices", lambda: [Dev(None), Dev(None)])
     assert memory.device_memory() == {}
+
+
+def test_plan_counts_the_hot_cache_an_engine_cuts_to_its_rows():
+    """An offload engine cuts ``hot_rows`` to what a slot's rows can fill (a 1,024-row hot cache for 256-row slots
+    would never fill): the planner, the per-session figures and the compiled step's abstract state count the
+    same hot cache, not the configured one."""
+    cc = CacheConfig(mode="offload", kv_format="q8g64", prefill_chunk=16, copyback_every=16, hot_rows=1024,
+                     max_len=200)
+    model = glm53.from_config(CFG, seed=0, dtype="float32", cache_config=cc)
+    e = glm53.Engine(model, max_sessions=3)
+    assert e.cache_config.hot_rows < cc.hot_rows  # the cut this checks
+    report = e.memory_report()
+    p = memory.plan(CFG, cc, sessions=3, history=200, dtype=jnp.float32)
+    assert p["per_device"]["cache"] == report["device"]["cache_bytes"]
+    assert p["per_host"]["pool"] == report["host"]["pool_bytes"]
+    per_slot = memory.session_bytes(CFG, cc, 200, jnp.float32)
+    assert sum(per_slot["device"].values()) == report["device"]["per_slot_bytes"]
+    _, state, _ = memory.abstract_engine_state(CFG, cc, sessions=3, history=200, dtype=jnp.float32)
+    assert sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state)) == sum(
+        int(x.nbytes) for x in jax.tree_util.tree_leaves(e.cache))
+
+
+def test_plan_refuses_layouts_no_engine_could_run():
+    """A layout the engine would refuse is refused by the planner too, naming what is wrong: tp not dividing the
+    heads (GSPMD would split a head, or the widths happen to divide), more stages than layers, a ``mesh.tp`` that
+    the machine's layout would silently replace, stages of 0."""
+    cc = CacheConfig(mode="offload", kv_format="q8g64", prefill_chunk=16, copyback_every=16, hot_rows=64)
+    with pytest.raises(glm53.ConfigError, match="mesh.tp=8 does not divide num_attention_heads=4"):
+        memory.plan(CFG, cc, sessions=1, history=200, dtype=jnp.float32, mesh_shape={"stage": 1, "tp": 8})
+    with pytest.raises(glm53.ConfigError, match="more than the model's 3 layers"):
+        memory.plan(CFG, cc, sessions=1, history=200, dtype=jnp.float32, mesh_shape={"stage": 4, "tp": 1})
+    assert memory.machine_mesh(CFG, {"stages": 2, "tp": 1}, 4) == {"stage": 2, "tp": 2}
+    assert memory.machine_mesh(CFG, {"stages": 2, "tp": 2}, 4) == {"stage": 2, "tp": 2}
+    for mesh, devices, what in [({"stages": 1, "tp": 1}, 8, "8 devices as 1 stage"),
+                                ({"stages": 3, "tp": 1}, 4, "does not divide the machine's 4 devices"),
+                                ({"stages": 1, "tp": 2}, 4, "mesh.tp=2: the planner lays"),
+                                ({"stages": 0, "tp": 1}, 4, "mesh.stages must be an int >= 1")]:
+        with pytest.raises(glm53.ConfigError, match=what):
+            memory.machine_mesh(CFG, mesh, devices)
+    p = subprocess.run([sys.executable, "-m", "experiments.plan", "--config=configs/tiny.py", "--machine=custom",
+                        "--devices=3", "--device_gib=1", "--host_gib=1", "--history=100"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1] == ("experiments.plan: 3 devices as 1 stage(s) x tp=3: mesh.tp=3 does "
+                                                 "not divide num_attention_heads=4")
