@@ -27,10 +27,10 @@ from absl import app, flags
 from experiments import cli
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("processes", 2, "processes to start")
+flags.DEFINE_integer("processes", 2, "processes to start", lower_bound=1)
 flags.DEFINE_integer("devices_per_process", 8, "CPU devices per process (XLA's host platform device count); "
-                     "0 leaves XLA_FLAGS alone (GPU runs: each process sees its own GPUs)")
-flags.DEFINE_integer("timeout", 1800, "seconds before every process is stopped")
+                     "0 leaves XLA_FLAGS alone (GPU runs: each process sees its own GPUs)", lower_bound=0)
+flags.DEFINE_integer("timeout", 1800, "seconds before every process is stopped", lower_bound=1)
 
 
 def free_port() -> int:
@@ -54,6 +54,8 @@ def xla_flags_with_devices(xla_flags: str, devices: int | None) -> str:
 def launch(command: list[str], processes: int, devices_per_process: int, timeout: float) -> int:
     if not command:
         raise app.UsageError("give the command after --, e.g. -- python -m experiments.generate ...")
+    if processes < 1:  # none started would report success for a run that never ran
+        raise app.UsageError(f"--processes={processes}: at least one process")
     coordinator = f"localhost:{free_port()}"
     procs, pumps = [], []
     for i in range(processes):

@@ -152,6 +152,15 @@ def test_launch_fails_when_a_process_fails(tmp_path):
     assert p.returncode == 1 and "exit codes [0, 3]" in p.stdout
 
 
+def test_launch_refuses_to_start_no_process():
+    """--processes=0 started nothing and reported success (exit status 0, "exit codes []")."""
+    for flag in ("--processes=0", "--devices_per_process=-3"):
+        p = subprocess.run([sys.executable, "-m", "experiments.launch", flag, "--", sys.executable, "-c", "0"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert p.returncode != 0 and "exit codes" not in p.stdout, p.stdout
+        assert flag.split("=")[0].lstrip("-") in p.stderr, p.stderr[-2000:]
+
+
 FAILS_AFTER_JOINING = """
 import os, sys
 sys.path.insert(0, os.getcwd())
