@@ -188,15 +188,28 @@ def compare_one_device(config, model, prompts, kw: dict, capacity: int, tokens: 
     del one
     exact = mc.tp == 1 and mc.microbatches == 1
     err = float(np.abs(on_mesh.logits - base.logits).max() / max(float(np.abs(base.logits).max()), 1e-30))
+    # The 1e-5 bound holds for float32 rows of a float32 model; quantised or bf16 rows turn a split reduction's
+    # last-bit difference into a whole rounding step of the row (README: 1.7e-3 with q8g64 rows and tp=4).
+    float32_rows = np.dtype(model.dtype) == np.float32 and cache.kv_format == "f32"
+    if exact:
+        expected = "bit-identical (stages only)"
+    elif float32_rows:
+        expected = ("identical tokens; logits within 1e-5 relative (float32 rows; tp > 1 or micro-batches: matmuls "
+                    "of other shapes or split reductions round differently)")
+    else:
+        expected = (f"identical tokens; logits not bit-identical and not within 1e-5: a split reduction's last-bit "
+                    f"difference can move a stored {cache.kv_format} row by a whole rounding step (model "
+                    f"{np.dtype(model.dtype).name})")
     out = {"mesh": {"stages": mc.stages, "tp": mc.tp, "microbatches": mc.microbatches}, "tokens": tokens,
-           "cache_mode": cache.mode, "tokens_identical": on_mesh.tokens == base.tokens,
+           "cache_mode": cache.mode, "kv_format": cache.kv_format, "tokens_identical": on_mesh.tokens == base.tokens,
            "logits_bit_identical": bool(np.array_equal(on_mesh.logits, base.logits)), "logits_max_rel_err": err,
-           "expected": ("bit-identical (stages only)" if exact else
-                        "identical tokens; logits within 1e-5 relative in float32 (tp > 1 or micro-batches: matmuls "
-                        "of other shapes or split reductions round differently)")}
+           "expected": expected}
+    out["as_expected"] = bool(out["tokens_identical"] and (out["logits_bit_identical"] if exact else
+                                                           err < 1e-5 if float32_rows else True))
     print(f"mesh {mc.stages} x {mc.tp} vs one device ({tokens} tokens, {cache.mode}): tokens identical "
           f"{out['tokens_identical']}, logits bit-identical {out['logits_bit_identical']}, max relative error "
-          f"{err:.2e}; expected {out['expected']}", flush=True)
+          f"{err:.2e}; expected {out['expected']}: {'as expected' if out['as_expected'] else 'NOT as expected'}",
+          flush=True)
     return out
 
 
