@@ -84,6 +84,10 @@ def main(_):
         devices, device_gib, host_gib, per_host = MACHINES[FLAGS.machine]
     try:
         mesh_shape = memory.machine_mesh(cfg, c.get("mesh"), devices)
+        # --compile: the machine's mesh of this process's devices, made before anything is planned (too few
+        # devices is one line now, not a traceback after the first history's table)
+        mesh = (glm53.sharding.make_mesh(glm53.MeshConfig(stages=mesh_shape["stage"], tp=mesh_shape["tp"]))
+                if FLAGS.compile else None)
     except glm53.ConfigError as e:
         sys.exit(f"experiments.plan: {e}")
     stages = mesh_shape["stage"]
@@ -119,7 +123,6 @@ def main(_):
         big = sorted(d["cache_parts"].items(), key=lambda kv: -kv[1])[:3]
         print(f"{'':>10} largest cache parts per device: " + ", ".join(f"{k} {v / GiB:.2f}G" for k, v in big))
         if FLAGS.compile and stages > 1:
-            mesh = glm53.sharding.make_mesh(glm53.MeshConfig(stages=stages, tp=devices // stages))
             r = memory.compiled_stage_memory(cfg, cc, sessions=FLAGS.sessions, history=h,
                                              dtype=resolve_dtype(c.dtype), mesh=mesh,
                                              expert_weights=FLAGS.expert_weights, mtp=FLAGS.mtp)
@@ -130,7 +133,6 @@ def main(_):
                   f"workspace {r['temp_bytes'] / GiB:.2f}G; peak {r['peak_bytes'] / GiB:.2f}G per device (the stage "
                   f"of layers {worst['layers'][0]}-{worst['layers'][-1]}), fits {r['fits_device']}")
         elif FLAGS.compile:
-            mesh = glm53.sharding.make_mesh(glm53.MeshConfig(tp=devices))
             r = memory.compiled_step_memory(cfg, cc, sessions=FLAGS.sessions, history=h, dtype=resolve_dtype(c.dtype),
                                             mesh=mesh, expert_weights=FLAGS.expert_weights, mtp=FLAGS.mtp)
             r["fits_device"] = r["peak_bytes"] <= device_gib * GiB

@@ -228,3 +228,13 @@ def test_plan_refuses_layouts_no_engine_could_run():
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1] == ("experiments.plan: 3 devices as 1 stage(s) x tp=3: mesh.tp=3 does "
                                                  "not divide num_attention_heads=4")
+
+
+def test_plan_compile_on_too_few_devices_is_one_line_before_any_table():
+    env = {**os.environ, "XLA_FLAGS": xla_flags_with_devices(os.environ.get("XLA_FLAGS", ""), 2)}
+    p = subprocess.run([sys.executable, "-m", "experiments.plan", "--config=configs/tiny.py", "--machine=custom",
+                        "--devices=4", "--device_gib=1", "--host_gib=1", "--history=100", "--compile"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1].startswith("experiments.plan: mesh 1 x 4 needs 4 devices, 2 are visible")
+    assert "max by dev" not in p.stdout
