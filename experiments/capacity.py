@@ -69,7 +69,8 @@ def main(_):
     cli.refuse_unread_overrides(
         ("model", "dtype", "checkpoint") + cli.cache_fields_but(c, "max_len"),
         "experiments.capacity counts config.model (or the checkpoint's), dtype and cache but its max_len: the rows "
-        "come from --history, the sessions from --sessions and the devices from --machine")
+        "come from --history, the sessions from --sessions and the devices from --machine (tensor parallel over them: "
+        "plan stages with experiments.plan)")
     cfg = cli.model_config(c)
     cc = glm53.CacheConfig.from_config_dict(c.cache)
     if cc.mode == "offload":
@@ -113,6 +114,10 @@ def main(_):
         devices, device_gib, host_gib, per_host = FLAGS.devices, FLAGS.device_gib, FLAGS.host_gib, FLAGS.devices
     else:
         devices, device_gib, host_gib, per_host = memory.MACHINES[FLAGS.machine]
+    try:
+        memory.machine_mesh(cfg, None, devices)
+    except glm53.ConfigError as e:
+        sys.exit(f"experiments.capacity: {e}")
     print(f"\n3. {FLAGS.sessions} sessions on {FLAGS.machine}: {devices} devices x {device_gib} GiB, {host_gib} GiB per "
           f"host, {per_host} devices per host (tensor parallel; experiments.plan has the details)")
     out["fit"] = []

@@ -7,7 +7,9 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import glm53
@@ -81,6 +83,9 @@ def test_a_hot_cache_larger_than_a_slot_is_counted_as_the_engine_cuts_it():
     p = memory.plan(CFG, cc, sessions=2, history=300, dtype=jnp.float32)
     assert p["per_device"]["cache"] == report["device"]["cache_bytes"]
     assert p["per_host"]["pool"] == report["host"]["pool_bytes"]
+    _, state, _ = memory.abstract_engine_state(CFG, cc, sessions=2, history=300, dtype=jnp.float32)
+    assert sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state)) == sum(
+        int(x.nbytes) for x in jax.tree_util.tree_leaves(e.cache))
 
 
 @pytest.mark.parametrize("args,message", [
@@ -106,3 +111,15 @@ def test_capacity_records_its_command(tmp_path):
     r = json.loads(out.read_text())
     assert r["git"]["commit"] and r["command"] == (f"python -m experiments.capacity --config=configs/tiny.py "
                                                   f"--history=100 --out={out}")
+
+
+def test_capacity_refuses_a_layout_it_cannot_plan_in_one_line():
+    """Its fit table is tensor parallel over the machine's devices: tp not dividing the heads was a traceback, and
+    a --config.mesh override was silently ignored."""
+    for args, what in [(["--machine=custom", "--devices=3", "--device_gib=1", "--host_gib=1"],
+                        "mesh.tp=3 does not divide num_attention_heads=4"),
+                       (["--config.mesh.stages=2"], "--config.mesh.stages=2: experiments.capacity counts")]:
+        p = subprocess.run([sys.executable, "-m", "experiments.capacity", "--config=configs/tiny.py", *args],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+        assert what in p.stderr.strip().splitlines()[-1], p.stderr[-1000:]

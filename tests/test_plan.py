@@ -185,26 +185,6 @@ def test_device_memory_reports_the_fullest_device(monkeypatch):
     assert memory.device_memory() == {}
 
 
-def test_plan_counts_the_hot_cache_an_engine_cuts_to_its_rows():
-    """An offload engine cuts ``hot_rows`` to what a slot's rows can fill (a 1,024-row hot cache for 256-row slots
-    would never fill): the planner, the per-session figures and the compiled step's abstract state count the
-    same hot cache, not the configured one."""
-    cc = CacheConfig(mode="offload", kv_format="q8g64", prefill_chunk=16, copyback_every=16, hot_rows=1024,
-                     max_len=200)
-    model = glm53.from_config(CFG, seed=0, dtype="float32", cache_config=cc)
-    e = glm53.Engine(model, max_sessions=3)
-    assert e.cache_config.hot_rows < cc.hot_rows  # the cut this checks
-    report = e.memory_report()
-    p = memory.plan(CFG, cc, sessions=3, history=200, dtype=jnp.float32)
-    assert p["per_device"]["cache"] == report["device"]["cache_bytes"]
-    assert p["per_host"]["pool"] == report["host"]["pool_bytes"]
-    per_slot = memory.session_bytes(CFG, cc, 200, jnp.float32)
-    assert sum(per_slot["device"].values()) == report["device"]["per_slot_bytes"]
-    _, state, _ = memory.abstract_engine_state(CFG, cc, sessions=3, history=200, dtype=jnp.float32)
-    assert sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state)) == sum(
-        int(x.nbytes) for x in jax.tree_util.tree_leaves(e.cache))
-
-
 def test_plan_refuses_layouts_no_engine_could_run():
     """A layout the engine would refuse is refused by the planner too, naming what is wrong: tp not dividing the
     heads (GSPMD would split a head, or the widths happen to divide), more stages than layers, a ``mesh.tp`` that
