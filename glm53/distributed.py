@@ -25,13 +25,19 @@ import jax
 from glm53.config import ConfigError
 
 ENV = ("GLM53_COORDINATOR", "GLM53_NUM_PROCESSES", "GLM53_PROCESS_ID")
+# Seconds a process waits for all the others to join (JAX's own default); ``GLM53_JOIN_TIMEOUT_S`` overrides it.
+JOIN_TIMEOUT_S = 300
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> bool:
+               process_id: int | None = None, join_timeout_s: int | None = None) -> bool:
     """Join the processes of a run (``jax.distributed.initialize``), from the arguments or ``GLM53_COORDINATOR`` /
     ``GLM53_NUM_PROCESSES`` / ``GLM53_PROCESS_ID``. Returns whether it did (False: one process, nothing to join).
-    Must run before JAX creates its backends; on CPUs it selects the gloo collectives."""
+    Must run before JAX creates its backends; on CPUs it selects the gloo collectives.
+
+    It says on stderr what it waits for: a process of a run whose other processes never start (a wrong
+    ``GLM53_NUM_PROCESSES``, a host not launched) waits ``join_timeout_s`` (``GLM53_JOIN_TIMEOUT_S``, default 300)
+    and is then aborted by XLA with a message about "another task" having died."""
     coordinator = coordinator or os.environ.get(ENV[0])
     if num_processes is None and os.environ.get(ENV[1]):
         num_processes = int(os.environ[ENV[1]])
@@ -52,7 +58,14 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         # CPU devices of several processes talk through gloo (the default CPU backend has no cross-process
         # collectives); harmless where an accelerator backend is used.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    if join_timeout_s is None:
+        join_timeout_s = int(os.environ.get("GLM53_JOIN_TIMEOUT_S") or JOIN_TIMEOUT_S)
+    print(f"glm53.distributed: process {process_id} of {num_processes} joining at {coordinator}; waiting up to "
+          f"{join_timeout_s} s for all {num_processes} to join (GLM53_JOIN_TIMEOUT_S; if they never do, XLA aborts "
+          "this process saying another task died: check GLM53_NUM_PROCESSES and that every process was started)",
+          file=sys.stderr, flush=True)
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
+                               initialization_timeout=join_timeout_s)
     global _joined
     _joined = True
     sys.excepthook = _exit_at_once

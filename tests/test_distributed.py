@@ -14,7 +14,7 @@ import pytest
 
 from glm53 import distributed
 from glm53.config import ConfigError
-from experiments.launch import xla_flags_with_devices
+from experiments.launch import free_port, xla_flags_with_devices
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARGS = ["--config=configs/tiny.py", "--config.model.num_attention_heads=16", "--config.dtype=float32",
@@ -196,3 +196,15 @@ def test_initialize_needs_all_three_settings(monkeypatch):
     with pytest.raises(ConfigError, match="process_id=2 must be in"):
         distributed.initialize("localhost:1", 2, 2)
     assert distributed.initialize("localhost:1", 1, 0) is False
+
+
+def test_a_process_whose_peers_never_join_says_what_it_waits_for():
+    """GLM53_NUM_PROCESSES=2 with only one process started: it waited JAX's 300 s silently, then XLA aborted it
+    saying another task died. It now says what it waits for and how long, and the wait is settable."""
+    env = {**os.environ, "GLM53_COORDINATOR": f"localhost:{free_port()}", "GLM53_NUM_PROCESSES": "2",
+           "GLM53_PROCESS_ID": "0", "GLM53_JOIN_TIMEOUT_S": "3"}
+    t = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", "from glm53 import distributed; distributed.initialize()"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode != 0 and time.monotonic() - t < 60
+    assert "process 0 of 2 joining" in p.stderr and "waiting up to 3 s for all 2" in p.stderr, p.stderr[-3000:]
