@@ -5,7 +5,7 @@ of host RAM). Configs default to one device: pass ``--config.mesh.stages=8``.
 
 Per session at 1,048,576 tokens (q8g64, 41 cache layers) the host pool is 41 x 1M x 656 B = 26.27 GiB. The planner
 (``glm53.memory.plan``, from shapes) puts 16 sessions at 420 GiB of pinned host memory over the 8 GPUs' pools (21
-sessions fit the host), and the fullest stage (layers 20-25) at 9.1 GB of weights and 14.3 GiB of cache (12 GiB
+sessions fit the host), and the fullest stage (layers 20-25) at 9.1 GiB of weights and 14.3 GiB of cache (12 GiB
 of it indexer keys) per device. Check the plan, then run:
 
     python -m experiments.plan --config=configs/h200x8_1m.py --config.mesh.stages=8 --machine=h200x8 --sessions=16 \
