@@ -114,13 +114,20 @@ def main(_):
         devices, device_gib, host_gib, per_host = FLAGS.devices, FLAGS.device_gib, FLAGS.host_gib, FLAGS.devices
     else:
         devices, device_gib, host_gib, per_host = memory.MACHINES[FLAGS.machine]
+    print(f"\n3. {FLAGS.sessions} sessions on {FLAGS.machine}: {devices} devices x {device_gib} GiB, {host_gib} GiB per "
+          f"host, {per_host} devices per host (tensor parallel; experiments.plan has the details)")
     try:
         memory.machine_mesh(cfg, None, devices)
     except glm53.ConfigError as e:
-        sys.exit(f"experiments.capacity: {e}")
-    print(f"\n3. {FLAGS.sessions} sessions on {FLAGS.machine}: {devices} devices x {device_gib} GiB, {host_gib} GiB per "
-          f"host, {per_host} devices per host (tensor parallel; experiments.plan has the details)")
-    out["fit"] = []
+        if FLAGS.machine == "custom":  # asked for by hand: a mistake to name
+            sys.exit(f"experiments.capacity: {e}")
+        # a shipped machine too wide for a small model (configs/tiny.py's 4 heads on 16 devices): sections 1 and 2
+        # stand; the table is not made for a layout no engine could run
+        print(f"   not planned: {e} (--machine=custom sets another machine)")
+        out["fit"] = {"not_planned": str(e)}
+        hs = []
+    else:
+        out["fit"] = []
     for h in hs:
         p = memory.plan(cfg, cc, sessions=FLAGS.sessions, history=h, dtype=dtype, mesh_shape={"stage": 1, "tp": devices},
                         device_bytes=int(device_gib * 2**30), host_bytes=int(host_gib * 2**30),

@@ -89,7 +89,8 @@ def main(_):
         mesh = (glm53.sharding.make_mesh(glm53.MeshConfig(stages=mesh_shape["stage"], tp=mesh_shape["tp"]))
                 if FLAGS.compile else None)
     except glm53.ConfigError as e:
-        sys.exit(f"experiments.plan: {e}")
+        how = "" if FLAGS.machine == "custom" else " (--machine=custom --devices=N plans another machine)"
+        sys.exit(f"experiments.plan: {e}{how}")
     stages = mesh_shape["stage"]
     rows = []
     n = cfg.param_count()

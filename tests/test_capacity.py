@@ -111,6 +111,8 @@ def test_capacity_records_its_command(tmp_path):
     r = json.loads(out.read_text())
     assert r["git"]["commit"] and r["command"] == (f"python -m experiments.capacity --config=configs/tiny.py "
                                                   f"--history=100 --out={out}")
+    # the default machine's 16-way tp cannot split tiny's 4 heads: sections 1 and 2 stand, the fit table says why not
+    assert "does not divide num_attention_heads=4" in r["fit"]["not_planned"] and r["session"]["100"]["capacity"]
 
 
 def test_capacity_refuses_a_layout_it_cannot_plan_in_one_line():

@@ -490,6 +490,7 @@ def test_generate_runs_a_checkpoint_and_records_the_model_it_loaded(tmp_path):
     assert report["config"]["model"]["num_hidden_layers"] == 4 and report["model"]["num_hidden_layers"] == 2
     # The planner counts the checkpoint's shapes, not the config file's.
     p = subprocess.run([sys.executable, "-m", "experiments.plan", "--config=configs/tiny.py", "--history=1000",
+                        "--machine=custom", "--devices=2", "--device_gib=1", "--host_gib=1",
                         f"--config.checkpoint={tmp_path / 'ckpt'}"], cwd=ROOT, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0 and p.stdout.startswith("2 layers + 1 MTP"), p.stderr[-3000:] + p.stdout[:500]
