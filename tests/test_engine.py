@@ -791,16 +791,24 @@ def test_a_rings_first_call_frees_the_loops_first_inputs_before_its_executable_r
 @pytest.mark.parametrize("mtp", [0, 2])
 def test_spinning_reads_poll_each_step_and_change_nothing(model, monkeypatch, mtp):
     """``Engine.spin_reads`` (a GPU's default, not a CPU's): each step's read polls for it (``wait_spinning``) and
-    the run's tokens and logits are those of blocking reads."""
+    the run's tokens and logits are those of blocking reads. Both runs start after a rollback (a pending token the
+    loop's first step processes): a first run's first logits come from the prefill's last chunk, a T-row step whose
+    sums an accelerator orders differently from a decode step's."""
     from glm53 import engine as engine_module
 
     e = engine(model, "offload", 2)
     assert e.spin_reads is (jax.default_backend() in engine_module.ops.GPU_BACKENDS)
     e.spin_reads = False
     a, b = e.open(ids(40, 23)), e.open(ids(29, 24))
+
+    def rolled_back():
+        for s, n in ((a, 6), (b, 9)):
+            e.rollback(s, n)
+
+    gen(e, {a: 6, b: 9}, mtp=mtp)
+    rolled_back()
     blocking = gen(e, {a: 6, b: 9}, mtp=mtp)
-    for s, n in ((a, 6), (b, 9)):
-        e.rollback(s, n)
+    rolled_back()
     polled, wait = [], engine_module.wait_spinning
 
     def counted(x):
