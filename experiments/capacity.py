@@ -51,18 +51,6 @@ def decimals(x: float) -> int:
     return len(s.split(".")[1]) if "." in s else 0
 
 
-def histories() -> list[int]:
-    """``--history`` as token counts, each at least 1 (a usage error names the flag otherwise)."""
-    try:
-        hs = [int(x) for x in FLAGS.history]
-    except ValueError:
-        hs = []
-    if not hs or min(hs) < 1:
-        raise app.UsageError(f"--history={','.join(FLAGS.history)}: give history lengths in tokens, whole numbers "
-                             ">= 1, comma-separated")
-    return hs
-
-
 def main(_):
     c = FLAGS.config
     cli.check_checkpoint(c, reads_checkpoint=True)  # its config: the shapes counted are the checkpoint's
@@ -78,7 +66,7 @@ def main(_):
             offload.validate(cfg, cc)
         except ConfigError as err:
             sys.exit(f"{module_name()}: {err}")
-    hs = histories()
+    hs = cli.token_counts("history", FLAGS.history)
     dtype = resolve_dtype(c.dtype)
     out = {"config": c.to_dict(), **provenance()}  # the git revision, the command, the environment
 

@@ -104,6 +104,21 @@ def refuse_unread_overrides(read: tuple, why: str, name: str = "config") -> None
         sys.exit(f"{module_name()}: {problem}")
 
 
+def token_counts(flag: str, values: list) -> list[int]:
+    """A list flag of token counts (``--history=50000,1048576``) as ints, each at least 1; a usage error naming the
+    flag otherwise (a word or a zero would otherwise be a traceback or a table of zeros)."""
+    from absl import app
+
+    try:
+        counts = [int(x) for x in values]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise app.UsageError(f"--{flag}={','.join(values)}: give history lengths in tokens, whole numbers >= 1, "
+                             "comma-separated")
+    return counts
+
+
 def readable(value, digits: int = 4):
     """``value`` (a summary dict, list, number) with floats rounded to ``digits`` significant digits, for printing:
     the JSON keeps full precision; the terminal needs ``0.9772``, not ``0.9772135416666666``."""

@@ -56,14 +56,15 @@ flags.DEFINE_integer("devices", 0, "--machine=custom: devices (the tp mesh)")
 flags.DEFINE_float("device_gib", 0.0, "--machine=custom: GiB per device")
 flags.DEFINE_float("host_gib", 0.0, "--machine=custom: GiB of host memory per host")
 flags.DEFINE_integer("devices_per_host", 0, "--machine=custom: devices per host (0: all of them on one)")
-flags.DEFINE_integer("sessions", 15, "concurrent sessions")
+flags.DEFINE_integer("sessions", 15, "concurrent sessions", lower_bound=1)
 flags.DEFINE_list("history", ["50000", "200000", "1048576"], "history lengths (tokens per session)")
 flags.DEFINE_enum("expert_weights", "model", ["model", "fp8"], "experts in the model dtype or FP8 (block-scaled)")
 flags.DEFINE_string("out", "", "write the plan JSON here")
 flags.DEFINE_bool("compile", False, "also compile the decode step (--mtp: the verify step) ahead of time on abstract "
                   "shapes for the machine's mesh and add XLA's workspace (glm53.memory.compiled_step_memory); on a "
                   "CPU the mesh is made of host devices and the workspace is the jnp references'")
-flags.DEFINE_integer("mtp", 0, "--compile: 0 compiles the decode step, 1-3 the MTP verify step of that depth")
+flags.DEFINE_integer("mtp", 0, "--compile: 0 compiles the decode step, 1-3 the MTP verify step of that depth",
+                     lower_bound=0, upper_bound=memory.MAX_MTP_DEPTH)
 
 
 def main(_):
@@ -73,8 +74,18 @@ def main(_):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}")
     c = FLAGS.config
     cli.check_checkpoint(c, reads_checkpoint=True)  # its config: the shapes counted are the checkpoint's
+    cli.refuse_unread_overrides(
+        ("model", "dtype", "checkpoint", "mesh") + cli.cache_fields_but(c, "max_len"),
+        "experiments.plan counts config.model (or the checkpoint's), dtype, mesh and cache but its max_len: the rows "
+        "come from --history, the sessions from --sessions and the devices from --machine")
+    histories = cli.token_counts("history", FLAGS.history)
     cfg = cli.model_config(c)
     cc = glm53.CacheConfig.from_config_dict(c.cache)
+    if cc.mode == "offload":
+        try:  # what Engine refuses is no engine to plan
+            glm53.offload.validate(cfg, cc)
+        except glm53.ConfigError as e:
+            sys.exit(f"experiments.plan: {e}")
     if FLAGS.machine == "custom":
         if FLAGS.devices < 1 or FLAGS.device_gib <= 0 or FLAGS.host_gib <= 0:
             raise app.UsageError("--machine=custom needs --devices, --device_gib and --host_gib")
@@ -104,7 +115,7 @@ def main(_):
     head = (f"{'history':>10} {'sessions':>8} {'params/dev':>11} {'cache/dev':>10} {'transient':>10} {'total/dev':>10} "
             f"{'fits':>5} {'max by dev':>10} {'host/host':>10} {'fits':>5} {'max by host':>11}")
     print(head)
-    for h in (int(x) for x in FLAGS.history):
+    for h in histories:
         p = memory.plan(cfg, cc, sessions=FLAGS.sessions, history=h, dtype=resolve_dtype(c.dtype),
                         mesh_shape=mesh_shape, expert_weights=FLAGS.expert_weights,
                         device_bytes=int(device_gib * GiB), host_bytes=int(host_gib * GiB),

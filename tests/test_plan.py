@@ -218,3 +218,20 @@ def test_plan_compile_on_too_few_devices_is_one_line_before_any_table():
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert p.stderr.strip().splitlines()[-1].startswith("experiments.plan: mesh 1 x 4 needs 4 devices, 2 are visible")
     assert "max by dev" not in p.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--history=50k"], "--history=50k: give history lengths in tokens"),
+    (["--history=100,0"], "--history=100,0: give history lengths in tokens"),
+    (["--sessions=0"], "flag --sessions=0: 0 is not a positive integer"),
+    (["--mtp=4"], "flag --mtp=4: 4 is not an integer in the range [0, 3]"),
+    (["--config.cache.mode=offload", "--config.cache.hot_rows=100"], "offload: hot_rows=100 is below what a round"),
+    (["--config.run.batch=3"], "--config.run.batch=3: experiments.plan counts")])
+def test_plan_refuses_what_no_engine_could_be(args, message):
+    """As experiments.capacity does: a history that is no token count, zero sessions, an MTP depth past 3, an
+    offload cache the engine refuses and an override the planner would not read are each one line naming it."""
+    p = subprocess.run([sys.executable, "-m", "experiments.plan", "--config=configs/tiny.py", "--machine=custom",
+                        "--devices=2", "--device_gib=1", "--host_gib=1", *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert message in p.stderr, p.stderr[-2000:]
