@@ -122,8 +122,10 @@ def main(_):
                         devices_per_host=per_host)
         out["fit"].append(p)
         print(f"   history {h:>9,}: per device {p['per_device']['total'] / 2**30:,.1f} GiB (fits {p['fits_device']}, "
-              f"at most {p['max_sessions_by_device']} sessions); per host {p['per_host']['total'] / 2**30:,.1f} GiB "
-              f"(fits {p.get('fits_host')}, at most {p.get('max_sessions_by_host')})")
+              f"at most {p['max_sessions_by_device']} sessions); "
+              + (f"per host {p['per_host']['total'] / 2**30:,.1f} GiB (fits {p['fits_host']}, at most "
+                 f"{p['max_sessions_by_host']})" if "fits_host" in p else "no host pool (resident: the history stays "
+                 "on the devices)"))
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump(out, f, indent=2, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))

@@ -53,6 +53,7 @@ from experiments import cli, loss_plot, workloads
 from experiments.engine_runs import (figures, loss_interval_pct, more_pairs, pooled_loss_pct, run, same_logits,
                                      setting_deadline_s, target_verdict)
 from glm53.memory import device_memory
+from glm53.engine import compile_seconds
 from glm53.provenance import provenance
 from kernels_pallas import kv_formats
 
@@ -104,6 +105,7 @@ def build(model, cc, c, n_sessions: int, save_to: str = "", restore_from: str = 
     rng = np.random.default_rng(c.run.seed)
     history = rng.integers(0, model.config.vocab_size, c.run.prompt_len).tolist()
     e = glm53.Engine(model, cc, max_sessions=n_sessions)
+    compiled = compile_seconds()
     t = time.perf_counter()
     if restore_from:
         root = e.restore(restore_from)
@@ -113,7 +115,8 @@ def build(model, cc, c, n_sessions: int, save_to: str = "", restore_from: str = 
         root = e.open(history, progress=True)
     jax.block_until_ready(e.cache)
     t_prefill = time.perf_counter() - t
-    fig = {"restore_s" if restore_from else "prefill_s": t_prefill}
+    # seconds of it spent compiling (the process's first history compiles its chunk steps there; not subtracted)
+    fig = {"restore_s" if restore_from else "prefill_s": t_prefill, "compile_s": compile_seconds() - compiled}
     if not restore_from:
         fig["prefill_tokens_per_s"] = c.run.prompt_len / t_prefill
     if save_to:
@@ -166,7 +169,8 @@ def main(_):
                                                  "device_cache_bytes": rep["device"]["cache_bytes"],
                                                  "host_pool_bytes": rep["host"]["pool_bytes"],
                                                  "host_used_bytes": rep["host"]["used_bytes"]}
-        how = f"restore {fig['restore_s']:.1f} s" if "restore_s" in fig else f"prefill {fig['prefill_s']:.1f} s"
+        how = (f"restore {fig['restore_s']:.1f} s" if "restore_s" in fig else f"prefill {fig['prefill_s']:.1f} s")
+        how += f" ({fig['compile_s']:.1f} s of it compiling)"
         print(f"[{mode}] {S} sessions of {history} + {FLAGS.suffix} tokens: {how}; "
               f"device cache {rep['device']['cache_bytes'] / 2**30:.2f} GiB, host pool "
               f"{rep['host']['pool_bytes'] / 2**30:.2f} GiB ({rep['host']['used_bytes'] / 2**30:.2f} GiB in use)",
@@ -303,8 +307,6 @@ def append_ab(engines: dict, vocab: int, c) -> dict:
     bit for bit, then rolled back. Interleaved pairs, after an untimed append of the same length to each engine
     (rolled back): an engine restored from ``--prefill_once`` has never run its chunk steps, and the first append
     would time their compilation (2.4 s of a 40-token append's 2.4 s on a CPU). ``compile_s`` records any left."""
-    from glm53.engine import compile_seconds
-
     n = FLAGS.append
     out = {"append_tokens": n, "history_tokens": c.run.prompt_len + FLAGS.suffix, "pairs": []}
     warm = np.random.default_rng(4999).integers(0, vocab, n).tolist()

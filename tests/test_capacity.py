@@ -67,6 +67,8 @@ def test_capacity_for_given_sizes():
                         "--sessions=16"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "16 sessions on custom: 1 devices x 139.0 GiB, 125.0 GiB per host" in p.stdout
+    # h200_bench's cache is resident: no host pool to fit, said so (it printed "fits None, at most None")
+    assert "no host pool (resident" in p.stdout and "None" not in p.stdout
 
 
 def test_a_hot_cache_larger_than_a_slot_is_counted_as_the_engine_cuts_it():

@@ -272,6 +272,8 @@ def test_sessions_ab(tmp_path):
     # one prefill: the resident engine's, saved; the offload engine restored it and decodes the same tokens
     assert "save_s" in report["build"]["resident"] and "restore_s" in report["build"]["offload"]
     assert "prefill_s" not in report["build"]["offload"]
+    # the resident prefill is the process's first: its chunk steps compiled inside it, and the figure says how long
+    assert report["build"]["resident"]["compile_s"] > 0 and report["build"]["offload"]["compile_s"] >= 0
     assert sorted(report["settings"]) == ["local99_mtp2_forced", "zipf1.0_mtp2_forced"]
     for s in report["settings"].values():
         assert s["summary"]["all_tokens_identical"] and s["summary"]["logits_identical"]
@@ -589,6 +591,8 @@ def test_throughput(tmp_path):
     assert sorted((q["mode"], q["history"], q["sessions"]) for q in points) == sorted(
         (m, h, s) for m in ("resident", "offload") for h in (40, 72) for s in (1, 2))
     assert report["comparison"]["points_compared"] == 4 and report["comparison"]["all_identical"]
+    assert all(b["prefill_compile_s"] >= 0 for m in report["builds"].values() for b in m.values())
+    assert max(b["prefill_compile_s"] for m in report["builds"].values() for b in m.values()) > 0
     bw = report["bandwidth"]
     assert bw["bandwidth_Bps"] > 0 and not report["skipped"] and "errors" not in report
     assert len(bw["probes_GBps"]) == 2 and bw["bandwidth_Bps"] / 1e9 == pytest.approx(max(bw["probes_GBps"]))
