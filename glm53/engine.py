@@ -368,8 +368,8 @@ class Engine:
     ``fork(sid)``, ``save(sid, dir)`` / ``restore(dir)``, ``close(sid)``, ``memory_report()``, ``stats(sid)``.
     Token ids may be lists, numpy / JAX arrays, or strings when the model has a tokenizer.
 
-    ``host_budget_bytes`` sizes offload's host page pool (default: every slot's full capacity): the bytes of one
-    copy of it; on a tensor-parallel mesh each of the ``tp`` devices keeps its own copy in its host's memory
+    ``host_budget_bytes`` bounds offload's host page pool (default, and at most: every slot's full capacity, the
+    most the sessions can use): the bytes of one copy of it; on a tensor-parallel mesh each of the ``tp`` devices keeps its own copy in its host's memory
     (``memory_report()["host"]["pool_replicas"]``), so one host may hold up to ``tp`` times this budget;
     ``device_budget_bytes`` is checked against the cache, the parameters, the largest transient buffer and the
     output rings' step buffers (``step_buffers_bound``) when the engine is built. ``kernels`` picks the Pallas
@@ -445,6 +445,10 @@ class Engine:
                 if pool_pages < 1:
                     raise ConfigError(f"host_budget_bytes={host_budget_bytes} holds no page of {page_bytes} bytes "
                                       f"({cc.copyback_every} rows x {self.cfg.num_cache_layers} layers)")
+                # A budget bounds the pool: pages beyond every slot's full capacity could never be used (a fork
+                # shares its parent's), and the pool is allocated whole here, so a generous budget for a small
+                # model (the README's 256 GiB) would allocate all of it, or fail to.
+                pool_pages = min(pool_pages, self.max_sessions * self.pages_per_slot)
             self.pool_pages = pool_pages
             self.page_bytes = page_bytes
         else:

@@ -321,6 +321,21 @@ def first_difference(a, b) -> int:
     return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
 
 
+def test_host_budget_beyond_every_slots_capacity_allocates_only_usable_pages(model):
+    """host_budget_bytes bounds the pool: a budget larger than every slot's full capacity (the README's 256 GiB
+    beside a small model) allocates only the pages sessions can use, not the whole budget."""
+    cc = CC.replace(mode="offload")
+    page = glm53.offload.page_bytes(CFG, cc)
+    full = glm53.Engine(model, cc, max_sessions=2)  # default: every slot's full capacity
+    usable = 2 * full.pages_per_slot
+    e = glm53.Engine(model, cc, max_sessions=2, host_budget_bytes=4 * usable * page)
+    assert e.pool_pages == usable
+    host = e.memory_report()["host"]
+    assert host["pages"] == usable and host["pool_bytes"] == full.memory_report()["host"]["pool_bytes"]
+    small = glm53.Engine(model, cc, max_sessions=2, host_budget_bytes=10 * page)  # below it: the budget's pages
+    assert small.pool_pages == 10
+
+
 def test_admission_refuses_over_budget_and_reuses_pages(model):
     page = glm53.offload.page_bytes(CFG, CC)
     # 30 pages: two sessions of 200 rows (13 pages each) fit, a third does not
