@@ -369,8 +369,9 @@ class Engine:
     Token ids may be lists, numpy / JAX arrays, or strings when the model has a tokenizer.
 
     ``host_budget_bytes`` bounds offload's host page pool (default, and at most: every slot's full capacity, the
-    most the sessions can use): the bytes of one copy of it; on a tensor-parallel mesh each of the ``tp`` devices keeps its own copy in its host's memory
-    (``memory_report()["host"]["pool_replicas"]``), so one host may hold up to ``tp`` times this budget;
+    most the sessions can use): the bytes of one copy of it; on a tensor-parallel mesh each of the ``tp`` devices
+    keeps its own copy in its host's memory (``memory_report()["host"]["pool_replicas"]``), so one host may hold up
+    to ``tp`` times this budget;
     ``device_budget_bytes`` is checked against the cache, the parameters, the largest transient buffer and the
     output rings' step buffers (``step_buffers_bound``) when the engine is built. ``kernels`` picks the Pallas
     kernels or their jnp references (``"auto"``: kernels on GPUs).
