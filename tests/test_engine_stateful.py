@@ -1,7 +1,11 @@
 """A hypothesis state machine drives a resident and an offload engine of one model through random sequences of
 open / append / generate (with and without MTP) / rollback / fork / close / save+restore: every generate must give
 the same tokens and bit-identical logits in both, every refusal must be the same refusal, and the histories must
-stay equal. The resident engine is the oracle."""
+stay equal. The resident engine is the oracle.
+
+Every example starts from a long session whose hot cache is full and evicting (``long_session``): the random
+sessions alone (at most 150 rows, generates of a few tokens) never evicted a row, and rollbacks of at most 60 rows
+were nearly always refused, so a fill that left an evicted position mapped to its old slot went unnoticed here."""
 
 import shutil
 import tempfile
@@ -10,7 +14,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, precondition, rule
+from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple, precondition,
+                                 rule)
 
 from glm53 import AdmissionError
 from engine_common import engine, ids, make_model
@@ -55,6 +60,28 @@ class EngineMachine(RuleBasedStateMachine):
         assert errs[0] == errs[1], errs
         return outs, errs[0]
 
+    @initialize(target=sessions)
+    def long_session(self):
+        """A 300-row session decoded with MTP until its hot cache is full and evicts (deterministic: asserted), so
+        the random rules' generates, rollbacks (into host pages), forks (of a full hot cache) and saves meet an
+        evicting cache."""
+        (a, b), err = self._both(lambda: self.res.open(ids(300, 99)), lambda: self.off.open(ids(300, 99)))
+        assert err is None
+        self.pair[a] = b
+        self._generate([a], 24, 2)
+        assert self.off.stats(b)["decode"]["evictions"] > 0
+        return a
+
+    def _generate(self, chosen, n, mtp):
+        (x, y), err = self._both(
+            lambda: self.res.generate({s: n for s in chosen}, mtp=mtp, return_logits=True),
+            lambda: self.off.generate({self.pair[s]: n for s in chosen}, mtp=mtp, return_logits=True))
+        if err:
+            return
+        for s in chosen:
+            assert x[s] == y[self.pair[s]]
+            assert np.array_equal(self.res.last_run.logits[s], self.off.last_run.logits[self.pair[s]])
+
     @rule(target=sessions, n=st.sampled_from(LENGTHS + [70, 150]), seed=st.integers(0, 9))
     def open(self, n, seed):
         (a, b), err = self._both(lambda: self.res.open(ids(n, seed)), lambda: self.off.open(ids(n, seed)))
@@ -71,18 +98,11 @@ class EngineMachine(RuleBasedStateMachine):
         self._both(lambda: self.res.append(sid, ids(n, seed)), lambda: self.off.append(self.pair[sid], ids(n, seed)))
 
     @precondition(lambda self: self.pair)
-    @rule(data=st.data(), n=st.integers(1, 9), mtp=st.sampled_from([0, 2]))
+    @rule(data=st.data(), n=st.integers(1, 16), mtp=st.sampled_from([0, 2]))
     def generate(self, data, n, mtp):
         live = sorted(self.pair)
         chosen = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live), unique=True))
-        (a, b), err = self._both(
-            lambda: self.res.generate({s: n for s in chosen}, mtp=mtp, return_logits=True),
-            lambda: self.off.generate({self.pair[s]: n for s in chosen}, mtp=mtp, return_logits=True))
-        if err:
-            return
-        for s in chosen:
-            assert a[s] == b[self.pair[s]]
-            assert np.array_equal(self.res.last_run.logits[s], self.off.last_run.logits[self.pair[s]])
+        self._generate(chosen, n, mtp)
 
     @precondition(lambda self: self.pair)
     @rule(sid=sessions, n=st.integers(1, 60))
