@@ -157,6 +157,32 @@ def test_lifecycle_open_generate_append_rollback(model):
     assert_same(out["resident"], out["offload"])
 
 
+def test_rollback_into_host_pages_then_regrow_reads_no_stale_hot_row(model):
+    """A rollback below host_len leaves rows that were hot past the new end; the session then writes new rows at
+    those positions, copies them back and selects them again: offload must read the new rows, not the hot slots'
+    old ones. The selection keeps every step's K rows just below the host boundary, so the rows the rollback cuts
+    are hot when it cuts them and are selected again once rewritten (the model's own selection did not reliably
+    do either: an engine that kept the stale hot slots passed the other rollback tests)."""
+    K = CFG.index_topk
+
+    def below_host(step, positions):  # K rows ending a page below the query's page: in host memory, not the ring
+        top = np.maximum((positions - 1) // CC.copyback_every * CC.copyback_every - CC.copyback_every, K)
+        return (top[:, None] - K + np.arange(K)).astype(np.int32)
+
+    def script(e):
+        sid = e.open(ids(200, seed=14))
+        out = gen(e, {sid: 40}, selection_override=below_host)
+        e.rollback(sid, 40)  # 240 -> 200 tokens: host_len 224 -> 192; rows 200 .. 207, hot, are cut
+        out += gen(e, {sid: 60}, selection_override=below_host)
+        if e.offload:
+            st = e.stats(sid)["decode"]
+            assert st["hits"] > 0 and st["fills"] > 0
+        return out
+
+    out = both(model, script)
+    assert_same(out["resident"], out["offload"])
+
+
 def test_rollback_then_generate_equals_fresh_session(model):
     """After a rollback the session continues as a session opened on the shorter history does."""
     e = engine(model, "offload", 2)
