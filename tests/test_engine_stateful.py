@@ -62,20 +62,21 @@ class EngineMachine(RuleBasedStateMachine):
 
     @initialize(target=sessions)
     def long_session(self):
-        """A 300-row session decoded with MTP until its hot cache is full and evicts (deterministic: asserted), so
+        """A 300-row session decoded with MTP (one draft a step accepted: see ``generate``) until its hot cache is
+        full and evicts (deterministic: asserted), so
         the random rules' generates, rollbacks (into host pages), forks (of a full hot cache) and saves meet an
         evicting cache."""
         (a, b), err = self._both(lambda: self.res.open(ids(300, 99)), lambda: self.off.open(ids(300, 99)))
         assert err is None
         self.pair[a] = b
-        self._generate([a], 24, 2)
+        self._generate([a], 24, 2, accept=1)
         assert self.off.stats(b)["decode"]["evictions"] > 0
         return a
 
-    def _generate(self, chosen, n, mtp):
-        (x, y), err = self._both(
-            lambda: self.res.generate({s: n for s in chosen}, mtp=mtp, return_logits=True),
-            lambda: self.off.generate({self.pair[s]: n for s in chosen}, mtp=mtp, return_logits=True))
+    def _generate(self, chosen, n, mtp, accept=None):
+        kw = dict(mtp=mtp, accept_override=accept, return_logits=True)
+        (x, y), err = self._both(lambda: self.res.generate({s: n for s in chosen}, **kw),
+                                 lambda: self.off.generate({self.pair[s]: n for s in chosen}, **kw))
         if err:
             return
         for s in chosen:
@@ -98,11 +99,14 @@ class EngineMachine(RuleBasedStateMachine):
         self._both(lambda: self.res.append(sid, ids(n, seed)), lambda: self.off.append(self.pair[sid], ids(n, seed)))
 
     @precondition(lambda self: self.pair)
-    @rule(data=st.data(), n=st.integers(1, 16), mtp=st.sampled_from([0, 2]))
-    def generate(self, data, n, mtp):
+    @rule(data=st.data(), n=st.integers(1, 16), mtp=st.sampled_from([0, 2]), forced=st.booleans())
+    def generate(self, data, n, mtp, forced):
+        """``forced``: MTP steps accept one draft whatever the verdict. The random model's own verdicts reject
+        nearly every draft, so greedy MTP's tokens and logits do not depend on the drafts, nor on the MTP layer's
+        cache; accepted drafts become tokens and the steps' rows, so offload's MTP layer must match resident's."""
         live = sorted(self.pair)
         chosen = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live), unique=True))
-        self._generate(chosen, n, mtp)
+        self._generate(chosen, n, mtp, 1 if mtp and forced else None)
 
     @precondition(lambda self: self.pair)
     @rule(sid=sessions, n=st.integers(1, 60))
