@@ -31,7 +31,9 @@ def history(e, sid):
 
 
 def cont(e, sid):
-    out = e.generate({sid: 12}, return_logits=True, mtp=1)
+    # One draft a step accepted: the random model's own verdicts reject every draft, and greedy tokens and logits
+    # would then not depend on the MTP layer's restored rows (a save that left them out continued identically).
+    out = e.generate({sid: 12}, return_logits=True, mtp=1, accept_override=1)
     first = (out[sid], e.last_run.logits[sid])
     out = e.generate({sid: 6}, return_logits=True, temperature=0.9, seed=3)
     return [first, (out[sid], e.last_run.logits[sid])]
@@ -87,7 +89,7 @@ def test_restore_in_a_fresh_process(model, tmp_path):
         from engine_common import engine, make_model
         e = engine(make_model(), "resident")
         sid = e.restore({str(tmp_path / "sess")!r})
-        a = e.generate({{sid: 12}}, return_logits=True, mtp=1)[sid]; la = e.last_run.logits[sid]
+        a = e.generate({{sid: 12}}, return_logits=True, mtp=1, accept_override=1)[sid]; la = e.last_run.logits[sid]
         b = e.generate({{sid: 6}}, return_logits=True, temperature=0.9, seed=3)[sid]; lb = e.last_run.logits[sid]
         np.savez({str(tmp_path / "out.npz")!r}, a=np.array(a), la=la, b=np.array(b), lb=lb)
     """)
