@@ -1,9 +1,10 @@
 """Offload decode is bit-identical to resident decode: logits and tokens, same build, same inputs.
 
 Sizes are chosen so that every mechanism runs: hot caches at the minimum that can work and far below the history
-(evictions), above the history (no evictions), duplicate misses (prefill rounds where many queries select the same
-rows), prompts ending just before / at / after copyback boundaries, several sessions of different lengths in one
-batch, and every kv_format.
+(evictions), above the history (no evictions), prompts ending just before / at / after copyback boundaries,
+several sessions of different lengths in one batch, and every kv_format. Duplicate misses (several rows of one
+round selecting the same missing position) are MTP verify rounds' and are tested in test_engine.py: the prefill
+here reads its history in bulk, and this file's model has no MTP layer.
 """
 
 import jax
