@@ -63,9 +63,8 @@ class EngineMachine(RuleBasedStateMachine):
     @initialize(target=sessions)
     def long_session(self):
         """A 300-row session decoded with MTP (one draft a step accepted: see ``generate``) until its hot cache is
-        full and evicts (deterministic: asserted), so
-        the random rules' generates, rollbacks (into host pages), forks (of a full hot cache) and saves meet an
-        evicting cache."""
+        full and evicts (deterministic: asserted), so the random rules' generates, rollbacks (into host pages),
+        forks (of a full hot cache) and saves meet an evicting cache."""
         (a, b), err = self._both(lambda: self.res.open(ids(300, 99)), lambda: self.off.open(ids(300, 99)))
         assert err is None
         self.pair[a] = b
