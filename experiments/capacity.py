@@ -25,10 +25,9 @@ from ml_collections import config_flags
 
 from experiments import cli
 import glm53
-from glm53 import memory, offload
-from glm53.config import ConfigError
+from glm53 import memory
 from glm53.params import resolve_dtype
-from glm53.provenance import module_name, provenance
+from glm53.provenance import provenance
 
 # The article's figures as printed (kv-offload-article.md), in the units it prints them.
 ARTICLE = [(656, "B"), (31.281, "MiB"), (4.765, "GiB"), (1.28125, "MiB"), (20.5, "MiB"), (99.94, "GiB"),
@@ -61,11 +60,7 @@ def main(_):
         "plan stages with experiments.plan)")
     cfg = cli.model_config(c)
     cc = glm53.CacheConfig.from_config_dict(c.cache)
-    if cc.mode == "offload":
-        try:  # what Engine refuses is no engine to count
-            offload.validate(cfg, cc)
-        except ConfigError as err:
-            sys.exit(f"{module_name()}: {err}")
+    cli.refuse_an_unrunnable_cache(cfg, cc)  # what Engine refuses is no engine to count
     hs = cli.token_counts("history", FLAGS.history)
     dtype = resolve_dtype(c.dtype)
     out = {"config": c.to_dict(), **provenance()}  # the git revision, the command, the environment

@@ -17,7 +17,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import glm53
-from glm53 import checkpoint
+from glm53 import checkpoint, offload
+from glm53.config import ConfigError
 from glm53.provenance import module_name
 
 
@@ -102,6 +103,17 @@ def refuse_unread_overrides(read: tuple, why: str, name: str = "config") -> None
     problem = unread_overrides(overrides(name), read, why)
     if problem:
         sys.exit(f"{module_name()}: {problem}")
+
+
+def refuse_an_unrunnable_cache(cfg, cc) -> None:
+    """A one-line exit for an offload cache ``Engine`` would refuse (``glm53.offload.validate``), for the entry points
+    that count or plan an engine without building one (a figure for it would describe nothing that can run)."""
+    if cc.mode != "offload":
+        return
+    try:
+        offload.validate(cfg, cc)
+    except ConfigError as e:
+        sys.exit(f"{module_name()}: {e}")
 
 
 def token_counts(flag: str, values: list) -> list[int]:

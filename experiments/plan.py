@@ -81,11 +81,7 @@ def main(_):
     histories = cli.token_counts("history", FLAGS.history)
     cfg = cli.model_config(c)
     cc = glm53.CacheConfig.from_config_dict(c.cache)
-    if cc.mode == "offload":
-        try:  # what Engine refuses is no engine to plan
-            glm53.offload.validate(cfg, cc)
-        except glm53.ConfigError as e:
-            sys.exit(f"experiments.plan: {e}")
+    cli.refuse_an_unrunnable_cache(cfg, cc)  # what Engine refuses is no engine to plan
     if FLAGS.machine == "custom":
         if FLAGS.devices < 1 or FLAGS.device_gib <= 0 or FLAGS.host_gib <= 0:
             raise app.UsageError("--machine=custom needs --devices, --device_gib and --host_gib")

@@ -422,14 +422,11 @@ class Engine:
             raise ConfigError(f"cache.max_len={rows} exceeds the model's max_position_embeddings="
                               f"{self.cfg.max_position_embeddings}")
         self.capacity = capacity_for(rows, cc)
-        if self.offload:
-            # A hot cache with more rows than a slot's history could never fill; it would only hold device memory
-            # (glm53.generate's default 32,768 rows for a 256-row run: 128x the history). It is cut to the
-            # slot's rows (a power of two, at least what a round pins): every row fits either way, so nothing a
-            # step computes changes.
-            fits = offload.hot_rows_for(self.cfg, cc, self.capacity)
-            if cc.hot_rows > fits:
-                cc = self.cache_config = cc.replace(hot_rows=fits)
+        # A hot cache with more rows than a slot's history could never fill; it would only hold device memory
+        # (glm53.generate's default 32,768 rows for a 256-row run: 128x the history). It is cut to the slot's rows
+        # (a power of two, at least what a round pins): every row fits either way, so nothing a step computes
+        # changes. The capacity accounting counts the cache through the same function.
+        cc = self.cache_config = memory.engine_cache_config(self.cfg, cc, self.capacity)
         self.max_rows = min(rows, self.capacity)
         self.page_rows = cc.copyback_every
         self.pages_per_slot = self.capacity // self.page_rows
