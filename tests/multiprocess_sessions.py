@@ -35,7 +35,8 @@ def main(out: str, directory: str, mode: str) -> None:
     e.append(a, rng.integers(0, 256, 21).tolist())
     path = e.save(a, directory)
     rest = e.generate({a: 6, b: 4})
-    r = glm53.Engine(model, max_sessions=1)
+    # as many slots as the first engine: the same shapes, so its compiled steps serve this one too
+    r = glm53.Engine(model, max_sessions=2)
     got = r.restore(directory)
     restored = r.generate({got: 6})
     # A save process 0 cannot write (its directory is a file): every process raises, none waits forever.
