@@ -14,7 +14,10 @@ instead of blocking, so the dispatching thread never sleeps between calls: a hos
 or whose hypervisor deschedules an idle vCPU would show it here; before dde4f65 the probe's own polling read);
 ``lag1`` (one step in flight, not ``_Run.LAG`` 2: the device's queue holds one step less when a call launches its
 graphs); ``sync`` (none in flight: each step read before the next is dispatched, so a call never launches behind
-queued work; slower, a diagnosis only).
+queued work; slower, a diagnosis only); ``pinned`` (the default with the dispatching thread held on the one core it
+started the run on: the slow calls of the 6e25b47 A/B come in regimes of tens of consecutive calls, the window
+median moving between ~0.85 and ~1.3 ms in both modes, as a thread moved to a slower or busier core would; each
+call's core is recorded in every variant, ``calls_cpu_core``, read after the call from /proc/thread-self/stat).
 
 PROBE_HISTORY (50000), PROBE_NEW (2048), PROBE_REPS (3), PROBE_MODE (offload), PROBE_MTP (3, drafts forced),
 PROBE_CONFIG (h200_bench), PROBE_RING (the engine's default; a CPU's is 1, no ring, and only ring calls are measured).
@@ -57,7 +60,13 @@ def cpu_times() -> np.ndarray:
     return np.array(open("/proc/stat").readline().split()[1:9], np.int64)
 
 
-STATE = {"wall": [], "cpu": [], "vol": [], "invol": []}
+STATE = {"wall": [], "cpu": [], "vol": [], "invol": [], "core": []}
+
+
+def current_core() -> int:
+    """The core the calling thread last ran on (field 39 of its stat line; the name field may hold spaces)."""
+    with open("/proc/thread-self/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[36])
 ring_call = eng._StepRing.__call__
 
 
@@ -70,6 +79,7 @@ def measured_call(self, name, args, static):
         STATE["cpu"].append(c1 - c0)
         STATE["vol"].append(r1.ru_nvcsw - r0.ru_nvcsw)
         STATE["invol"].append(r1.ru_nivcsw - r0.ru_nivcsw)
+        STATE["core"].append(current_core())
     return out
 
 
@@ -119,10 +129,14 @@ def main():
         eng._Run.LAG = {"lag1": 1, "sync": 0}.get(v, LAG)
         for k in STATE:
             STATE[k].clear()
+        allowed = os.sched_getaffinity(0)  # pid 0: this thread alone
+        if v == "pinned":
+            os.sched_setaffinity(0, {current_core()})
         stat0, t0 = cpu_times(), time.perf_counter()
         out = e.generate({s: new for s in sids}, selection_override=selections(7), mtp=mtp,
                          accept_override=mtp if mtp else None)
         wall, stat1 = time.perf_counter() - t0, cpu_times()
+        os.sched_setaffinity(0, allowed)
         r = e.last_run
         for s in sids:
             e.rollback(s, len(out[s]))
@@ -130,7 +144,7 @@ def main():
         if rep != "warmup":  # the first warm-up starts from the prefill's hidden states, the others after a rollback
             digests.setdefault("tokens", digest)
         w, cpu = np.asarray(STATE["wall"]) * 1e3, np.asarray(STATE["cpu"]) * 1e3
-        vol, invol = np.asarray(STATE["vol"]), np.asarray(STATE["invol"])
+        vol, invol, core = np.asarray(STATE["vol"]), np.asarray(STATE["invol"]), np.asarray(STATE["core"])
         med = np.median(w)
         slow = w > 1.25 * med
         d = (stat1 - stat0).astype(float)
@@ -150,12 +164,14 @@ def main():
             "other_calls_voluntary_switches": float(vol[~slow].mean()),
             "slow_calls_involuntary_switches": float(invol[slow].mean()) if slow.any() else None,
             "other_calls_involuntary_switches": float(invol[~slow].mean()),
+            "cores_used": len(set(core.tolist())), "core_changes": int((np.diff(core) != 0).sum()),
+            "slow_calls_after_a_core_change": int((slow[1:] & (np.diff(core) != 0)).sum()),
             "step_interval_ms": r.step_interval_ms, "step_wait_ms": r.step_wait_ms,
             "machine_pct": {k: round(100 * d[i] / total, 3) for i, k in
                             enumerate(["user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"])},
             "loadavg": open("/proc/loadavg").read().strip(),
             "calls_ms": [round(float(x), 3) for x in w], "calls_cpu_ms": [round(float(x), 3) for x in cpu],
-            "calls_voluntary": vol.tolist(), "calls_involuntary": invol.tolist(),
+            "calls_voluntary": vol.tolist(), "calls_involuntary": invol.tolist(), "calls_cpu_core": core.tolist(),
         }
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if not k.startswith("calls_")}), flush=True)
