@@ -3,6 +3,7 @@ host sources, dequantised and packed outputs), the fill's bookkeeping (pins, vic
 rounds that repeat positions) and the fill's row copy (only the first n_fill rows copied, in place). Lanes map to
 session slots in any order, and an inactive lane that carries an active lane's slot changes nothing."""
 
+import functools
 import importlib
 
 import jax
@@ -487,3 +488,44 @@ def test_ops_offload_fill_kernel_equals_reference():
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     assert int(np.asarray(got[4]).sum()) > 0
+
+
+def test_fill_rows_n_fill_past_f_copies_f_rows():
+    """A count above the F fills listed copies those F (the reference's rule): the compiled kernel used to read entry
+    and victim past F, from the next lane's lists or past the arrays, and store there (the interpreter clamps such
+    reads, so on the CPU this passed before too; it checks the GPU kernel where these tests run compiled)."""
+    hot, rows, entry, victim, n_fill, lane_slot = _fill_case(0, (0, 1))
+    kw = dict(layers=(0, 1), sessions=3, hot_rows=40, block_rows=8)
+    F = entry.shape[2]
+    before = {n: np.asarray(v) for n, v in hot.items()}
+    fresh = lambda: {n: jnp.array(v) for n, v in before.items()}
+    rng = np.random.default_rng(1)
+    for i, b in ((0, 0), (1, 1)):  # every listed fill valid: entries below E = 24, distinct victims below H = 40
+        entry = entry.at[i, b].set(rng.integers(0, 24, F))
+        victim = victim.at[i, b].set(rng.choice(40, F, replace=False))
+    over = n_fill.at[0, 0].set(F + 8).at[1, 1].set(3 * F)
+    got = fr.fill_rows(fresh(), tuple(rows), entry, victim, over, lane_slot, interpret=INTERPRET, **kw)
+    at_f = fr.fill_rows(fresh(), tuple(rows), entry, victim, jnp.minimum(over, F), lane_slot, interpret=INTERPRET,
+                        **kw)
+    want = fr.fill_rows_reference(fresh(), tuple(rows), entry, victim, over, lane_slot, **kw)
+    for n in before:
+        np.testing.assert_array_equal(np.asarray(got[n]), np.asarray(want[n]), err_msg=n)
+        np.testing.assert_array_equal(np.asarray(got[n]), np.asarray(at_f[n]), err_msg=n)
+
+
+def test_fill_rows_no_fills_and_integer_lists():
+    """F = 0 (a round of no positions) and B = 0 lanes copy nothing, kernel and reference alike (a zero-size grid
+    failed deep in the interpreter, the reference divided by B = 0); float lists are refused, not truncated."""
+    hot, rows, entry, victim, n_fill, lane_slot = _fill_case(0, (0, 1))
+    kw = dict(layers=(0, 1), sessions=3, hot_rows=40, block_rows=8)
+    before = {n: np.asarray(v) for n, v in hot.items()}
+    no_lanes = tuple({n: v[:0] for n, v in r.items()} for r in rows)
+    for fn in (functools.partial(fr.fill_rows, interpret=INTERPRET), fr.fill_rows_reference):
+        for args in ((tuple(rows), entry[..., :0], victim[..., :0], n_fill, lane_slot),
+                     (no_lanes, entry[:, :0], victim[:, :0], n_fill[:, :0], lane_slot[:0])):
+            out = fn({n: jnp.array(v) for n, v in before.items()}, *args, **kw)
+            for n in before:
+                np.testing.assert_array_equal(np.asarray(out[n]), before[n])
+        with pytest.raises(ValueError, match="entry must be an integer array"):
+            fn({n: jnp.array(v) for n, v in before.items()}, tuple(rows), entry.astype(jnp.float32), victim, n_fill,
+               lane_slot, **kw)
