@@ -76,6 +76,26 @@ def test_hot_gather_validation():
         hg.hot_gather_reference(s, s, p, p, p, kv_format="bf16")
 
 
+def test_hot_gather_planes_checked_against_the_format_and_no_entries():
+    """Planes of the wrong width, dtype or rank for the format, and non-integer sources or rows, are named at trace
+    time (a narrower latent plane failed as a broadcast inside the kernel, a float row was truncated); E = 0 gives
+    empty outputs from the kernel as from the reference (a grid of zero programs failed in the interpreter)."""
+    p = _planes("q8g64", 16, 0)
+    s = jnp.zeros((16,), jnp.int32)
+    for fn in (hg.hot_gather_reference, lambda *a, **k: hg.hot_gather(*a, interpret=INTERPRET, **k)):
+        bad = {"narrow": {**p, "latent": p["latent"][:, :256]}, "dtype": {**p, "scale": p["scale"].astype(jnp.float32)},
+               "rank": {n: v[None] for n, v in p.items()}}
+        for what, planes in bad.items():
+            with pytest.raises(ValueError, match="must be flat"):
+                fn(s, s, planes, planes, planes, kv_format="q8g64")
+        with pytest.raises(ValueError, match="row must be an integer array"):
+            fn(s, s.astype(jnp.float32), p, p, p, kv_format="q8g64")
+        latent, rope, packed = fn(s[:0], s[:0], p, p, p, kv_format="q8g64", out_dtype=jnp.float32)
+        assert latent.shape == (0, 512) and rope.shape == (0, 64) and latent.dtype == jnp.float32
+        assert {n: (v.shape, v.dtype) for n, v in packed.items()} == {
+            n: ((0, v.shape[1]), v.dtype) for n, v in p.items()}
+
+
 def _fill_case(seed, layers, lane_slot=(2, 0, 0), S=3, E=24, F=32, H=40, L=4, fmt="q8g64"):
     """Lane b fills slot lane_slot[b]; the last lane is padding (n_fill 0, junk lists) on an active lane's slot.
     ``E``: entries a lane, for every layer or per layer (the MTP layer's round is narrower than the others')."""
