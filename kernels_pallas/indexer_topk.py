@@ -51,6 +51,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.hot_gather import triton_misaddressed
+
 _RADIX_BITS = 4
 _RADIX = 1 << _RADIX_BITS  # 16 candidate thresholds per pass.
 _NUM_PASSES = 32 // _RADIX_BITS
@@ -276,7 +278,8 @@ def indexer_scores(
       q: [S, T, Hi, D] (bf16 or f32); Hi and D powers of two.
       weights: [S, T, Hi] f32 per-head weights.
       keys: [P, N, D] indexer keys of every plane (layer and session slot), read in place; N a multiple of
-        ``block_keys``. Model dtype, or float8_e4m3fn with ``key_scale`` (``quantize_index_keys``).
+        ``block_keys``. Model dtype, or float8_e4m3fn with ``key_scale`` (``quantize_index_keys``); compiled,
+        FP8 keys of 2**31..2**32 elements are refused (misaddressed by the Triton lowering, see the check below).
       key_plane: int32[S], the plane of ``keys`` lane s scores against, in [0, P).
       query_positions: int32[S, T] absolute position of each query token.
       key_scale: f32[P, N], fp8 keys' scales; None for keys in the model dtype.
@@ -294,6 +297,13 @@ def indexer_scores(
         raise ValueError(f"N={N} keys must be a multiple of block_keys={block_keys}")
     if not (_is_pow2(Hi) and _is_pow2(D)):
         raise ValueError(f"Hi={Hi} and D={D} must be powers of two (Triton tiles)")
+    # The keys are read in place (memory_space=ANY), so the lowering's offsets are the whole array's: FP8 keys of
+    # 2**31..2**32 elements (e.g. 144 planes x 200K positions x 128) get 32-bit offsets past 2**31, negative, and
+    # would read other keys or fault (kernels_pallas.hot_gather: addressing; checked by lowering for CUDA).
+    if not interpret and triton_misaddressed(keys.shape, keys.dtype):
+        raise ValueError(f"indexer keys {keys.dtype}{list(keys.shape)}: {keys.size:,} one-byte elements in at most "
+                         "2**32 bytes, which Pallas' Triton lowering addresses with negative 32-bit offsets; "
+                         "allocate more planes (past 2**32 bytes) or keep the keys in the model dtype")
     q, weights, dot_dtype = _prepare_queries(q, weights, keys, precision)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     scale_ops = [] if key_scale is None else [key_scale.astype(jnp.float32)]

@@ -256,3 +256,18 @@ def test_topk_live_bound_changes_nothing():
     np.testing.assert_array_equal(got, np.asarray(topk_positions(jnp.asarray(x), _K, block_n=64,
                                                                  interpret=INTERPRET)))
     np.testing.assert_array_equal(got[0, 0], np.arange(_K))  # 6 finite, then the lowest -inf positions
+
+
+def test_compiled_scores_refuse_fp8_keys_they_would_misaddress():
+    """FP8 keys of 2**31..2**32 elements lower with 32-bit offsets that go negative past 2**31 (here 144 planes x
+    200,064 positions x 128: 3.7 GB), so the compiled kernel refuses them at trace time; past 2**32 bytes the
+    offsets are 64-bit, and the interpreter (XLA gathers) addresses any size. Shapes only: nothing is allocated."""
+    S = jax.ShapeDtypeStruct
+    args = lambda N: (S((4, 1, 32, 128), jnp.bfloat16), S((4, 1, 32), jnp.float32), S((144, N, 128), jnp.float8_e4m3fn),
+                      S((4,), jnp.int32), S((4, 1), jnp.int32), S((144, N), jnp.float32))
+    fn = lambda interpret: functools.partial(indexer_scores, softmax_scale=0.1, precision="fp8", interpret=interpret)
+    with pytest.raises(ValueError, match="negative 32-bit offsets"):
+        jax.eval_shape(fn(False), *args(200_064))
+    jax.eval_shape(fn(True), *args(200_064))
+    jax.eval_shape(fn(False), *args(400_128))
+
