@@ -549,3 +549,27 @@ def test_fill_rows_no_fills_and_integer_lists():
         with pytest.raises(ValueError, match="entry must be an integer array"):
             fn({n: jnp.array(v) for n, v in before.items()}, tuple(rows), entry.astype(jnp.float32), victim, n_fill,
                lane_slot, **kw)
+
+
+def test_fill_round_of_no_positions_or_no_lanes():
+    """A round of M = 0 positions (kernel == reference: the reference indexed its empty ranks) advances the active
+    lanes' rounds and changes nothing else; B = 0 lanes change nothing (the kernel's grid of zero programs failed in
+    the interpreter). Float positions are refused rather than truncated."""
+    layers, H = (0, 2), 48
+    maps, rounds, lane_slot, lane_active = _round_case(0, layers, H=H, M=8, lane_active=[True, False])
+    empty = [{k: v[:, :0] for k, v in r.items()} for r in rounds]
+    new, entry, victim, n_fill = _fill_round_kernel_vs_reference(maps, empty, lane_slot, lane_active, layers, H)
+    assert entry.shape == victim.shape == (2, 2, 0) and not n_fill.any()
+    want = {n: v.copy() for n, v in maps.items()}
+    want["rounds"][list(layers), lane_slot[0]] += 1
+    for n in frd.MAP_NAMES:
+        np.testing.assert_array_equal(new[n], want[n], err_msg=n)
+    no_lanes = [{k: v[:0] for k, v in r.items()} for r in rounds]
+    new, entry, victim, n_fill = _fill_round_kernel_vs_reference(maps, no_lanes, lane_slot[:0], lane_active[:0],
+                                                                 layers, H)
+    assert entry.shape == victim.shape == (2, 0, 8) and n_fill.shape == (2, 0)
+    for n in frd.MAP_NAMES:
+        np.testing.assert_array_equal(new[n], maps[n], err_msg=n)
+    floats = [{**r, "pos": r["pos"].astype(np.float32)} for r in rounds]
+    with pytest.raises(ValueError, match="pos must be an integer array"):
+        _run_fill_round(frd.fill_round_reference, maps, floats, lane_slot, lane_active, layers=layers, hot_rows=H)
