@@ -124,6 +124,9 @@ def _validate(maps: dict, rounds: tuple, lane_slot, lane_active, layers: tuple, 
     for r in rounds:
         if tuple(sorted(r)) != ("pos", "slot", "source", "valid"):
             raise ValueError(f"a round holds pos, source, slot, valid; got {sorted(r)}")
+        for k in ("pos", "source", "slot"):  # cast to int32 below: float positions would be truncated silently
+            if not jnp.issubdtype(r[k].dtype, jnp.integer):
+                raise ValueError(f"a round's {k} must be an integer array, got {r[k].dtype}")
         shapes = {k: tuple(v.shape) for k, v in r.items()}
         if len(set(shapes.values())) != 1 or len(shapes["pos"]) != 2 or shapes["pos"][0] != B:
             raise ValueError(f"round arrays must all be [B={B}, M] (one row per lane), got {shapes}")
@@ -333,21 +336,30 @@ def fill_round(maps: dict, rounds: tuple, lane_slot: jax.Array, lane_active: jax
     ``max_repeats`` election rounds, which must be at least the most entries one position has for that rule to hold
     (with fewer, some entry of each position is still chosen, exactly one).
 
+    Index contract (dynamic, so not checked): an active lane's ``lane_slot`` lies in [0, S), its valid entries'
+    ``pos`` in [0, N), and its hits' (``source == HOT``) ``slot`` in [0, H), that position's slot in the maps.
+    Otherwise the result is undefined: the kernel would write other slots' or layers' maps, the reference drops or
+    clamps. A source other than ring, hot or host counts as a ring read in both.
+
     Returns ``(maps, entry, victim, n_fill)``: fill f < n_fill[i, b] of layer i, lane b copies gathered entry
     ``entry[i, b, f]`` into slot ``victim[i, b, f]``; past n_fill (and for inactive lanes, whose n_fill is 0),
-    entry is 0 and victim is H."""
+    entry is 0 and victim is H. ``entry`` and ``victim`` are ``[len(layers), B, F]`` with ``F = min(M, H)``
+    (``sizes``); a round of M = 0 positions fills nothing but still advances the active lanes' ``rounds``."""
     _validate(maps, rounds, lane_slot, lane_active, layers, hot_rows, max_repeats)
     L, S, H = maps["pin_round"].shape
     N = maps["slot_of_position"].shape[2]
     B, M = rounds[0]["pos"].shape
     F, W = sizes(M, H)
+    Lp = len(layers)
+    if B == 0:  # a grid of zero programs does not lower
+        return (dict(maps), jnp.zeros((Lp, 0, F), jnp.int32), jnp.full((Lp, 0, F), H, jnp.int32),
+                jnp.zeros((Lp, 0), jnp.int32))
     Mp, Fp, Wp = _next_pow2(M), _next_pow2(F), _next_pow2(W)
     C, Wc = compact_sizes(Mp, Wp)
     slot_dtype = jnp.dtype(maps["slot_of_position"].dtype)
     if not distinct and -2 - (Mp - 1) < jnp.iinfo(slot_dtype).min:
         raise ValueError(f"rounds of {M} positions (padded to {Mp}) need election codes down to {-1 - Mp}, below "
                          f"{slot_dtype}'s range: use an int32 slot_of_position or the reference")
-    Lp = len(layers)
     operands = []
     for r in rounds:
         for name in ("pos", "source", "slot", "valid"):
@@ -433,8 +445,9 @@ def fill_round_reference(maps: dict, rounds: tuple, lane_slot: jax.Array, lane_a
         # One cumsum ranks both the first misses (in entry order) and the free slots (the second part is offset by
         # the first's total): one scan kernel instead of two.
         ranks = jnp.cumsum(jnp.concatenate([first, free_at]).astype(jnp.int32))
-        n_first = ranks[M - 1]
-        n_free = ranks[-1] - n_first
+        # A round of no positions has no ranks (M = W = 0): static, so indexing an empty array never traces.
+        n_first = ranks[M - 1] if M else jnp.int32(0)
+        n_free = (ranks[-1] if M + W else jnp.int32(0)) - n_first
         entry_of_rank = jnp.zeros((F,), jnp.int32).at[jnp.where(first, ranks[:M] - 1, F)].set(
             jnp.arange(M, dtype=jnp.int32), mode="drop")
         victim_of_rank = jnp.full((F,), H, jnp.int32).at[
@@ -445,7 +458,7 @@ def fill_round_reference(maps: dict, rounds: tuple, lane_slot: jax.Array, lane_a
         entry = jnp.where(do, entry_of_rank, 0)
         new_pos = jnp.where(do, pos[entry], N)
         old_pos = jnp.where(do, pos_of_slot[jnp.minimum(victim, H - 1)], -1)
-        new_clock = jnp.where(n_fill > 0, (victim_of_rank[jnp.maximum(n_fill - 1, 0)] + 1) % H, clock)
+        new_clock = jnp.where(n_fill > 0, (victim_of_rank[jnp.maximum(n_fill - 1, 0)] + 1) % H, clock) if F else clock
         return victim, entry, new_pos, old_pos, new_clock, n_fill
 
     active = jnp.broadcast_to(lane_active[None, :], (Lp, B))

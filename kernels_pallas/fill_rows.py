@@ -50,7 +50,9 @@ def _fill_kernel(entry_ref, victim_ref, n_fill_ref, lane_slot_ref, *refs, layers
     row_refs = refs[: len(layers) * n_planes]
     hot_out = refs[len(layers) * n_planes + n_planes:]
     li, b, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    n = n_fill_ref[li, b]
+    # A count past the F fills listed would read entry / victim past this lane's lists (the next lane's, or past the
+    # arrays) and store there; the reference copies F. The interpreter clamps such reads, so only GPUs differed.
+    n = jnp.minimum(n_fill_ref[li, b], entry_ref.shape[2])
     stride = programs_per_lane * block_rows
     trips = jnp.maximum(n - j * block_rows + stride - 1, 0) // stride  # blocks of this program below n
     for i, layer in enumerate(layers):
@@ -97,6 +99,10 @@ def _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot
                          f"{len(rows)}, {entry.shape}, {victim.shape}")
     if n_fill.shape != (Lp, B):
         raise ValueError(f"n_fill must be [{Lp}, {B}], got {n_fill.shape}")
+    for a, what in ((entry, "entry"), (victim, "victim"), (n_fill, "n_fill")):
+        # The kernel casts to int32 (truncating floats) where the reference's gather refuses or compares as floats.
+        if not jnp.issubdtype(a.dtype, jnp.integer):
+            raise ValueError(f"{what} must be an integer array, got {a.dtype}")
     if entry.shape[2] % block_rows:
         raise ValueError(f"F={entry.shape[2]} must be a multiple of block_rows={block_rows}")
     for n, plane in hot.items():
@@ -108,7 +114,8 @@ def _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot
         if r.keys() != hot.keys():
             raise ValueError(f"row planes {sorted(r)} differ from hot planes {sorted(hot)}")
         for n in hot:
-            if r[n].shape[1:] != hot[n].shape[1:] or r[n].dtype != hot[n].dtype or r[n].shape[0] % B:
+            if r[n].shape[1:] != hot[n].shape[1:] or r[n].dtype != hot[n].dtype or (r[n].shape[0] % B if B else
+                                                                                     r[n].shape[0]):
                 raise ValueError(f"plane {n!r}: rows {r[n].dtype}{r[n].shape} do not match hot "
                                  f"{hot[n].dtype}{hot[n].shape} ([B * E, W] with B={B} lanes)")
     # Destination rows (layer * sessions + slot) * hot_rows + victim are int32 (kernels_pallas.hot_gather:
@@ -124,14 +131,22 @@ def fill_rows(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Array, n_fil
               *, layers: tuple, sessions: int, hot_rows: int, block_rows: int = 16, programs_per_lane: int = 8,
               num_warps: int = 4, interpret: bool = False) -> dict:
     """``hot[plane][(layers[i] * sessions + lane_slot[b]) * hot_rows + victim[i, b, f]] = rows[i][plane][b * E_i +
-    entry[i, b, f]]`` for ``f < n_fill[i, b]``. ``hot``: flat ``[L * sessions * hot_rows + pad, W]`` planes
+    entry[i, b, f]]`` for ``f < min(n_fill[i, b], F)``. ``hot``: flat ``[L * sessions * hot_rows + pad, W]`` planes
     (``sessions`` is the number of session slots S; ``pad`` rows, never written, may differ per plane); ``rows[i]``:
     flat ``[B * E_i, W]`` planes, one row block per lane, E_i entries a lane (layers may differ). Inactive lanes
-    have n_fill 0 (``fill_round``) and so copy nothing. Returns the updated hot planes (in place)."""
+    have n_fill 0 (``fill_round``) and so copy nothing. Returns the updated hot planes (in place).
+
+    ``entry``, ``victim``: int32 ``[len(layers), B, F]``, F a multiple of ``block_rows``; ``n_fill``: int32
+    ``[len(layers), B]``. Only the first ``min(n_fill, F)`` fills of a lane are read; each of them needs ``entry``
+    in [0, E_i), ``victim`` in [0, hot_rows) and distinct within its (layer, lane), and ``lane_slot[b]`` in
+    [0, sessions): otherwise the result is undefined (kernel and reference may write different rows, the kernel
+    outside its lane's slots). F = 0 or B = 0 copies nothing."""
     _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot_rows, block_rows,
               compiled=not interpret)
     if programs_per_lane < 1:
         raise ValueError(f"programs_per_lane must be positive, got {programs_per_lane}")
+    if not entry.size:  # no fills listed (or no lanes): a grid of zero programs does not lower
+        return dict(hot)
     names = tuple(sorted(hot))
     B = lane_slot.shape[0]
     entries = tuple(r[names[0]].shape[0] // B for r in rows)
@@ -165,6 +180,8 @@ def fill_rows_reference(hot: dict, rows: tuple, entry: jax.Array, victim: jax.Ar
     """Pure-jnp ``fill_rows``: one scatter per plane over every static fill (the ones past n_fill dropped)."""
     del num_warps, interpret, programs_per_lane
     _validate(hot, rows, layers, entry, victim, n_fill, lane_slot, sessions, hot_rows, block_rows, compiled=False)
+    if not entry.size:  # as the kernel
+        return dict(hot)
     Lp, B, F = entry.shape
     do = jnp.arange(F)[None, None, :] < n_fill[..., None]
     b = jnp.arange(B)[:, None]

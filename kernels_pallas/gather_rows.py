@@ -89,8 +89,9 @@ def _validate_planes(planes, plane_of_lane, positions, fmt: KVFormat, *, compile
     expected = {"latent", "rope"} | ({"scale"} if fmt.quantised else set())
     if set(planes) != expected:
         raise ValueError(f"KV format {fmt.name!r} needs planes {sorted(expected)}, got {sorted(planes)}")
-    if positions.ndim != 2:
-        raise ValueError(f"positions must be [S, M], got shape {positions.shape}")
+    if positions.ndim != 2 or not jnp.issubdtype(positions.dtype, jnp.integer):
+        # float positions were truncated to int32 silently
+        raise ValueError(f"positions must be int[S, M], got {positions.dtype}{list(positions.shape)}")
     S = positions.shape[0]
     if plane_of_lane.shape != (S,) or not jnp.issubdtype(plane_of_lane.dtype, jnp.integer):
         raise ValueError(f"plane_of_lane must be int[S={S}] (one plane per lane of positions), got "
@@ -134,7 +135,8 @@ def gather_rows(
         layer's and slot's planes stacked ([L*S, N, W], a free reshape) and reads each lane's rows in place: a
         sliced or gathered operand would make XLA copy those planes' whole history before the custom call.
       plane_of_lane: int32[S], the plane each lane (row of ``positions``) reads, in [0, P).
-      positions: int32[S, M], each in [0, N); M a multiple of ``block_rows``.
+      positions: int32[S, M], each in [0, N); M a multiple of ``block_rows`` (``ops.gather_rows`` pads). S or
+        M = 0 gives empty outputs.
       kv_format: format name.
       out_dtype: dtype of the outputs.
       block_rows: rows per program (power of two).
@@ -148,6 +150,8 @@ def gather_rows(
     _validate_blocks(positions, block_rows)
     S, M = positions.shape
     out_dtype = jnp.dtype(out_dtype)
+    if S * M == 0:  # a grid of zero programs does not lower
+        return (jnp.zeros((S, M, kv_formats.LATENT_DIM), out_dtype), jnp.zeros((S, M, kv_formats.ROPE_DIM), out_dtype))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     operands = [plane_of_lane.astype(jnp.int32), positions.astype(jnp.int32), planes["latent"]]
     if fmt.quantised:

@@ -169,6 +169,10 @@ def _validate(source, row, ring, hot, host, block_rows, fmt: KVFormat, *, compil
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
     if source.shape != row.shape or source.ndim != 1:
         raise ValueError(f"source and row must be matching 1-D arrays, got {source.shape} and {row.shape}")
+    for a, what in ((source, "source"), (row, "row")):
+        # Cast to int32 by the kernel: float rows would be truncated, bool sources read as ring / hot.
+        if not jnp.issubdtype(a.dtype, jnp.integer):
+            raise ValueError(f"{what} must be an integer array, got {a.dtype}")
     if source.shape[0] % block_rows:
         raise ValueError(f"the number of entries {source.shape[0]} must be a multiple of block_rows={block_rows}")
     if not (ring.keys() == hot.keys() == host.keys()):
@@ -176,14 +180,16 @@ def _validate(source, row, ring, hot, host, block_rows, fmt: KVFormat, *, compil
     expected = {"latent", "rope"} | ({"scale"} if fmt.quantised else set())
     if set(ring) != expected:
         raise ValueError(f"KV format {fmt.name!r} needs planes {sorted(expected)}, got {sorted(ring)}")
-    for name in ring:
-        widths = {ring[name].shape[1], hot[name].shape[1], host[name].shape[1]}
-        dtypes = {ring[name].dtype, hot[name].dtype, host[name].dtype}
-        if len(widths) != 1 or len(dtypes) != 1:
-            raise ValueError(f"plane {name!r}: ring/hot/host widths {widths} or dtypes {dtypes} differ")
-        (w,) = widths
-        if not _is_pow2(w):
-            raise ValueError(f"plane {name!r}: width {w} must be a power of two (Triton lowering)")
+    # Checked against the format, not only against each other: a plane of another width failed as a broadcast deep
+    # in the kernel, and one of another dtype was dequantised as if it were the format's.
+    for name, (shape, dtype) in fmt.plane_shapes(1).items():
+        for what, planes in (("ring", ring), ("hot", hot), ("host", host)):
+            p = planes[name]
+            if p.ndim != 2 or p.shape[1] != shape[1] or p.dtype != dtype:
+                raise ValueError(f"{what} plane {name!r} of format {fmt.name!r} must be flat "
+                                 f"{dtype}[rows, {shape[1]}], got {p.dtype}{list(p.shape)}")
+        if not _is_pow2(shape[1] * dtype.itemsize):
+            raise ValueError(f"plane {name!r}: width {shape[1]} must be a power of two (Triton lowering)")
     for what, planes in (("ring", ring), ("hot", hot), ("host", host)):
         check_addressable(planes, what, compiled=compiled)
 
@@ -197,12 +203,21 @@ def hot_gather(source: jax.Array, row: jax.Array, ring: dict, hot: dict, host: d
     hot cache and host memory (all in ``kv_format``). Returns ``(latent [E, 512], rope [E, 64], packed)``:
     the rows dequantised to ``out_dtype`` and ``{plane: [E, W]}`` the same rows as stored, **defined at host
     entries (misses) only**: what the fill installs; other rows of ``packed`` are unspecified (``packed_at_misses``
-    compares them)."""
+    compares them).
+
+    ``source``: int32 ``[E]``, each ``RING`` (0), ``HOT`` (1) or ``HOST`` (2); ``row``: int32 ``[E]``, the row of
+    that source's plane, in [0, its rows). E a multiple of ``block_rows`` (``ops.hot_gather`` pads); E = 0 gives
+    empty outputs. Another source or a row out of range is the caller's bug: that entry's outputs are undefined
+    (the kernel reads nothing for an unknown source and outside the plane for such a row; the reference returns
+    other rows, so the two differ there)."""
     fmt = kv_formats.get_format(kv_format)
     _validate(source, row, ring, hot, host, block_rows, fmt, compiled=not interpret)
     names = tuple(sorted(ring))
     E = source.shape[0]
     out_dtype = jnp.dtype(out_dtype)
+    if E == 0:  # a grid of zero programs does not lower
+        return (jnp.zeros((0, kv_formats.LATENT_DIM), out_dtype), jnp.zeros((0, kv_formats.ROPE_DIM), out_dtype),
+                {n: jnp.zeros((0, ring[n].shape[1]), ring[n].dtype) for n in names})
     operands, in_specs = [source, row], [pl.BlockSpec(memory_space=pl.ANY)] * 2
     for name in names:
         operands += [ring[name], hot[name], host[name]]

@@ -51,6 +51,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.hot_gather import triton_misaddressed
+
 _RADIX_BITS = 4
 _RADIX = 1 << _RADIX_BITS  # 16 candidate thresholds per pass.
 _NUM_PASSES = 32 // _RADIX_BITS
@@ -235,6 +237,8 @@ def _validate_scores(q, weights, keys, key_plane, query_positions, key_scale):
         )
     if not jnp.issubdtype(key_plane.dtype, jnp.integer):
         raise ValueError(f"key_plane must be an integer array, got {key_plane.dtype}")
+    if not jnp.issubdtype(query_positions.dtype, jnp.integer):  # the kernels truncate, the reference would not
+        raise ValueError(f"query_positions must be an integer array, got {query_positions.dtype}")
     fp8 = keys.dtype == jnp.float8_e4m3fn
     if fp8 != (key_scale is not None):
         raise ValueError("fp8 keys need their key_scale [P, N] (and only fp8 keys have one); got "
@@ -276,9 +280,12 @@ def indexer_scores(
       q: [S, T, Hi, D] (bf16 or f32); Hi and D powers of two.
       weights: [S, T, Hi] f32 per-head weights.
       keys: [P, N, D] indexer keys of every plane (layer and session slot), read in place; N a multiple of
-        ``block_keys``. Model dtype, or float8_e4m3fn with ``key_scale`` (``quantize_index_keys``).
-      key_plane: int32[S], the plane of ``keys`` lane s scores against, in [0, P).
-      query_positions: int32[S, T] absolute position of each query token.
+        ``block_keys``. Model dtype, or float8_e4m3fn with ``key_scale`` (``quantize_index_keys``); compiled,
+        FP8 keys of 2**31..2**32 elements are refused (misaddressed by the Triton lowering, see the check below).
+      key_plane: int32[S], the plane of ``keys`` lane s scores against, in [0, P) (otherwise undefined: the
+        kernel reads outside ``keys``, the reference other keys or NaN).
+      query_positions: int32[S, T] absolute position of each query token; keys past it score -inf (all of them
+        for a negative position).
       key_scale: f32[P, N], fp8 keys' scales; None for keys in the model dtype.
       softmax_scale: scale applied to the logits before the relu.
       precision: "highest" | "bf16" | "fp8" (``PRECISIONS``).
@@ -294,6 +301,15 @@ def indexer_scores(
         raise ValueError(f"N={N} keys must be a multiple of block_keys={block_keys}")
     if not (_is_pow2(Hi) and _is_pow2(D)):
         raise ValueError(f"Hi={Hi} and D={D} must be powers of two (Triton tiles)")
+    # The keys are read in place (memory_space=ANY), so the lowering's offsets are the whole array's: FP8 keys of
+    # 2**31..2**32 elements (e.g. 144 planes x 200K positions x 128) get 32-bit offsets past 2**31, negative, and
+    # would read other keys or fault (kernels_pallas.hot_gather: addressing; checked by lowering for CUDA).
+    if not interpret and triton_misaddressed(keys.shape, keys.dtype):
+        raise ValueError(f"indexer keys {keys.dtype}{list(keys.shape)}: {keys.size:,} one-byte elements in at most "
+                         "2**32 bytes, which Pallas' Triton lowering addresses with negative 32-bit offsets; "
+                         "allocate more planes (past 2**32 bytes) or keep the keys in the model dtype")
+    if S * N == 0:  # a grid of zero programs does not lower
+        return jnp.zeros((S, T, N), jnp.float32)
     q, weights, dot_dtype = _prepare_queries(q, weights, keys, precision)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     scale_ops = [] if key_scale is None else [key_scale.astype(jnp.float32)]
@@ -595,6 +611,12 @@ def selectable_positions(query_positions: jax.Array, k: int, N: int) -> jax.Arra
 BLOCK_TOTALS = ("xla", "atomic")
 
 
+def _check_k(k, N: int) -> None:
+    # k is static and sizes the output: a float k failed deep in shape checks
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= N:
+        raise ValueError(f"k={k!r} must be an int in [1, N={N}]")
+
+
 @functools.partial(jax.jit, static_argnames=("k", "block_n", "block_totals", "interpret"))
 def topk_positions(
     scores: jax.Array,
@@ -610,9 +632,10 @@ def topk_positions(
     Args:
       scores: f32[S, T, N].
       k: number of positions per row, 1 <= k <= N.
-      query_positions: int32[S, T], optional: the query position of each row, whose scores past it are -inf
-        (causal). Blocks past ``selectable_positions`` are then never read, so the cost follows the live history,
-        not N; the result is the same.
+      query_positions: int32[S, T], optional: the query position of each row, whose scores past it must be -inf
+        (causal, as ``indexer_scores`` gives them). Blocks past ``selectable_positions`` are then never read, so
+        the cost follows the live history, not N; the result is the same. A finite score past its row's query
+        position may not be selected (the reference, which ignores ``query_positions``, would select it).
       block_n: scores per program (power of two); N is padded with -inf to a
         multiple of min(block_n, next_pow2(N)). Padding sits above every real
         position, so it is never chosen over a real -inf.
@@ -626,11 +649,12 @@ def topk_positions(
       interpret: run the Pallas interpreter (CPU tests).
 
     Returns:
-      int32[S, T, k].
+      int32[S, T, k] (empty for S or T = 0).
     """
+    if scores.ndim != 3:  # unpacked below: "not enough values to unpack" named neither the array nor its rank
+        raise ValueError(f"scores must be [S, T, N], got shape {scores.shape}")
     S, T, N = scores.shape
-    if not 1 <= k <= N:
-        raise ValueError(f"k={k} must be in [1, N={N}]")
+    _check_k(k, N)
     if not _is_pow2(block_n):
         raise ValueError(f"block_n must be a power of two, got {block_n}")
     if block_totals not in BLOCK_TOTALS:
@@ -638,6 +662,8 @@ def topk_positions(
     if query_positions is not None and query_positions.shape != (S, T):
         raise ValueError(f"query_positions must be [S, T] = {(S, T)}, got {query_positions.shape}")
     R = S * T
+    if R == 0:  # a grid of zero programs does not lower
+        return jnp.zeros((S, T, k), jnp.int32)
     block_n = min(block_n, _next_pow2(N))
     nb = -(-N // block_n)
     x = scores.astype(jnp.float32).reshape(R, N)
@@ -755,8 +781,7 @@ def topk_positions_reference(
     """
     del block_n, interpret, query_positions
     N = scores.shape[-1]
-    if not 1 <= k <= N:
-        raise ValueError(f"k={k} must be in [1, N={N}]")
+    _check_k(k, N)
     x = scores.astype(jnp.float32)
     x = jnp.where(x == 0.0, 0.0, x)
     _, idx = lax.top_k(x, k)

@@ -125,7 +125,9 @@ FILL_BLOCK_ROWS = 16
 def fill_rows(hot: dict, rows: tuple, entry, victim, n_fill, lane_slot, *, layers: tuple, sessions: int,
               hot_rows: int, impl: str):
     """Copy ``n_fill`` gathered rows per layer and lane into their victim slots of session slot ``lane_slot[b]``
-    (offload fill), in place."""
+    (offload fill), in place. ``n_fill`` must not exceed F, the fills ``entry`` lists (``fill_round``'s never
+    does): F is padded here to a multiple of the block, and a larger count would copy the padding (entry 0 into
+    slot 0)."""
     use_pallas, interpret = resolve(impl)
     F = entry.shape[2]
     pad = (-F) % FILL_BLOCK_ROWS

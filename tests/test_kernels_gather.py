@@ -132,3 +132,17 @@ def test_ops_gather_rows_pads_and_reads_host_planes():
     for g, w in zip(got, want):
         assert g.shape[:2] == (2, 20)
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_gather_no_rows_and_integer_positions():
+    """S or M = 0 gives empty outputs from the kernel as from the reference (a grid of zero programs failed in the
+    interpreter with a slice error); float positions are refused rather than truncated."""
+    planes = _planes("q8g64", 2, 16)
+    for S, M in ((1, 0), (0, 16)):
+        for fn, kw in ((gather_rows, {"interpret": INTERPRET}), (gather_rows_reference, {})):
+            latent, rope = fn(planes, jnp.zeros((S,), jnp.int32), jnp.zeros((S, M), jnp.int32), kv_format="q8g64",
+                              out_dtype=jnp.float32, block_rows=16, **kw)
+            assert latent.shape == (S, M, 512) and rope.shape == (S, M, 64) and latent.dtype == jnp.float32
+    with pytest.raises(ValueError, match="positions must be int"):
+        gather_rows(planes, jnp.zeros((1,), jnp.int32), jnp.zeros((1, 16), jnp.float32), kv_format="q8g64",
+                    block_rows=16, interpret=INTERPRET)

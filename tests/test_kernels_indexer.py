@@ -256,3 +256,39 @@ def test_topk_live_bound_changes_nothing():
     np.testing.assert_array_equal(got, np.asarray(topk_positions(jnp.asarray(x), _K, block_n=64,
                                                                  interpret=INTERPRET)))
     np.testing.assert_array_equal(got[0, 0], np.arange(_K))  # 6 finite, then the lowest -inf positions
+
+
+def test_compiled_scores_refuse_fp8_keys_they_would_misaddress():
+    """FP8 keys of 2**31..2**32 elements lower with 32-bit offsets that go negative past 2**31 (here 144 planes x
+    200,064 positions x 128: 3.7 GB), so the compiled kernel refuses them at trace time; past 2**32 bytes the
+    offsets are 64-bit, and the interpreter (XLA gathers) addresses any size. Shapes only: nothing is allocated."""
+    S = jax.ShapeDtypeStruct
+    args = lambda N: (S((4, 1, 32, 128), jnp.bfloat16), S((4, 1, 32), jnp.float32), S((144, N, 128), jnp.float8_e4m3fn),
+                      S((4,), jnp.int32), S((4, 1), jnp.int32), S((144, N), jnp.float32))
+    fn = lambda interpret: functools.partial(indexer_scores, softmax_scale=0.1, precision="fp8", interpret=interpret)
+    with pytest.raises(ValueError, match="negative 32-bit offsets"):
+        jax.eval_shape(fn(False), *args(200_064))
+    jax.eval_shape(fn(True), *args(200_064))
+    jax.eval_shape(fn(False), *args(400_128))
+
+
+def test_scores_and_topk_of_nothing_and_integer_arguments():
+    """No lanes, no query rows or no keys give empty results from the kernels as from the references (a grid of
+    zero programs failed in the interpreter with a slice error); float positions, a float k and scores of another
+    rank are named."""
+    q, w, keys, key_plane, qpos = _indexer_inputs(2, 1, 4, 16, 64, jnp.float32)
+    kw = dict(softmax_scale=1.0, block_keys=32)
+    for fn in (functools.partial(indexer_scores, interpret=INTERPRET), indexer_scores_reference):
+        assert fn(q[:0], w[:0], keys, key_plane[:0], qpos[:0], **kw).shape == (0, 1, 64)
+        assert fn(q, w, keys[:, :0], key_plane, qpos, **kw).shape == (2, 1, 0)
+        with pytest.raises(ValueError, match="query_positions must be an integer array"):
+            fn(q, w, keys, key_plane, qpos.astype(jnp.float32), **kw)
+    x = jnp.zeros((2, 3, 64), jnp.float32)
+    for fn in (functools.partial(topk_positions, interpret=INTERPRET), topk_positions_reference):
+        for empty in (x[:0], x[:, :0]):
+            got = fn(empty, 4)
+            assert got.shape == (*empty.shape[:2], 4) and got.dtype == jnp.int32
+        with pytest.raises(ValueError, match="must be an int"):
+            fn(x, 4.0)
+    with pytest.raises(ValueError, match=r"scores must be \[S, T, N\]"):
+        topk_positions(x[0], 4, interpret=INTERPRET)

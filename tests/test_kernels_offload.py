@@ -3,6 +3,7 @@ host sources, dequantised and packed outputs), the fill's bookkeeping (pins, vic
 rounds that repeat positions) and the fill's row copy (only the first n_fill rows copied, in place). Lanes map to
 session slots in any order, and an inactive lane that carries an active lane's slot changes nothing."""
 
+import functools
 import importlib
 
 import jax
@@ -73,6 +74,26 @@ def test_hot_gather_validation():
         hg.hot_gather_reference(s[:10], s[:10], p, p, p, kv_format="q8g64")
     with pytest.raises(ValueError, match="needs planes"):
         hg.hot_gather_reference(s, s, p, p, p, kv_format="bf16")
+
+
+def test_hot_gather_planes_checked_against_the_format_and_no_entries():
+    """Planes of the wrong width, dtype or rank for the format, and non-integer sources or rows, are named at trace
+    time (a narrower latent plane failed as a broadcast inside the kernel, a float row was truncated); E = 0 gives
+    empty outputs from the kernel as from the reference (a grid of zero programs failed in the interpreter)."""
+    p = _planes("q8g64", 16, 0)
+    s = jnp.zeros((16,), jnp.int32)
+    for fn in (hg.hot_gather_reference, lambda *a, **k: hg.hot_gather(*a, interpret=INTERPRET, **k)):
+        bad = {"narrow": {**p, "latent": p["latent"][:, :256]}, "dtype": {**p, "scale": p["scale"].astype(jnp.float32)},
+               "rank": {n: v[None] for n, v in p.items()}}
+        for what, planes in bad.items():
+            with pytest.raises(ValueError, match="must be flat"):
+                fn(s, s, planes, planes, planes, kv_format="q8g64")
+        with pytest.raises(ValueError, match="row must be an integer array"):
+            fn(s, s.astype(jnp.float32), p, p, p, kv_format="q8g64")
+        latent, rope, packed = fn(s[:0], s[:0], p, p, p, kv_format="q8g64", out_dtype=jnp.float32)
+        assert latent.shape == (0, 512) and rope.shape == (0, 64) and latent.dtype == jnp.float32
+        assert {n: (v.shape, v.dtype) for n, v in packed.items()} == {
+            n: ((0, v.shape[1]), v.dtype) for n, v in p.items()}
 
 
 def _fill_case(seed, layers, lane_slot=(2, 0, 0), S=3, E=24, F=32, H=40, L=4, fmt="q8g64"):
@@ -487,3 +508,68 @@ def test_ops_offload_fill_kernel_equals_reference():
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     assert int(np.asarray(got[4]).sum()) > 0
+
+
+def test_fill_rows_n_fill_past_f_copies_f_rows():
+    """A count above the F fills listed copies those F (the reference's rule): the compiled kernel used to read entry
+    and victim past F, from the next lane's lists or past the arrays, and store there (the interpreter clamps such
+    reads, so on the CPU this passed before too; it checks the GPU kernel where these tests run compiled)."""
+    hot, rows, entry, victim, n_fill, lane_slot = _fill_case(0, (0, 1))
+    kw = dict(layers=(0, 1), sessions=3, hot_rows=40, block_rows=8)
+    F = entry.shape[2]
+    before = {n: np.asarray(v) for n, v in hot.items()}
+    fresh = lambda: {n: jnp.array(v) for n, v in before.items()}
+    rng = np.random.default_rng(1)
+    for i, b in ((0, 0), (1, 1)):  # every listed fill valid: entries below E = 24, distinct victims below H = 40
+        entry = entry.at[i, b].set(rng.integers(0, 24, F))
+        victim = victim.at[i, b].set(rng.choice(40, F, replace=False))
+    over = n_fill.at[0, 0].set(F + 8).at[1, 1].set(3 * F)
+    got = fr.fill_rows(fresh(), tuple(rows), entry, victim, over, lane_slot, interpret=INTERPRET, **kw)
+    at_f = fr.fill_rows(fresh(), tuple(rows), entry, victim, jnp.minimum(over, F), lane_slot, interpret=INTERPRET,
+                        **kw)
+    want = fr.fill_rows_reference(fresh(), tuple(rows), entry, victim, over, lane_slot, **kw)
+    for n in before:
+        np.testing.assert_array_equal(np.asarray(got[n]), np.asarray(want[n]), err_msg=n)
+        np.testing.assert_array_equal(np.asarray(got[n]), np.asarray(at_f[n]), err_msg=n)
+
+
+def test_fill_rows_no_fills_and_integer_lists():
+    """F = 0 (a round of no positions) and B = 0 lanes copy nothing, kernel and reference alike (a zero-size grid
+    failed deep in the interpreter, the reference divided by B = 0); float lists are refused, not truncated."""
+    hot, rows, entry, victim, n_fill, lane_slot = _fill_case(0, (0, 1))
+    kw = dict(layers=(0, 1), sessions=3, hot_rows=40, block_rows=8)
+    before = {n: np.asarray(v) for n, v in hot.items()}
+    no_lanes = tuple({n: v[:0] for n, v in r.items()} for r in rows)
+    for fn in (functools.partial(fr.fill_rows, interpret=INTERPRET), fr.fill_rows_reference):
+        for args in ((tuple(rows), entry[..., :0], victim[..., :0], n_fill, lane_slot),
+                     (no_lanes, entry[:, :0], victim[:, :0], n_fill[:, :0], lane_slot[:0])):
+            out = fn({n: jnp.array(v) for n, v in before.items()}, *args, **kw)
+            for n in before:
+                np.testing.assert_array_equal(np.asarray(out[n]), before[n])
+        with pytest.raises(ValueError, match="entry must be an integer array"):
+            fn({n: jnp.array(v) for n, v in before.items()}, tuple(rows), entry.astype(jnp.float32), victim, n_fill,
+               lane_slot, **kw)
+
+
+def test_fill_round_of_no_positions_or_no_lanes():
+    """A round of M = 0 positions (kernel == reference: the reference indexed its empty ranks) advances the active
+    lanes' rounds and changes nothing else; B = 0 lanes change nothing (the kernel's grid of zero programs failed in
+    the interpreter). Float positions are refused rather than truncated."""
+    layers, H = (0, 2), 48
+    maps, rounds, lane_slot, lane_active = _round_case(0, layers, H=H, M=8, lane_active=[True, False])
+    empty = [{k: v[:, :0] for k, v in r.items()} for r in rounds]
+    new, entry, victim, n_fill = _fill_round_kernel_vs_reference(maps, empty, lane_slot, lane_active, layers, H)
+    assert entry.shape == victim.shape == (2, 2, 0) and not n_fill.any()
+    want = {n: v.copy() for n, v in maps.items()}
+    want["rounds"][list(layers), lane_slot[0]] += 1
+    for n in frd.MAP_NAMES:
+        np.testing.assert_array_equal(new[n], want[n], err_msg=n)
+    no_lanes = [{k: v[:0] for k, v in r.items()} for r in rounds]
+    new, entry, victim, n_fill = _fill_round_kernel_vs_reference(maps, no_lanes, lane_slot[:0], lane_active[:0],
+                                                                 layers, H)
+    assert entry.shape == victim.shape == (2, 0, 8) and n_fill.shape == (2, 0)
+    for n in frd.MAP_NAMES:
+        np.testing.assert_array_equal(new[n], maps[n], err_msg=n)
+    floats = [{**r, "pos": r["pos"].astype(np.float32)} for r in rounds]
+    with pytest.raises(ValueError, match="pos must be an integer array"):
+        _run_fill_round(frd.fill_round_reference, maps, floats, lane_slot, lane_active, layers=layers, hot_rows=H)
