@@ -21,7 +21,6 @@ import sys
 
 import numpy as np
 from absl import app, flags
-from ml_collections import config_flags
 
 from experiments import cli
 import glm53
@@ -34,7 +33,7 @@ ARTICLE = [(656, "B"), (31.281, "MiB"), (4.765, "GiB"), (1.28125, "MiB"), (20.5,
            (1499.06, "GiB"), (46.85, "GiB")]
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", "configs/glm5.py", "experiment config (model, cache)")
+cli.define_config("configs/glm5.py", "experiment config (model, cache)")
 flags.DEFINE_list("history", ["50000", "1048576"], "history lengths for the per-session table")
 flags.DEFINE_enum("machine", "article", list(memory.MACHINES) + ["custom"],
                   "machine for the sessions-that-fit table (custom: the three flags below)")

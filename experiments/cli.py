@@ -22,16 +22,42 @@ from glm53.config import ConfigError
 from glm53.provenance import module_name
 
 
+# The repository (or the install) that holds configs/: an entry point's default config is found from any working
+# directory, not only from the repository root.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def define_config(default: str | None, help_string: str, **kwargs):
+    """``--config``, an ml_collections config file; ``default`` (``"configs/x.py"``) is read from this install's
+    ``configs/``, wherever the command runs."""
+    return config_flags.DEFINE_config_file("config", None if default is None else os.path.join(ROOT, default),
+                                           help_string, **kwargs)
+
+
 def run(main) -> None:
     app.run(main, flags_parser=_parse_flags)
 
 
 def _parse_flags(argv: list) -> list:
     try:
-        return app.parse_flags_with_usage(argv)
+        rest = app.parse_flags_with_usage(argv)
     except (AttributeError, KeyError) as e:  # ml_collections: an override's path through the config is missing
         sys.exit(f"FATAL Flags parsing error: {unknown_field_message(e, argv)}\n"
                  "Pass --helpshort or --helpfull to see help on flags.")
+    if "config" in flags.FLAGS:
+        # ml_collections defers a config file's load error to the first read of the flag, a two-traceback OSError
+        # inside main: it is a flag error, said in one line before anything runs.
+        try:
+            value = flags.FLAGS["config"].value
+            if value is not None:
+                getattr(value, "keys")  # a config that failed to load raises on any attribute
+        except OSError as e:
+            path = flags.FLAGS["config"].config_filename
+            reason = str(e.__cause__ or e).strip().splitlines()[-1].strip()
+            sys.exit(f"FATAL Flags parsing error: --config={path}: cannot load it ({reason}); a relative path is read "
+                     f"from the working directory, {os.getcwd()}; the shipped configs are in "
+                     f"{os.path.join(ROOT, 'configs')}\nPass --helpshort or --helpfull to see help on flags.")
+    return rest
 
 
 def unknown_field_message(error: BaseException, argv: list) -> str:

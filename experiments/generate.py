@@ -34,7 +34,6 @@ import time
 import jax
 import numpy as np
 from absl import flags
-from ml_collections import config_flags
 
 from experiments import cli
 import glm53
@@ -42,7 +41,7 @@ from glm53 import distributed, offload, roofline
 from glm53.engine import check_sampling
 from glm53.provenance import provenance
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config (configs/*.py)", lock_config=True)
+_CONFIG = cli.define_config(None, "experiment config (configs/*.py)", lock_config=True)
 _ROOFLINE = flags.DEFINE_bool("roofline", True, "measure the HBM bandwidth and report the decode roofline")
 _ROUTING = flags.DEFINE_enum("routing", "auto", ["auto", "probe", "uniform"],
                              "routed experts for the roofline: auto (exact for one token per step, else probe), "

@@ -39,7 +39,6 @@ import traceback  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from experiments import cli  # noqa: E402
@@ -47,7 +46,7 @@ import glm53  # noqa: E402
 from glm53.provenance import provenance  # noqa: E402
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment config (its model section is used)")
+cli.define_config("configs/h200_bench.py", "experiment config (its model section is used)")
 flags.DEFINE_string("out", "", "write the results JSON here (rewritten after every prefill)")
 flags.DEFINE_list("prompt_lens", [], "prompt lengths (default: config.run.prompt_len)")
 flags.DEFINE_list("modes", ["whole", "chunked"], "whole: one forward; chunked: --chunk tokens per forward + cache")

@@ -20,7 +20,6 @@ import json
 import jax
 import numpy as np
 from absl import app, flags
-from ml_collections import config_flags
 
 import glm53
 from experiments import cli, workloads
@@ -29,7 +28,7 @@ from glm53.memory import device_memory
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", "configs/h200_1m.py", "experiment config")
+cli.define_config("configs/h200_1m.py", "experiment config")
 flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_integer("large_capacity", 1 << 20, "rows per session of the large cache")
 flags.DEFINE_list("modes", [], "cache modes to compare in (default: the config's cache.mode)")

@@ -26,7 +26,6 @@ a share of the resident step. A PNG (loss and floor against the decode hit rate)
 import json
 import numpy as np
 from absl import flags
-from ml_collections import config_flags
 
 import glm53
 import glm53.engine
@@ -37,7 +36,7 @@ from experiments.engine_runs import loss_interval_pct, pooled_loss_pct
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment config")
+cli.define_config("configs/h200_bench.py", "experiment config")
 flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_integer("pairs", 1, "interleaved resident/offload pairs per workload")
 flags.DEFINE_list("workloads", ["indexer", "local99"],

@@ -38,7 +38,6 @@ import sys
 
 import numpy as np
 from absl import app, flags
-from ml_collections import config_flags
 
 from experiments import cli
 import glm53
@@ -50,7 +49,7 @@ GiB = 1 << 30
 MACHINES = memory.MACHINES
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", "configs/glm5.py", "experiment config (model, cache, mesh)")
+cli.define_config("configs/glm5.py", "experiment config (model, cache, mesh)")
 flags.DEFINE_enum("machine", "article", list(MACHINES) + ["custom"], "machine sizes (custom: the flags below)")
 flags.DEFINE_integer("devices", 0, "--machine=custom: devices (the tp mesh)")
 flags.DEFINE_float("device_gib", 0.0, "--machine=custom: GiB per device")

@@ -35,7 +35,6 @@ import time
 
 import numpy as np
 from absl import flags
-from ml_collections import config_flags
 
 from experiments import cli
 import glm53
@@ -45,7 +44,7 @@ from glm53.provenance import module_name, provenance
 from glm53.trace import SelectionTrace, TraceRecorder
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", "configs/tiny.py", "model config for the 'model' trace")
+cli.define_config("configs/tiny.py", "model config for the 'model' trace")
 flags.DEFINE_string("out", "", "results JSON (the plot goes next to it, .png)")
 flags.DEFINE_list("workloads", ["model", "drift0.05", "window256", "uniform", "zipf0.8", "zipf1.0"],
                   "model | drift<c> | window<s> | uniform | local99 | zipf<s>")

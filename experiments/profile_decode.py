@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-from ml_collections import config_flags
 
 import glm53
 from experiments import cli, workloads
@@ -32,7 +31,7 @@ from experiments.trace_util import (by_op, compiled_decode_hlo, device_events, f
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment config")
+cli.define_config("configs/h200_bench.py", "experiment config")
 flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_string("workload", "local99", f"selection: {workloads.WORKLOADS}; drift0.001 (99.95% hits) isolates "
                     "the offload step's fixed cost from its misses")

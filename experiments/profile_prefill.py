@@ -39,7 +39,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
-from ml_collections import config_flags
 
 from experiments import cli
 import glm53
@@ -50,7 +49,7 @@ from glm53.memory import device_memory
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment config")
+cli.define_config("configs/h200_bench.py", "experiment config")
 flags.DEFINE_string("out", "", "write the results JSON here (rewritten after every prompt length)")
 flags.DEFINE_list("prompt_lens", [], "prompt lengths to prefill (default: config.run.prompt_len)")
 flags.DEFINE_float("peak_flops", 989e12, "accelerator peak FLOP/s for the MFU (H200 dense bf16: 989e12)")

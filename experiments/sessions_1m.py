@@ -56,7 +56,6 @@ import traceback
 import jax
 import numpy as np
 from absl import flags
-from ml_collections import config_flags
 from tqdm.auto import tqdm
 
 import glm53
@@ -70,7 +69,7 @@ from glm53.provenance import provenance
 from kernels_pallas import kv_formats
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", "configs/h200_1m.py", "experiment config")
+cli.define_config("configs/h200_1m.py", "experiment config")
 flags.DEFINE_string("out", "", "results JSON (rewritten at every milestone: a run cut short keeps what it measured)")
 flags.DEFINE_integer("sessions", 8, "sessions of the history decoding together")
 flags.DEFINE_enum("workload", "local99", ["local99", "model"],

@@ -45,7 +45,6 @@ import time
 import jax
 import numpy as np
 from absl import flags
-from ml_collections import config_flags
 
 import glm53
 import glm53.roofline
@@ -58,7 +57,7 @@ from glm53.provenance import provenance
 from kernels_pallas import kv_formats
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment config")
+cli.define_config("configs/h200_bench.py", "experiment config")
 flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_integer("sessions", 10, "sessions decoding together")
 flags.DEFINE_integer("pairs", 2, "interleaved resident/offload pairs per setting")

@@ -19,7 +19,6 @@ import json
 import jax
 import jax.numpy as jnp
 from absl import flags
-from ml_collections import config_flags
 
 import glm53
 from experiments import cli, workloads
@@ -27,7 +26,7 @@ from experiments.trace_util import compiled_decode_hlo, copied_cache_params
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment config")
+cli.define_config("configs/h200_bench.py", "experiment config")
 flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_list("modes", ["resident", "offload"], "cache modes")
 flags.DEFINE_integer("mtp", 0, "also compile the MTP verify and draft steps of this depth (0: plain decode only)")

@@ -50,7 +50,6 @@ import traceback
 import jax
 import numpy as np
 from absl import app, flags
-from ml_collections import config_flags
 
 import glm53
 from glm53.engine import compile_seconds
@@ -61,7 +60,7 @@ from glm53.provenance import provenance
 from kernels_pallas import kv_formats
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", "configs/h200_bench.py", "experiment config")
+cli.define_config("configs/h200_bench.py", "experiment config")
 flags.DEFINE_string("out", "", "results JSON (rewritten after every point); the plot goes next to it (.png)")
 flags.DEFINE_list("sessions", ["1", "4", "16", "64"], "concurrent sessions per point")
 flags.DEFINE_list("histories", ["8192", "50000"], "history lengths (tokens of the shared prompt)")
