@@ -2,7 +2,7 @@
 experiments.launch): open, generate, save mid-stream, keep generating; then a fresh engine restores the save and
 continues. Every process runs this same script; process 0 writes what each engine produced as JSON.
 
-    python -m experiments.launch --processes=2 --devices_per_process=2 -- \
+    python -m experiments.launch --processes=2 --devices_per_process=1 -- \
         python tests/multiprocess_sessions.py OUT DIR MODE
 """
 
