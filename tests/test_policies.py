@@ -119,13 +119,59 @@ def test_cold_replay_forks_from_the_parents_replayed_state():
     rows = [(0, 0, [1, 2, 3, 4]), (1, 0, [5]),  # LRU: 5 evicts 1; holds 2 3 4 5
             (2, 1, [2, 3, 4, 5]),  # the fork: all hot in its parent's LRU state (the snapshot says 10-13)
             (2, 0, [4, 5, 2])]  # rolled back to 4 host rows: 4 and 5 are gone
-    t = _with_segments(rows, [(0, 2, [0], [50], [-1], empty),
-                              (2, 3, [0, 1], [4, 50], [-1, 0], empty + [[10, 11, 12, 13]])])
+    segments = [(0, 2, [0], [50], [-1], empty), (2, 3, [0, 1], [4, 50], [-1, 0], empty + [[10, 11, 12, 13]])]
+    t = _with_segments(rows, segments)
     r = policies.replay(t, "lru", 4)
     assert r.total("hits") == 4 + 1 and r.total("misses") == 5 + 2
+    # the child's state is its own: the parent's rollback does not empty the child's slots (had they shared
+    # arrays, the child would miss 4 and 5 here; above, the parent then hit them, which hid it)
+    own = _with_segments(rows[:3] + [(2, 0, [2])], segments)
+    assert policies.replay(own, "lru", 4).total("hits") == 4 + 1
     # without a parent the fork starts from the snapshot's positions: 4 misses
     t.segments[1]["parents"] = np.asarray([-1, -1])
     assert policies.replay(t, "lru", 4).total("hits") == 1
+
+
+def test_a_session_new_to_the_replay_starts_from_the_engines_snapshot():
+    """A cold replay starts a session it has not met (no parent) from the engine's snapshot: the engine's policy at
+    the engine's size with the engine's memory (LFU's hits and uses), so it still equals a snapshot replay; another
+    size with the positions held in slot order; a trace saved before ``host_len`` was kept cuts a rollback at a
+    page boundary."""
+    held = [(0, 2, [0], [50], [-1], [[10, 11, 12, 13]])]
+    t = _with_segments([(0, 0, [20]), (1, 0, [10, 12, 13])], held)
+    t.meta["policy"] = "lfu"
+    t.segments[0]["snapshot"].update(policy_hits=np.asarray([[[5, 0, 5, 5]]]),
+                                     policy_last_use=np.ones((1, 1, 4), np.int64))
+    cold, snap = policies.replay(t, "lfu"), policies.replay(t, "lfu", from_snapshots=True)
+    assert cold.total("hits") == 3 and cold.per_layer == snap.per_layer  # 20 evicts 11, the row never hit
+    assert policies.replay(_with_segments([(0, 0, [10, 11])], held), "lru", 2).total("hits") == 2  # 12, 13 don't fit
+    # a rollback between the calls, recorded (host_len 48) or inferred from the start of 50 rows, to a whole page
+    empty = [[-1] * 4]
+    rows = [(0, 0, [46, 47, 48, 49]), (1, 0, [46, 47, 48, 49])]
+    t = _with_segments(rows, [(0, 1, [0], [50], [-1], empty), (1, 2, [0], [48], [-1], empty)])
+    assert policies.replay(t, "lru", 4).total("hits") == 2
+    for seg in t.segments:
+        del seg["host_len"]
+    assert policies.replay(t, "lru", 4).total("hits") == 2
+
+
+def test_empty_slots_are_filled_before_any_eviction():
+    """Ranked policies take empty slots first whatever their keys: slots a rollback emptied (whose memory stays)
+    and a policy whose keys are negative (the exact path)."""
+    empty = [[-1] * 4]
+    rows = [(0, 0, [1, 2, 3, 4]), (1, 0, [3, 4]),
+            (2, 0, [0]),  # rolled back to 3 rows: 3 and 4 are gone, their slots the most recently used
+            (3, 0, [1, 2])]
+    t = _with_segments(rows, [(0, 2, [0], [50], [-1], empty), (2, 4, [0], [3], [-1], empty)])
+    assert policies.replay(t, "lru", 4).total("hits") == 2 + 2
+
+    class MostRecentFirst(policies.Ranked):
+        name = "mru"
+
+        def key(self, st, t, start, window):
+            return -st.last_use
+
+    assert policies.replay(_synthetic([[1, 2, 3], [4], [1, 2, 3]]), MostRecentFirst(4, 4096)).total("hits") == 3
 
 
 def _same(x, y):
