@@ -412,6 +412,79 @@ def test_policies_on_synthetic_traces():
     assert d["scan"]["rounds"] == base.scan["rounds"] and d["prefetch_scan"]["rounds"] > 0
 
 
+class _SecondChance(policies.Policy):
+    """Clock as the textbook has it, one victim at a time: the hand passes pinned slots, clears a set bit and
+    moves on, and takes the first unpinned slot that is empty or whose bit is clear."""
+
+    name = "second-chance"
+
+    def touch(self, st, slots, t):
+        st.ref[slots] = True
+
+    def filled(self, st, slots, t):
+        st.ref[slots] = True
+
+    def victims(self, st, n, pinned, t, start, window):
+        pinned, taken, looked = pinned.copy(), [], 0
+        for _ in range(min(n, int(np.count_nonzero(~pinned)))):
+            while True:
+                s, st.clock = st.clock, (st.clock + 1) % self.H
+                looked += 1
+                if pinned[s]:
+                    continue
+                if st.position_of_slot[s] < 0 or not st.ref[s]:
+                    break
+                st.ref[s] = False
+            taken.append(s)
+            pinned[s] = True
+        return np.asarray(taken, np.int64), looked
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(4, 24), st.integers(0, 2**31 - 1))
+def test_clock_is_second_chance(hot, seed):
+    """The clock policy's vectorized search equals the one-victim-at-a-time second chance on random rounds with
+    repeats and hits (the bits hits set, the bits the hand clears, full passes): the same counts and search
+    lengths. Rounds of at most half the cache always leave a victim for every miss."""
+    rng = np.random.default_rng(seed)
+    t = _synthetic([rng.integers(0, 3 * hot, rng.integers(1, hot // 2 + 1)) for _ in range(40)])
+    clock, textbook = policies.replay(t, "clock", hot), policies.replay(t, _SecondChance(hot, 4096))
+    assert clock.per_layer == textbook.per_layer and clock.scan == textbook.scan
+
+
+def test_window_sticky_keeps_the_window_then_the_often_hit_rows():
+    """window<W>+sticky: a row among the session's last W positions stays while others exist, even never hit
+    and the least recently used; among the others the least often hit goes first, then the least recent."""
+    recent = 4096 - 10  # the oldest of window10's rows in a session of 4,096
+    t = _synthetic([[recent, 1, 2, 3], [1], [1], [2, 3],
+                    [5],  # evicts 2: not recent, hit once and longer ago than 3 (1 was hit twice)
+                    [recent, 1, 3]])
+    assert policies.replay(t, "window10+sticky", 4).total("hits") == 4 + 3
+    assert policies.replay(t, "lru", 4).total("hits") == 4 + 2  # recency alone drops the window's row
+
+
+def test_prefetch_reads_only_rows_in_host_memory_within_its_budget():
+    """+prefetch<P> brings in at most P neighbours of a round's misses, only rows surely in host memory (below the
+    ring rows the round read and the page before the last), and never evicts a row the same round read or
+    brought in."""
+    def hot_after(pos, ring=(), start=96):  # one round of lru+prefetch2 over 8-row pages
+        pol = policies.make("lru+prefetch2", 16, 200)
+        pol.page_rows = 8
+        stt, counts = pol.new_state(), np.zeros(len(policies.COUNTS), np.int64)
+        pos = np.asarray(pos)
+        pol.round(stt, pos, np.ones(pos.size, bool), np.isin(pos, ring), start, 0, counts, [], [])
+        return sorted(stt.position_of_slot[stt.position_of_slot >= 0].tolist())
+
+    assert hot_after([10, 30]) == [9, 10, 11, 30]  # 29 and 31 past the budget
+    assert hot_after([79]) == [78, 79]  # 80-95: the last two pages of 96 rows
+    assert hot_after([60, 61], ring=[61]) == [59, 60]  # 61 is in the ring
+    # every slot pinned by the round's hits and fills: nothing to prefetch into
+    t = _synthetic([[1, 2, 3, 4], [1, 2, 3, 10], [10]])
+    for spec in ("circular", "clock", "lru", "lfu", "window8+sticky"):
+        r = policies.replay(t, spec + "+prefetch2", 4)
+        assert r.total("prefetched") == 0 and r.total("hits") == 3 + 1, spec
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 2**31 - 1), st.integers(1, 3))
 def test_circular_round_equals_the_engines_fill(seed, rounds):
