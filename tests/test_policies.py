@@ -1,9 +1,9 @@
 """Selection traces and the policy simulator: a trace recorded from the engine replays through the engine's own
 policy to the engine's counters exactly, from the snapshots and cold (decode, MTP verify and drafts, several
 sessions, rollback and fork between calls); round by round it equals the engine's fill (``fill_round_reference``)
-from random states; the file round-trips; every policy keeps its invariants; the policies behave as their
-definitions say on synthetic traces; added policies plug in and are held to the hooks' contract; recording changes
-no output."""
+from random states, circular's and LFU's; clock equals textbook second chance; the file round-trips; every policy
+keeps its invariants; the policies behave as their definitions say on synthetic traces; added policies plug in and
+are held to the hooks' contract; recording changes no output."""
 
 import json
 import re
@@ -527,6 +527,68 @@ def test_circular_round_equals_the_engines_fill(seed, rounds):
         assert np.array_equal(np.asarray(maps["slot_of_position"])[0, 0], stt.slot_of_position)
         assert int(maps["clock"][0, 0]) == stt.clock
         assert np.asarray(maps["counters"])[0, 0].tolist() == counts[:5].tolist()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**31 - 1), st.integers(1, 3))
+def test_lfu_round_equals_the_engines_fill(seed, rounds):
+    """The simulator's LFU against the engine's (``OffloadCache``'s LFU keys and update around
+    ``fill_round_reference``) from the same random state: hit counts and ages at and past the engine's caps (1,023
+    hits, 2**21 - 1 rounds), invalid entries (they pin but are not uses), ring entries, repeats; the maps and the
+    policy's memory agree after every round."""
+    import types
+
+    from glm53.offload import LFU_MAX_AGE, LFU_MAX_HITS, OffloadCache
+    from kernels_pallas.fill_round import fill_round_reference
+    from kernels_pallas.hot_gather import HOST, HOT, RING
+
+    rng = np.random.default_rng(seed)
+    H, N, M = 16, 64, 6  # the engine searches the first M + M slots in key order, fewer than H
+    pos_of_slot = np.full(H, -1, np.int64)
+    held = rng.permutation(N)[: H - rng.integers(0, 3)]
+    pos_of_slot[rng.permutation(H)[: held.size]] = held
+    now = int(rng.choice([5, LFU_MAX_AGE + 10, 3 * LFU_MAX_AGE]))  # rounds so far
+    # a nearly full cache of counts mostly at or past the cap: the first round's victims are among them, where
+    # only the cap makes the ages decide
+    hits = rng.choice([0, 1, LFU_MAX_HITS - 1, LFU_MAX_HITS, LFU_MAX_HITS + 1, 5000], H,
+                      p=[0.04, 0.03, 0.03, 0.3, 0.3, 0.3])
+    last_use = np.maximum(now - rng.choice([0, 1, 3, LFU_MAX_AGE, LFU_MAX_AGE + 1, 2 * LFU_MAX_AGE], H), 0)
+    pol = policies.make("lfu", H, N)
+    stt = pol.new_state()
+    stt.load(pos_of_slot, 0, now, hits, last_use)
+    sop = np.full(N, -1, np.int32)
+    sop[pos_of_slot[pos_of_slot >= 0]] = np.flatnonzero(pos_of_slot >= 0)
+    cache = types.SimpleNamespace(
+        hot_rows=H, num_slots=1, rounds=jnp.full((1, 1), now, jnp.int32),
+        position_of_slot=jnp.asarray(pos_of_slot[None, None], jnp.int32),
+        policy_state={"hits": jnp.asarray(hits[None, None], jnp.int32),
+                      "last_use": jnp.asarray(last_use[None, None], jnp.int32)})
+    cache._lane_index = lambda layers, lanes: OffloadCache._lane_index(cache, layers, lanes)
+    lanes = types.SimpleNamespace(slot=jnp.zeros((1,), jnp.int32), active=jnp.ones((1,), bool))
+    # the fill donates its maps, and the engine's LFU reads the state from before it: copies
+    maps = {"pin_round": jnp.full((1, 1, H), -1, jnp.int32), "position_of_slot": jnp.copy(cache.position_of_slot),
+            "slot_of_position": jnp.asarray(sop[None, None], jnp.int32), "rounds": jnp.copy(cache.rounds),
+            "clock": jnp.zeros((1, 1), jnp.int32), "counters": jnp.zeros((1, 1, 5), jnp.int32)}
+    counts = np.zeros(len(policies.COUNTS), np.int64)
+    for t in range(rounds):
+        pos = rng.integers(0, N, M)
+        valid = rng.random(M) < 0.8
+        in_ring = rng.random(M) < 0.1
+        slot = np.asarray(maps["slot_of_position"])[0, 0][pos]
+        source = np.where(in_ring, RING, np.where(slot >= 0, HOT, HOST))
+        r = {"pos": jnp.asarray(pos[None], jnp.int32), "source": jnp.asarray(source[None], jnp.int32),
+             "slot": jnp.asarray(slot[None], jnp.int32), "valid": jnp.asarray(valid[None])}
+        keys = OffloadCache._lfu_keys(cache, (0,), lanes)
+        maps, _, victim, n_fill = fill_round_reference(maps, (r,), lanes.slot, lanes.active, layers=(0,),
+                                                       hot_rows=H, distinct=False, max_repeats=M, victim_keys=keys)
+        cache.policy_state = OffloadCache._lfu_update(cache, (0,), [types.SimpleNamespace(**r)], lanes, victim,
+                                                      n_fill)
+        cache.rounds, cache.position_of_slot = jnp.copy(maps["rounds"]), jnp.copy(maps["position_of_slot"])
+        pol.round(stt, pos, valid, in_ring, N, t, counts, [])
+        assert np.array_equal(np.asarray(maps["position_of_slot"])[0, 0], stt.position_of_slot)
+        assert np.asarray(maps["counters"])[0, 0].tolist() == counts[:5].tolist()
+        assert np.array_equal(np.asarray(cache.policy_state["hits"])[0, 0], stt.freq)
+        assert np.array_equal(np.asarray(cache.policy_state["last_use"])[0, 0], stt.last_use)
 
 
 def _sweep(*args):
