@@ -1,9 +1,9 @@
 """Selection traces and the policy simulator: a trace recorded from the engine replays through the engine's own
 policy to the engine's counters exactly, from the snapshots and cold (decode, MTP verify and drafts, several
 sessions, rollback and fork between calls); round by round it equals the engine's fill (``fill_round_reference``)
-from random states; the file round-trips; every policy keeps its invariants; the policies behave as their
-definitions say on synthetic traces; added policies plug in and are held to the hooks' contract; recording changes
-no output."""
+from random states, circular's and LFU's; clock equals textbook second chance; the file round-trips; every policy
+keeps its invariants; the policies behave as their definitions say on synthetic traces; added policies plug in and
+are held to the hooks' contract; recording changes no output."""
 
 import json
 import re
@@ -119,13 +119,59 @@ def test_cold_replay_forks_from_the_parents_replayed_state():
     rows = [(0, 0, [1, 2, 3, 4]), (1, 0, [5]),  # LRU: 5 evicts 1; holds 2 3 4 5
             (2, 1, [2, 3, 4, 5]),  # the fork: all hot in its parent's LRU state (the snapshot says 10-13)
             (2, 0, [4, 5, 2])]  # rolled back to 4 host rows: 4 and 5 are gone
-    t = _with_segments(rows, [(0, 2, [0], [50], [-1], empty),
-                              (2, 3, [0, 1], [4, 50], [-1, 0], empty + [[10, 11, 12, 13]])])
+    segments = [(0, 2, [0], [50], [-1], empty), (2, 3, [0, 1], [4, 50], [-1, 0], empty + [[10, 11, 12, 13]])]
+    t = _with_segments(rows, segments)
     r = policies.replay(t, "lru", 4)
     assert r.total("hits") == 4 + 1 and r.total("misses") == 5 + 2
+    # the child's state is its own: the parent's rollback does not empty the child's slots (had they shared
+    # arrays, the child would miss 4 and 5 here; above, the parent then hit them, which hid it)
+    own = _with_segments(rows[:3] + [(2, 0, [2])], segments)
+    assert policies.replay(own, "lru", 4).total("hits") == 4 + 1
     # without a parent the fork starts from the snapshot's positions: 4 misses
     t.segments[1]["parents"] = np.asarray([-1, -1])
     assert policies.replay(t, "lru", 4).total("hits") == 1
+
+
+def test_a_session_new_to_the_replay_starts_from_the_engines_snapshot():
+    """A cold replay starts a session it has not met (no parent) from the engine's snapshot: the engine's policy at
+    the engine's size with the engine's memory (LFU's hits and uses), so it still equals a snapshot replay; another
+    size with the positions held in slot order; a trace saved before ``host_len`` was kept cuts a rollback at a
+    page boundary."""
+    held = [(0, 2, [0], [50], [-1], [[10, 11, 12, 13]])]
+    t = _with_segments([(0, 0, [20]), (1, 0, [10, 12, 13])], held)
+    t.meta["policy"] = "lfu"
+    t.segments[0]["snapshot"].update(policy_hits=np.asarray([[[5, 0, 5, 5]]]),
+                                     policy_last_use=np.ones((1, 1, 4), np.int64))
+    cold, snap = policies.replay(t, "lfu"), policies.replay(t, "lfu", from_snapshots=True)
+    assert cold.total("hits") == 3 and cold.per_layer == snap.per_layer  # 20 evicts 11, the row never hit
+    assert policies.replay(_with_segments([(0, 0, [10, 11])], held), "lru", 2).total("hits") == 2  # 12, 13 don't fit
+    # a rollback between the calls, recorded (host_len 48) or inferred from the start of 50 rows, to a whole page
+    empty = [[-1] * 4]
+    rows = [(0, 0, [46, 47, 48, 49]), (1, 0, [46, 47, 48, 49])]
+    t = _with_segments(rows, [(0, 1, [0], [50], [-1], empty), (1, 2, [0], [48], [-1], empty)])
+    assert policies.replay(t, "lru", 4).total("hits") == 2
+    for seg in t.segments:
+        del seg["host_len"]
+    assert policies.replay(t, "lru", 4).total("hits") == 2
+
+
+def test_empty_slots_are_filled_before_any_eviction():
+    """Ranked policies take empty slots first whatever their keys: slots a rollback emptied (whose memory stays)
+    and a policy whose keys are negative (the exact path)."""
+    empty = [[-1] * 4]
+    rows = [(0, 0, [1, 2, 3, 4]), (1, 0, [3, 4]),
+            (2, 0, [0]),  # rolled back to 3 rows: 3 and 4 are gone, their slots the most recently used
+            (3, 0, [1, 2])]
+    t = _with_segments(rows, [(0, 2, [0], [50], [-1], empty), (2, 4, [0], [3], [-1], empty)])
+    assert policies.replay(t, "lru", 4).total("hits") == 2 + 2
+
+    class MostRecentFirst(policies.Ranked):
+        name = "mru"
+
+        def key(self, st, t, start, window):
+            return -st.last_use
+
+    assert policies.replay(_synthetic([[1, 2, 3], [4], [1, 2, 3]]), MostRecentFirst(4, 4096)).total("hits") == 3
 
 
 def _same(x, y):
@@ -366,6 +412,79 @@ def test_policies_on_synthetic_traces():
     assert d["scan"]["rounds"] == base.scan["rounds"] and d["prefetch_scan"]["rounds"] > 0
 
 
+class _SecondChance(policies.Policy):
+    """Clock as the textbook has it, one victim at a time: the hand passes pinned slots, clears a set bit and
+    moves on, and takes the first unpinned slot that is empty or whose bit is clear."""
+
+    name = "second-chance"
+
+    def touch(self, st, slots, t):
+        st.ref[slots] = True
+
+    def filled(self, st, slots, t):
+        st.ref[slots] = True
+
+    def victims(self, st, n, pinned, t, start, window):
+        pinned, taken, looked = pinned.copy(), [], 0
+        for _ in range(min(n, int(np.count_nonzero(~pinned)))):
+            while True:
+                s, st.clock = st.clock, (st.clock + 1) % self.H
+                looked += 1
+                if pinned[s]:
+                    continue
+                if st.position_of_slot[s] < 0 or not st.ref[s]:
+                    break
+                st.ref[s] = False
+            taken.append(s)
+            pinned[s] = True
+        return np.asarray(taken, np.int64), looked
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(4, 24), st.integers(0, 2**31 - 1))
+def test_clock_is_second_chance(hot, seed):
+    """The clock policy's vectorized search equals the one-victim-at-a-time second chance on random rounds with
+    repeats and hits (the bits hits set, the bits the hand clears, full passes): the same counts and search
+    lengths. Rounds of at most half the cache always leave a victim for every miss."""
+    rng = np.random.default_rng(seed)
+    t = _synthetic([rng.integers(0, 3 * hot, rng.integers(1, hot // 2 + 1)) for _ in range(40)])
+    clock, textbook = policies.replay(t, "clock", hot), policies.replay(t, _SecondChance(hot, 4096))
+    assert clock.per_layer == textbook.per_layer and clock.scan == textbook.scan
+
+
+def test_window_sticky_keeps_the_window_then_the_often_hit_rows():
+    """window<W>+sticky: a row among the session's last W positions stays while others exist, even never hit
+    and the least recently used; among the others the least often hit goes first, then the least recent."""
+    recent = 4096 - 10  # the oldest of window10's rows in a session of 4,096
+    t = _synthetic([[recent, 1, 2, 3], [1], [1], [2, 3],
+                    [5],  # evicts 2: not recent, hit once and longer ago than 3 (1 was hit twice)
+                    [recent, 1, 3]])
+    assert policies.replay(t, "window10+sticky", 4).total("hits") == 4 + 3
+    assert policies.replay(t, "lru", 4).total("hits") == 4 + 2  # recency alone drops the window's row
+
+
+def test_prefetch_reads_only_rows_in_host_memory_within_its_budget():
+    """+prefetch<P> brings in at most P neighbours of a round's misses, only rows surely in host memory (below the
+    ring rows the round read and the page before the last), and never evicts a row the same round read or
+    brought in."""
+    def hot_after(pos, ring=(), start=96):  # one round of lru+prefetch2 over 8-row pages
+        pol = policies.make("lru+prefetch2", 16, 200)
+        pol.page_rows = 8
+        stt, counts = pol.new_state(), np.zeros(len(policies.COUNTS), np.int64)
+        pos = np.asarray(pos)
+        pol.round(stt, pos, np.ones(pos.size, bool), np.isin(pos, ring), start, 0, counts, [], [])
+        return sorted(stt.position_of_slot[stt.position_of_slot >= 0].tolist())
+
+    assert hot_after([10, 30]) == [9, 10, 11, 30]  # 29 and 31 past the budget
+    assert hot_after([79]) == [78, 79]  # 80-95: the last two pages of 96 rows
+    assert hot_after([60, 61], ring=[61]) == [59, 60]  # 61 is in the ring
+    # every slot pinned by the round's hits and fills: nothing to prefetch into
+    t = _synthetic([[1, 2, 3, 4], [1, 2, 3, 10], [10]])
+    for spec in ("circular", "clock", "lru", "lfu", "window8+sticky"):
+        r = policies.replay(t, spec + "+prefetch2", 4)
+        assert r.total("prefetched") == 0 and r.total("hits") == 3 + 1, spec
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 2**31 - 1), st.integers(1, 3))
 def test_circular_round_equals_the_engines_fill(seed, rounds):
@@ -408,6 +527,68 @@ def test_circular_round_equals_the_engines_fill(seed, rounds):
         assert np.array_equal(np.asarray(maps["slot_of_position"])[0, 0], stt.slot_of_position)
         assert int(maps["clock"][0, 0]) == stt.clock
         assert np.asarray(maps["counters"])[0, 0].tolist() == counts[:5].tolist()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**31 - 1), st.integers(1, 3))
+def test_lfu_round_equals_the_engines_fill(seed, rounds):
+    """The simulator's LFU against the engine's (``OffloadCache``'s LFU keys and update around
+    ``fill_round_reference``) from the same random state: hit counts and ages at and past the engine's caps (1,023
+    hits, 2**21 - 1 rounds), invalid entries (they pin but are not uses), ring entries, repeats; the maps and the
+    policy's memory agree after every round."""
+    import types
+
+    from glm53.offload import LFU_MAX_AGE, LFU_MAX_HITS, OffloadCache
+    from kernels_pallas.fill_round import fill_round_reference
+    from kernels_pallas.hot_gather import HOST, HOT, RING
+
+    rng = np.random.default_rng(seed)
+    H, N, M = 16, 64, 6  # the engine searches the first M + M slots in key order, fewer than H
+    pos_of_slot = np.full(H, -1, np.int64)
+    held = rng.permutation(N)[: H - rng.integers(0, 3)]
+    pos_of_slot[rng.permutation(H)[: held.size]] = held
+    now = int(rng.choice([5, LFU_MAX_AGE + 10, 3 * LFU_MAX_AGE]))  # rounds so far
+    # a nearly full cache of counts mostly at or past the cap: the first round's victims are among them, where
+    # only the cap makes the ages decide
+    hits = rng.choice([0, 1, LFU_MAX_HITS - 1, LFU_MAX_HITS, LFU_MAX_HITS + 1, 5000], H,
+                      p=[0.04, 0.03, 0.03, 0.3, 0.3, 0.3])
+    last_use = np.maximum(now - rng.choice([0, 1, 3, LFU_MAX_AGE, LFU_MAX_AGE + 1, 2 * LFU_MAX_AGE], H), 0)
+    pol = policies.make("lfu", H, N)
+    stt = pol.new_state()
+    stt.load(pos_of_slot, 0, now, hits, last_use)
+    sop = np.full(N, -1, np.int32)
+    sop[pos_of_slot[pos_of_slot >= 0]] = np.flatnonzero(pos_of_slot >= 0)
+    cache = types.SimpleNamespace(
+        hot_rows=H, num_slots=1, rounds=jnp.full((1, 1), now, jnp.int32),
+        position_of_slot=jnp.asarray(pos_of_slot[None, None], jnp.int32),
+        policy_state={"hits": jnp.asarray(hits[None, None], jnp.int32),
+                      "last_use": jnp.asarray(last_use[None, None], jnp.int32)})
+    cache._lane_index = lambda layers, lanes: OffloadCache._lane_index(cache, layers, lanes)
+    lanes = types.SimpleNamespace(slot=jnp.zeros((1,), jnp.int32), active=jnp.ones((1,), bool))
+    # the fill donates its maps, and the engine's LFU reads the state from before it: copies
+    maps = {"pin_round": jnp.full((1, 1, H), -1, jnp.int32), "position_of_slot": jnp.copy(cache.position_of_slot),
+            "slot_of_position": jnp.asarray(sop[None, None], jnp.int32), "rounds": jnp.copy(cache.rounds),
+            "clock": jnp.zeros((1, 1), jnp.int32), "counters": jnp.zeros((1, 1, 5), jnp.int32)}
+    counts = np.zeros(len(policies.COUNTS), np.int64)
+    for t in range(rounds):
+        pos = rng.integers(0, N, M)
+        valid = rng.random(M) < 0.8
+        in_ring = rng.random(M) < 0.1
+        slot = np.asarray(maps["slot_of_position"])[0, 0][pos]
+        source = np.where(in_ring, RING, np.where(slot >= 0, HOT, HOST))
+        r = {"pos": jnp.asarray(pos[None], jnp.int32), "source": jnp.asarray(source[None], jnp.int32),
+             "slot": jnp.asarray(slot[None], jnp.int32), "valid": jnp.asarray(valid[None])}
+        keys = OffloadCache._lfu_keys(cache, (0,), lanes)
+        maps, _, victim, n_fill = fill_round_reference(maps, (r,), lanes.slot, lanes.active, layers=(0,),
+                                                       hot_rows=H, distinct=False, max_repeats=M, victim_keys=keys)
+        cache.policy_state = OffloadCache._lfu_update(cache, (0,), [types.SimpleNamespace(**r)], lanes, victim,
+                                                      n_fill)
+        cache.rounds, cache.position_of_slot = jnp.copy(maps["rounds"]), jnp.copy(maps["position_of_slot"])
+        pol.round(stt, pos, valid, in_ring, N, t, counts, [])
+        assert np.array_equal(np.asarray(maps["position_of_slot"])[0, 0], stt.position_of_slot)
+        assert np.asarray(maps["counters"])[0, 0].tolist() == counts[:5].tolist()
+        assert np.array_equal(np.asarray(cache.policy_state["hits"])[0, 0], stt.freq)
+        assert np.array_equal(np.asarray(cache.policy_state["last_use"])[0, 0], stt.last_use)
 
 
 def _sweep(*args):
