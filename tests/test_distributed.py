@@ -47,8 +47,8 @@ def test_two_processes_of_eight_devices_match_one_device(tmp_path):
 def test_save_and_restore_across_two_processes(tmp_path, mode):
     """A session saved on a tp=2 mesh of 2 processes x 1 device (every collective crosses processes; process 0 writes,
     the others wait) and restored by a fresh engine on the same mesh continues exactly as the original, offload;
-    and the whole life equals one process on one device. A save process 0 cannot write, or one a process cannot read, fails in every
-    process (none is left waiting) and the engine keeps decoding."""
+    and the whole life equals one process on one device. A save process 0 cannot write, or one a process cannot
+    read, fails in every process (none is left waiting) and the engine keeps decoding."""
     script = str(ROOT / "tests" / "multiprocess_sessions.py")
     # The processes keep this run's XLA flags (conftest.py's cheaper compilation: at full optimisation they compiled
     # about twice as long) with their own device counts; experiments.launch gives each launched process its count.
