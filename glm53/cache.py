@@ -19,9 +19,10 @@ Layout (S session slots, L cache layers = main layers + MTP layer, N rows per sl
                                        hidden state at i with the token at i + 1, which exists one step later)
     sessions.hidden       f32[S, Hd]   final-normed hidden state at position lengths - 1 (the MTP module's input
                                        and the logits of the next token), exactly the model dtype's values
-    index_keys            [Lf, S, N, D] DSA indexer keys of the layers with a "full" indexer, in the model dtype
-                                       or (``CacheConfig.index_keys="fp8"``) float8_e4m3fn ...
-    index_key_scale       f32[Lf, S, N] ... with one scale per key (None for model-dtype keys)
+    index_keys            [Lf, S + pad, N, D] DSA indexer keys of the layers with a "full" indexer, in the model
+                                       dtype or (``CacheConfig.index_keys="fp8"``) float8_e4m3fn ...
+    index_key_scale       f32[Lf, S + pad, N] ... with one scale per key (None for model-dtype keys); ``pad`` key
+                                       slots (none unless fp8 keys need them, ``index_key_shapes``) are never read
     resident history      {plane: [L * S + pad, N, W]} MLA rows as kv_format planes (kernels_pallas.kv_formats):
                                        the N rows of layer l, slot s are plane l * S + s; ``pad`` planes (none
                                        unless a 1-byte plane needs them, ``addressable_planes``) are never used
@@ -93,6 +94,11 @@ class CacheBase:
 
     @property
     def num_slots(self) -> int:
+        return int(self.sessions.lengths.shape[0])
+
+    @property
+    def index_key_slots(self) -> int:
+        """Slots of ``index_keys``: ``num_slots`` and the padding slots that keep fp8 keys addressable."""
         return int(self.index_keys.shape[1])
 
     @property
@@ -112,7 +118,7 @@ class CacheBase:
         """``keys [B, T, D]`` of one layer at ``step.write_positions`` (padding and inactive lanes dropped)."""
         ks = self.key_slot_of_layer[layer]
         assert ks >= 0, f"layer {layer} has a shared indexer and caches no keys"
-        slot = step.lanes.write_slot(self.num_slots)
+        slot = step.lanes.write_slot(self.index_key_slots)  # inactive lanes past the padding slots too: dropped
         where = (ks, slot[:, None], step.write_positions)
         if self.index_key_scale is None:
             return self.replace(index_keys=self.index_keys.at[where].set(keys.astype(self.index_keys.dtype),
@@ -128,7 +134,7 @@ class CacheBase:
         ks = self.key_slot_of_layer[layer]
         planes = self.index_keys.reshape(-1, *self.index_keys.shape[2:])
         scales = None if self.index_key_scale is None else self.index_key_scale.reshape(-1, self.capacity)
-        return planes, scales, (ks * self.num_slots + step.lanes.slot).astype(jnp.int32)
+        return planes, scales, (ks * self.index_key_slots + step.lanes.slot).astype(jnp.int32)
 
     def with_sessions(self, **kw) -> "CacheBase":
         return self.replace(sessions=self.sessions.replace(**kw))
@@ -307,13 +313,29 @@ def init_sessions(cfg: ModelConfig, slots: int) -> Sessions:
                     hidden=jnp.zeros((slots, cfg.hidden_size), jnp.float32))
 
 
+def index_key_shapes(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, dtype) -> dict:
+    """``{"index_keys": (shape, dtype), "index_key_scale": (shape, dtype) or None}``: ``[Lf, S + pad, N, D]`` keys
+    and ``[Lf, S + pad, N]`` scales. The indexer kernel reads the keys in place as planes ``[Lf * (S + pad), N,
+    D]``; fp8 keys of 2**31..2**32 one-byte elements (e.g. 5 layers x 4 slots x 1M positions x 128) are addressed
+    with 32-bit offsets that wrap negative (``kernels_pallas.hot_gather``, "Addressing"), so ``pad`` key slots,
+    never written or read, take them past 2**32 bytes, as ``addressable_planes`` does for the history. Slots, not
+    positions: padding positions could be selected by a lane with fewer live positions than top-k."""
+    Lf, D = len(cfg.full_indexer_layers), cfg.index_head_dim
+    key_dtype = jnp.dtype(jnp.float8_e4m3fn) if cc.index_keys == "fp8" else jnp.dtype(dtype)
+    allocated = slots
+    if Lf and triton_misaddressed((Lf * slots, capacity, D), key_dtype):
+        allocated = -(-padded_rows(Lf * slots, (capacity, D), key_dtype) // Lf)
+    shape = (Lf, allocated, capacity)
+    return {"index_keys": ((*shape, D), key_dtype),
+            "index_key_scale": (shape, jnp.dtype(jnp.float32)) if cc.index_keys == "fp8" else None}
+
+
 def init_index_keys(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, dtype) -> dict:
-    """The ``index_keys`` and ``index_key_scale`` fields of a cache (zero)."""
-    shape = (len(cfg.full_indexer_layers), slots, capacity)
-    if cc.index_keys == "fp8":
-        return dict(index_keys=jnp.zeros((*shape, cfg.index_head_dim), jnp.float8_e4m3fn),
-                    index_key_scale=jnp.ones(shape, jnp.float32))
-    return dict(index_keys=jnp.zeros((*shape, cfg.index_head_dim), dtype), index_key_scale=None)
+    """The ``index_keys`` and ``index_key_scale`` fields of a cache (zero keys, unit scales)."""
+    shapes = index_key_shapes(cfg, cc, slots, capacity, dtype)
+    scale = shapes["index_key_scale"]
+    return dict(index_keys=jnp.zeros(*shapes["index_keys"]),
+                index_key_scale=None if scale is None else jnp.ones(*scale))
 
 
 def history_shapes(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int) -> dict:

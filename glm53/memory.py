@@ -58,13 +58,11 @@ def cache_bytes(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, po
     L, S, N = cfg.num_cache_layers, slots, capacity
     row = fmt.bytes_per_row
     i32 = 4
-    device = {
-        "sessions": S * (2 * i32 + 4 * cfg.hidden_size),
-        "index_keys": len(cfg.full_indexer_layers) * S * N * cfg.index_head_dim * (
-            1 if cc.index_keys == "fp8" else np.dtype(dtype).itemsize),
-    }
-    if cc.index_keys == "fp8":
-        device["index_key_scale"] = len(cfg.full_indexer_layers) * S * N * 4
+    keys = cache.index_key_shapes(cfg, cc, S, N, dtype)  # with the padding slots fp8 keys may need
+    device = {"sessions": S * (2 * i32 + 4 * cfg.hidden_size),
+              "index_keys": _plane_bytes({"keys": keys["index_keys"]})}
+    if keys["index_key_scale"] is not None:
+        device["index_key_scale"] = _plane_bytes({"scale": keys["index_key_scale"]})
     host = {}
     if cc.mode == "resident":
         device["history"] = _plane_bytes(cache.history_shapes(cfg, cc, S, N))

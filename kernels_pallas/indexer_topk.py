@@ -307,7 +307,8 @@ def indexer_scores(
     if not interpret and triton_misaddressed(keys.shape, keys.dtype):
         raise ValueError(f"indexer keys {keys.dtype}{list(keys.shape)}: {keys.size:,} one-byte elements in at most "
                          "2**32 bytes, which Pallas' Triton lowering addresses with negative 32-bit offsets; "
-                         "allocate more planes (past 2**32 bytes) or keep the keys in the model dtype")
+                         "allocate padding planes past 2**32 bytes (glm53.cache.index_key_shapes does) or keep "
+                         "the keys in the model dtype")
     if S * N == 0:  # a grid of zero programs does not lower
         return jnp.zeros((S, T, N), jnp.float32)
     q, weights, dot_dtype = _prepare_queries(q, weights, keys, precision)

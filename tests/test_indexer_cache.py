@@ -89,3 +89,57 @@ def test_index_key_settings_are_checked():
         CacheConfig(index_keys="int4")
     with pytest.raises(ConfigError, match="indexer_precision 'tf32' unknown"):
         CacheConfig(indexer_precision="tf32")
+
+
+def test_fp8_key_sizes_the_kernel_would_misaddress_get_padding_slots():
+    """fp8 keys of 2**31..2**32 one-byte elements (5 full-indexer layers x 4 slots x 1M positions x 128) are
+    allocated with padding slots past 2**32 bytes, the fewest that get there; other sizes and bf16 keys as asked."""
+    from configs import h200_1m
+
+    cfg = glm53.ModelConfig.from_config_dict(h200_1m.get_config().model)
+    cc = BASE.replace(index_keys="fp8", mode="offload")
+    Lf, N, D = len(cfg.full_indexer_layers), 2**20 + 4096, cfg.index_head_dim
+    for slots, allocated in ((3, 3), (4, 7), (6, 7), (7, 7)):
+        shapes = glm53.cache.index_key_shapes(cfg, cc, slots, N, "bfloat16")
+        assert shapes["index_keys"][0] == (Lf, allocated, N, D) and shapes["index_key_scale"][0] == (Lf, allocated, N)
+    assert Lf * 7 * N * D > 2**32 >= Lf * 6 * N * D
+    shapes = glm53.cache.index_key_shapes(cfg, cc.replace(index_keys="model"), 4, N, "bfloat16")
+    assert shapes["index_keys"][0] == (Lf, 4, N, D) and shapes["index_key_scale"] is None
+
+
+def test_padding_key_slots_change_nothing(model, monkeypatch, tmp_path):
+    """With padding key slots (forced here at a small size, as fp8 keys of 2**31..2**32 bytes get them) a session's
+    life gives the tokens and logits of unpadded keys, the slots' planes are the kernel's planes, the accounting
+    counts the padding, and a save holds no padding (it restores into an unpadded engine)."""
+    cc = BASE.replace(index_keys="fp8", indexer_precision="fp8", mode="offload", max_len=256)
+    ids = prompts([50, 33], seed=9)
+
+    def life(engine):
+        a, b = engine.open(ids[0]), engine.open(ids[1])
+        first = engine.generate({a: 6, b: 4}, return_logits=True)
+        logits = engine.last_run.logits
+        engine.append(b, ids[0][:20])
+        engine.rollback(a, 3)
+        second = engine.generate({a: 5, b: 5}, return_logits=True)
+        return first, second, logits, engine.last_run.logits, a
+
+    plain = glm53.Engine(model, cc, max_sessions=2)
+    want = life(plain)
+    real_pad = glm53.cache.padded_rows
+    monkeypatch.setattr(glm53.cache, "triton_misaddressed",
+                        lambda shape, dtype: np.dtype(dtype) == np.dtype("float8_e4m3fn") and shape[0] < 8)
+    monkeypatch.setattr(glm53.cache, "padded_rows", lambda rows, row_shape, dtype: 8 if np.dtype(dtype) == np.dtype(
+        "float8_e4m3fn") else real_pad(rows, row_shape, dtype))
+    padded = glm53.Engine(model, cc, max_sessions=2)
+    Lf = len(CFG.full_indexer_layers)
+    assert padded.cache.num_slots == 2 and padded.cache.index_keys.shape[:2] == (Lf, -(-8 // Lf))
+    got = life(padded)
+    assert got[0] == want[0] and got[1] == want[1]
+    assert all(np.array_equal(got[i][s], want[i][s]) for i in (2, 3) for s in want[i])
+    used = memory.cache_bytes(CFG, cc, padded.alloc_slots, padded.capacity, padded.alloc_pages, model.dtype)
+    assert padded.cache.nbytes()["index_keys"] == used["device"]["index_keys"] > plain.cache.nbytes()["index_keys"]
+    padded.save(got[4], str(tmp_path / "s"))
+    monkeypatch.undo()
+    fresh = glm53.Engine(model, cc, max_sessions=2)
+    sid = fresh.restore(str(tmp_path / "s"))
+    assert fresh.generate({sid: 3})[sid] == padded.generate({got[4]: 3})[got[4]]
