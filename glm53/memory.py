@@ -85,7 +85,8 @@ def cache_bytes(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, po
 # (``64 if full_size > 2**32 else 32`` in ``_compute_offsets_from_indices``, jax/_src/pallas/triton/lowering.py:
 # line 1909 in JAX 0.10.2; kernels_pallas.hot_gather's module doc has the details), and Triton adds a 32-bit offset
 # to a pointer as a signed number: an array of 2**31 or more elements that is at most 2**32 bytes (only 1-byte
-# dtypes can be both: the int8 / fp8 latent planes) is addressed wrongly past element 2**31 (illegal memory accesses
+# dtypes can be both: the int8 / fp8 latent planes, and fp8 indexer keys, which get padding key slots of their own:
+# ``glm53.cache.index_key_shapes``) is addressed wrongly past element 2**31 (illegal memory accesses
 # on the H200: a 10 x 50K-row cache's int8 latents are 2.5 GB). Such arrays are grown past 2**32 bytes, into the
 # 64-bit regime, instead, by rows that nothing uses: the device planes (hot cache, ring, resident history) by padding
 # rows of that plane alone (``glm53.cache.addressable_planes``), the host pool by whole pages (below, since the pool
