@@ -35,7 +35,15 @@ def define_config(default: str | None, help_string: str, **kwargs):
 
 
 def run(main) -> None:
-    app.run(main, flags_parser=_parse_flags)
+    def refusing(argv):
+        # absl prints a UsageError below the module's docstring and every flag's help (70 lines for plan's
+        # --history=abc), the message last; it is one line here, as the other refusals are.
+        try:
+            return main(argv)
+        except app.UsageError as e:
+            sys.exit(f"{module_name()}: {e}\nPass --helpshort or --helpfull to see help on flags.")
+
+    app.run(refusing, flags_parser=_parse_flags)
 
 
 def _parse_flags(argv: list) -> list:

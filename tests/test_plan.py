@@ -240,7 +240,7 @@ def test_plan_refuses_what_no_engine_could_be(args, message):
 def test_default_config_found_from_any_directory_and_a_missing_one_named(tmp_path):
     """``python -m experiments.plan`` from outside the repository reads its default config from the install's
     configs/ (it raised a two-traceback OSError from main); a --config that does not load is one flag error naming
-    the path, the working directory it was read from and where the shipped configs are."""
+    the path, the working directory it was read from and where the shipped configs are; a usage error one line."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     p = subprocess.run([sys.executable, "-m", "experiments.plan", "--history=1000", "--sessions=1"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=300, env=env)
@@ -251,3 +251,9 @@ def test_default_config_found_from_any_directory_and_a_missing_one_named(tmp_pat
     assert (f"--config=configs/tiny.py: cannot load it ([Errno 2] No such file or directory: 'configs/tiny.py'); "
             f"a relative path is read from the working directory, {tmp_path}; the shipped configs are in "
             f"{ROOT / 'configs'}") in p.stderr, p.stderr[-2000:]
+    # a usage error is its one line too, not below the module's docstring and every flag's help (70 lines)
+    p = subprocess.run([sys.executable, "-m", "experiments.plan", "--history=abc"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 1 and p.stderr.splitlines() == [
+        "experiments.plan: --history=abc: give history lengths in tokens, whole numbers >= 1, comma-separated",
+        "Pass --helpshort or --helpfull to see help on flags."], p.stderr[-2000:]
