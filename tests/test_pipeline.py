@@ -3,6 +3,8 @@ their weights and their cache, and runs its own programs. Stage-only layouts mus
 offload bit-identical to resident, and every session operation (append, rollback, fork, save / restore, MTP) must
 work across stages; layouts with tp > 1 give identical tokens and float32 logits within 1e-5 relative."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -112,19 +114,46 @@ def test_stages_of_tensor_parallel_devices_match_one_device():
                           cache=cc.replace(mode="resident"))
     m = model(MESH_CFG, stages=2, tp=2, cc=cc)
     assert [len(st.mesh.devices.flat) for st in m.pipeline.stages] == [2, 2]
+    # Each device holds its shards of its stage's weights (the rules over the stage's tp devices), not whole
+    # copies: those compute the same tokens with twice the memory.
+    for st, p in zip(m.pipeline.stages, m.pipeline.stage_params(m.params)):
+        for d in st.mesh.devices.flat:
+            held = sum(int(sh.data.nbytes) for x in jax.tree_util.tree_leaves(p) for sh in x.addressable_shards
+                       if sh.device == d)
+            assert held == sharding.shard_bytes(p, {"tp": 2}) < sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(p))
     run = glm53.generate(m, ps, max_new_tokens=6, mtp=2, return_logits=True, cache=cc)
     assert run.tokens == base.tokens
     assert close(run.logits, base.logits) < 1e-5
 
 
 @pytest.mark.devices(2)
-def test_microbatched_decode_matches_one_device(one_device):
+def test_microbatched_decode_matches_one_device(one_device, monkeypatch):
     """Three sessions on 2 stages decode as two micro-batches of two (generate's engine rounds its lanes up to a
     multiple of the groups): the same tokens; logits within 1e-5 (programs of two lanes instead of four: XLA may
     round a matmul of another shape differently). An engine whose sessions the groups do not divide is refused."""
     ps = prompts([37, 22, 30])
     base = glm53.generate(one_device, ps, max_new_tokens=7, return_logits=True)
     m = model(MESH_CFG, stages=2, microbatches=2)
+    # Lanes of the first stage's decode programs as traced: micro-batches silently left whole still give the same
+    # tokens (and one compile), with no overlap between stages.
+    decode, static = pipeline.EARLY["decode"]
+    traced = []
+
+    @functools.wraps(decode)
+    def spy(stage, params, cache, lanes, *args, **kw):
+        traced.append(int(lanes.slot.shape[0]))
+        return decode(stage, params, cache, lanes, *args, **kw)
+
+    monkeypatch.setitem(pipeline.EARLY, "decode", (spy, static))
+    # The early stages' programs take their cache donated: one kept alive is a second cache on its devices.
+    run_early, kept = m.steps._run_early, []
+
+    def donating(name, s, params, part, args, kw):
+        out = run_early(name, s, params, part, args, kw)
+        kept.extend(x for x in jax.tree_util.tree_leaves(part) if not x.is_deleted())
+        return out
+
+    monkeypatch.setattr(m.steps, "_run_early", donating)
     with pytest.raises(ConfigError, match="mesh.microbatches=2 must divide max_sessions=3"):
         glm53.Engine(m, CC, max_sessions=3)
     run = glm53.generate(m, ps, max_new_tokens=7, return_logits=True, keep_cache=True)
@@ -132,7 +161,8 @@ def test_microbatched_decode_matches_one_device(one_device):
     assert close(run.logits, base.logits) < 1e-5
     # the first stage's decode program compiled once, for two lanes (the four sessions' micro-batches)
     (fn,) = [fn for k, fn in m.steps._jits.items() if k[:2] == ("decode", 0)]
-    assert fn._cache_size() == 1
+    assert fn._cache_size() == 1 and traced == [2]
+    assert not kept
 
 
 def _lifecycle(m, mode, mtp, tmp_path):
@@ -142,7 +172,7 @@ def _lifecycle(m, mode, mtp, tmp_path):
     outs.append(e.generate({a: 5, b: 7}, mtp=mtp, return_logits=True))
     logits.append(e.last_run.logits)
     e.append(a, prompts([80], seed=3)[0])  # more than hot_rows
-    c = e.fork(a)
+    c = e.fork(a, share_pages=False)  # offload: its pages copied stage by stage (read_pages / write_pages)
     e.rollback(b, 2)
     outs.append(e.generate({a: 6, b: 2}, mtp=mtp, return_logits=True))
     logits.append(e.last_run.logits)

@@ -56,9 +56,18 @@ def test_parameters_follow_the_rules_and_the_cache_is_replicated():
     want = {("self_attn", "o_proj", "kernel"): P("tp", None), ("self_attn", "q_b_proj", "kernel"): P(None, "tp"),
             ("self_attn", "kv_b_proj"): P(None, "tp"), ("mlp", "experts_gate_proj"): P(None, None, "tp"),
             ("mlp", "experts_down_proj"): P(None, "tp", None), ("self_attn", "kv_a_proj_with_mqa", "kernel"): P(),
-            ("self_attn", "indexer", "wq_b", "kernel"): P(None, "tp")}
+            ("self_attn", "indexer", "wq_b", "kernel"): P(None, "tp"),
+            ("self_attn", "indexer", "weights_proj"): P(None, "tp"),
+            ("mlp", "shared_experts", "up_proj", "kernel"): P(None, "tp"),
+            ("mlp", "shared_experts", "down_proj", "kernel"): P("tp", None),
+            # layers_0: the dense MLP
+            (0, "mlp", "gate_proj", "kernel"): P(None, "tp"), (0, "mlp", "down_proj", "kernel"): P("tp", None)}
+    # A rule lost (a split parameter replicated) still computes the same tokens: only the layout shows it.
+    assert m.params["embed_tokens"].sharding.spec == P("tp", None)
     for path, spec in want.items():
         leaf = layer
+        if path[0] == 0:
+            leaf, path = m.params["layers_0"], path[1:]
         for k in path:
             leaf = leaf[k]
         assert leaf.sharding.spec == spec or (spec == P() and set(leaf.sharding.spec) <= {None}), (path, leaf.sharding)
