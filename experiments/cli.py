@@ -153,8 +153,6 @@ def refuse_an_unrunnable_cache(cfg, cc) -> None:
 def token_counts(flag: str, values: list) -> list[int]:
     """A list flag of token counts (``--history=50000,1048576``) as ints, each at least 1; a usage error naming the
     flag otherwise (a word or a zero would otherwise be a traceback or a table of zeros)."""
-    from absl import app
-
     try:
         counts = [int(x) for x in values]
     except ValueError:

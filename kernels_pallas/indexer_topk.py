@@ -305,7 +305,7 @@ def indexer_scores(
     # 2**31..2**32 elements (e.g. 144 planes x 200K positions x 128) get 32-bit offsets past 2**31, negative, and
     # would read other keys or fault (kernels_pallas.hot_gather: addressing; checked by lowering for CUDA).
     if not interpret and triton_misaddressed(keys.shape, keys.dtype):
-        raise ValueError(f"indexer keys {keys.dtype}{list(keys.shape)}: {keys.size:,} one-byte elements in at most "
+        raise ValueError(f"indexer keys {keys.dtype}{list(keys.shape)}: {keys.size:,} elements (2**31 or more) in at most "
                          "2**32 bytes, which Pallas' Triton lowering addresses with negative 32-bit offsets; "
                          "allocate padding planes past 2**32 bytes (glm53.cache.index_key_shapes does) or keep "
                          "the keys in the model dtype")
