@@ -5,6 +5,7 @@ them (``from_pretrained``, ``load``, ``Model.save``)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -120,14 +121,38 @@ def _weight_files(path: str) -> list[str]:
                 weight_map = json.load(f)["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names, got "
+                                  f"{str(weight_map)[:200]}")
         files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
+        missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
         if missing:
             raise CheckpointError(f"{index} names shards that are not in {path}: {missing}")
         return [os.path.join(path, f) for f in files]
     if os.path.exists(single):
         return [single]
     raise CheckpointError(f"no weights in {path}: expected model.safetensors or model.safetensors.index.json")
+
+
+def _check_weight_map(path: str, index: dict[str, "_Stored"]) -> None:
+    """An index that disagrees with its shards about where a tensor lies means shards of different saves were mixed
+    (a download resumed after the repository was re-sharded, a shard copied from another model): refuse it rather
+    than load whatever the mixed shards happen to hold."""
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.exists(index_file):
+        return
+    with open(index_file) as f:
+        weight_map = json.load(f)["weight_map"]  # _weight_files has checked it
+    moved = [f"{n} (index: {weight_map[n]}, found in {os.path.basename(st.file)})" for n, st in index.items()
+             if n in weight_map and os.path.join(path, weight_map[n]) != st.file]
+    absent = sorted(n for n in weight_map if n not in index)
+    unlisted = sorted(n for n in index if n not in weight_map)
+    for what, names in (("maps tensors to shards that do not hold them", sorted(moved)),
+                        ("names tensors that no shard holds", absent),
+                        ("does not list tensors its shards hold", unlisted)):
+        if names:
+            raise CheckpointError(f"{index_file} {what}: {names[:5]}{' ...' if len(names) > 5 else ''} "
+                                  f"({len(names)} in all): the shards and the index come from different saves")
 
 
 # Every tensor is read from its file's memory-mapped bytes (the format is an 8-byte header length, a JSON header of
@@ -305,18 +330,10 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
     if not mtp:
         cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
     # The tokenizer before the weights: a broken or oversized one is found in a second, not after the whole model.
-    tok_path = os.path.join(path, "tokenizer.json")
-    tokenizer = None
-    if os.path.exists(tok_path):
-        try:
-            tokenizer = Tokenizer.from_file(tok_path)
-        except ValueError as e:
-            raise CheckpointError(str(e)) from e
-        if tokenizer.vocab_size > cfg.vocab_size:
-            raise CheckpointError(f"{tok_path} has {tokenizer.vocab_size:,} ids but config.json's vocab_size is "
-                                  f"{cfg.vocab_size:,}: the tokenizer belongs to another model")
+    tokenizer = _read_tokenizer(os.path.join(path, "tokenizer.json"), cfg, "config.json")
 
     index = _tensor_index(_weight_files(path))
+    _check_weight_map(path, index)
     N = cfg.num_hidden_layers
     checkpoint_has_mtp_layer = any(f"model.layers.{N}.{rest}" in index for rest in _MTP_ONLY)
     if cfg.num_nextn_predict_layers and not any(n.startswith(f"model.layers.{N}.") for n in index):
@@ -383,6 +400,12 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
                 put(stack, jnp.stack([parts[k] for k in range(E)]), f"{'/'.join(stack)} (stacked experts)",
                     finite_checked=True)
 
+    def check_fused(name, t, want):
+        # Whole, before slicing: a misshaped stack would fail inside jnp, or split into a wrong but plausible half.
+        if tuple(t.shape) != want:
+            raise CheckpointError(f"tensor {name} ({index[name].file}): shape {tuple(t.shape)}, but the model's fused "
+                                  f"experts are {want}; does config.json describe these weights?")
+
     weights = sorted(set(index) - scales, key=lambda n: (index[n].file, index[n].start))  # in file order
     total = sum(st.end - st.start for st in index.values())
     with progress_lib.bar(progress=progress, total=total, unit="B", unit_scale=True, unit_divisor=1024,
@@ -432,9 +455,11 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
                     expert(name, prefix + ("mlp", f"experts_{kind}_proj"), e, t, raw_scale)
                 elif m.group(2) == "gate_up_proj":  # fused [E, 2I, H] as transformers holds it in memory
                     I = cfg.moe_intermediate_size
+                    check_fused(name, t, (cfg.n_routed_experts, 2 * I, cfg.hidden_size))
                     put(prefix + ("mlp", "experts_gate_proj"), jnp.transpose(t[:, :I], (0, 2, 1)), name)
                     put(prefix + ("mlp", "experts_up_proj"), jnp.transpose(t[:, I:], (0, 2, 1)), name)
                 elif m.group(2) == "down_proj":
+                    check_fused(name, t, (cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size))
                     put(prefix + ("mlp", "experts_down_proj"), jnp.transpose(t, (0, 2, 1)), name)
                 else:
                     unexpected.append(name)
@@ -446,6 +471,9 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
         missing_e = sorted(set(range(cfg.n_routed_experts)) - set(parts))
         raise CheckpointError(f"parameter {'/'.join(p)}: experts {missing_e[:8]} missing from the checkpoint "
                               f"({_hf_names(cfg, [p]).get(p, '')})")
+    if cfg.tie_word_embeddings and "lm_head.weight" in unexpected:
+        raise CheckpointError("config.json has tie_word_embeddings=true (the LM head is the embedding) but the "
+                              "checkpoint holds its own lm_head.weight: one of them does not belong to this model")
     if unexpected:
         raise CheckpointError(f"{len(unexpected)} unexpected tensors (not part of a {cfg.num_hidden_layers}-layer "
                               f"model per config.json): {sorted(unexpected)[:10]}")
@@ -462,6 +490,20 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
     return cfg, params, tokenizer
 
 
+def _read_tokenizer(tok_path: str, cfg: ModelConfig, config_file: str) -> Tokenizer | None:
+    """The checkpoint's tokenizer.json, if it has one, checked against the config it is loaded with."""
+    if not os.path.exists(tok_path):
+        return None
+    try:
+        tokenizer = Tokenizer.from_file(tok_path)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise CheckpointError(f"{tok_path} has {tokenizer.vocab_size:,} ids but {config_file}'s vocab_size is "
+                              f"{cfg.vocab_size:,}: the tokenizer belongs to another model")
+    return tokenizer
+
+
 def _check_finite(arr, name: str) -> None:
     """Corrupted tensor bytes load without complaint and surface much later as non-finite logits: refuse them
     here, naming the tensor."""
@@ -474,9 +516,30 @@ def _check_finite(arr, name: str) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # native (orbax) save / load
 # ----------------------------------------------------------------------------------------------------------------
+def _head(x, n: int = 4096):
+    """The first ``n`` values of ``x``, readable by every process: on a mesh spanning several processes a process
+    holds only its shards, so the slice is taken replicated over the mesh first."""
+    sh = getattr(x, "sharding", None)
+    if isinstance(sh, jax.sharding.NamedSharding) and not x.is_fully_addressable:
+        replicated = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
+        return jax.jit(lambda a: a.reshape(-1)[:n], out_shardings=replicated)(x)
+    return x.reshape(-1)[:n]
+
+
+def params_digest(params) -> str:
+    """A digest of a parameter tree (paths, shapes, dtypes and up to 4,096 values of every tensor)."""
+    h = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        h.update(jax.tree_util.keystr(path).encode())
+        h.update(f"{leaf.shape}{leaf.dtype}".encode())
+        h.update(np.asarray(_head(leaf)).tobytes())
+    return h.hexdigest()
+
+
 def write_native(directory: str, cfg: ModelConfig, params, dtype, cache_config: CacheConfig,
-                 tokenizer: Tokenizer | None) -> None:
-    """Write ``directory/glm53.json`` (configs) and ``directory/params`` (orbax); tokenizer.json if attached."""
+                 tokenizer: Tokenizer | None, params_digest: str | None = None) -> None:
+    """Write ``directory/glm53.json`` (configs, and ``params_digest`` when given) and ``directory/params`` (orbax);
+    tokenizer.json if attached."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(directory)
@@ -490,6 +553,8 @@ def write_native(directory: str, cfg: ModelConfig, params, dtype, cache_config: 
     meta = {"format": "glm53", "version": NATIVE_FORMAT_VERSION, "model_config": cfg.to_hf(),
             "dtype": jnp.dtype(dtype).name, "cache_config": dataclasses.asdict(cache_config),
             "expert_weights": expert_weights_of(params)}
+    if params_digest is not None:
+        meta["params_digest"] = params_digest
     with open(os.path.join(directory, NATIVE_META), "w") as f:
         json.dump(meta, f, indent=2)
     if tokenizer is not None:
@@ -513,6 +578,9 @@ def read_native_config(directory: str) -> tuple[ModelConfig, Any, str, CacheConf
         got = (meta.get("format"), meta.get("version")) if isinstance(meta, dict) else type(meta).__name__
         raise CheckpointError(f"{meta_path}: format/version {got}, expected glm53 version {NATIVE_FORMAT_VERSION}")
     try:
+        for key in ("model_config", "cache_config"):
+            if not isinstance(meta.get(key, {}), dict):
+                raise TypeError(f"{key} must be an object, got {type(meta[key]).__name__}")
         cfg = ModelConfig.from_hf(meta["model_config"])
         saved_dtype = resolve_dtype(meta["dtype"])
         expert_weights = meta.get("expert_weights", "model")
@@ -536,6 +604,7 @@ def read_native(directory: str, dtype=None, check_config=None
     cfg, saved_dtype, expert_weights, cache_config = read_native_config(directory)
     if check_config is not None:
         check_config(cfg)
+    tokenizer = _read_tokenizer(os.path.join(directory, "tokenizer.json"), cfg, NATIVE_META)
     dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev),
                                     param_shapes(cfg, saved_dtype, expert_weights))
@@ -545,10 +614,15 @@ def read_native(directory: str, dtype=None, check_config=None
         raise CheckpointError(f"cannot restore parameters from {directory}/params: {e}") from e
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         _check_finite(leaf, "params" + jax.tree_util.keystr(path))
+    # A params folder of another save of the same architecture restores without complaint: only the digest
+    # glm53.json recorded at save tells them apart (saves older than it have none).
+    with open(os.path.join(directory, NATIVE_META)) as f:
+        saved_digest = json.load(f).get("params_digest")
+    if saved_digest is not None and params_digest(params) != saved_digest:
+        raise CheckpointError(f"{directory}/params does not hold the parameters {NATIVE_META} was saved with (their "
+                              "digest differs): the params folder comes from another save")
     dtype = resolve_dtype(dtype) if dtype is not None else saved_dtype
     if dtype != saved_dtype:
         shapes = param_shapes(cfg, dtype, expert_weights)
         params = jax.tree_util.tree_map(lambda p, s: p.astype(s.dtype), params, shapes)
-    tok_path = os.path.join(directory, "tokenizer.json")
-    tokenizer = Tokenizer.from_file(tok_path) if os.path.exists(tok_path) else None
     return cfg, params, dtype, cache_config, tokenizer

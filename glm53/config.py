@@ -123,6 +123,23 @@ class ModelConfig:
             elif f.type == "bool":
                 _require(isinstance(value, bool), f"{f.name} must be true or false, got {value!r}")
         _require(self.vocab_size > 0 and self.hidden_size > 0, "vocab_size and hidden_size must be positive")
+        # Sizes of zero build empty weights that load and then compute nothing meaningful (or divide by zero).
+        for name in ("num_attention_heads", "q_lora_rank", "qk_nope_head_dim", "v_head_dim", "index_n_heads",
+                     "max_position_embeddings"):
+            _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        _require(self.first_k_dense_replace == 0 or self.intermediate_size >= 1,
+                 f"intermediate_size must be >= 1 (the dense MLP of the first {self.first_k_dense_replace} layers), "
+                 f"got {self.intermediate_size}")
+        _require(self.n_shared_experts >= 0, f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        _require(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
+        _require(self.rms_norm_eps > 0, f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        # generate stops at these ids: one outside the vocabulary would fail every generate call, far from the config.
+        eos = tuple(self.eos_token_id) if isinstance(self.eos_token_id, (tuple, list)) else (self.eos_token_id,)
+        bad_eos = [t for t in eos if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Integral)
+                                                       or not 0 <= t < self.vocab_size)]
+        _require(not bad_eos and (None not in eos or self.eos_token_id is None),
+                 f"eos_token_id must be None or token ids in [0, vocab_size={self.vocab_size}), got "
+                 f"{self.eos_token_id!r}")
         _require(self.num_hidden_layers >= 1, f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
         _require(len(self.indexer_types) == self.num_hidden_layers,
                  f"indexer_types has {len(self.indexer_types)} entries for {self.num_hidden_layers} layers")
@@ -145,6 +162,8 @@ class ModelConfig:
                  f"num_nextn_predict_layers={self.num_nextn_predict_layers}: glm53 supports 0 or 1 MTP module")
         if self.num_hidden_layers > self.first_k_dense_replace or self.num_nextn_predict_layers:
             _require(self.n_routed_experts >= 1, "n_routed_experts must be >= 1")
+            _require(self.moe_intermediate_size >= 1,
+                     f"moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
             _require(1 <= self.num_experts_per_tok <= self.n_routed_experts,
                      f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, n_routed_experts="
                      f"{self.n_routed_experts}]")
@@ -169,6 +188,8 @@ class ModelConfig:
         if hf.get("num_key_value_heads", hf.get("num_attention_heads")) != hf.get("num_attention_heads"):
             raise ConfigError("num_key_value_heads must equal num_attention_heads for MLA")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if not isinstance(rope, Mapping):
+            raise ConfigError(f"rope_parameters must be an object of rope_type / rope_theta, got {rope!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ConfigError(f"rope_type={rope_type!r} is not supported (glm53 implements the default RoPE)")
@@ -178,6 +199,9 @@ class ModelConfig:
         if indexer_types is None:
             pattern = hf.get("index_topk_pattern")
             if pattern is not None:
+                if isinstance(pattern, str) and set(pattern) - set("FS"):
+                    raise ConfigError(f"index_topk_pattern={pattern!r} holds letters other than F (full) and S "
+                                      "(shared)")
                 indexer_types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) \
                     else list(pattern)
             else:  # transformers' freq/offset schedule
@@ -191,6 +215,14 @@ class ModelConfig:
             n_dense = sum(1 for t in mlp_types if t == "dense")
             if list(mlp_types) != ["dense"] * n_dense + ["sparse"] * (len(mlp_types) - n_dense):
                 raise ConfigError("mlp_layer_types must be dense layers followed by sparse layers")
+            if isinstance(n_layers, int) and len(mlp_types) != n_layers:
+                raise ConfigError(f"mlp_layer_types has {len(mlp_types)} entries for num_hidden_layers={n_layers}")
+            # transformers follows mlp_layer_types and ignores first_k_dense_replace (clamped to the layers) when both
+            # are given: one edited without the other would be silently ignored.
+            if "first_k_dense_replace" in hf and isinstance(first_dense, int) and isinstance(n_layers, int) \
+                    and min(first_dense, n_layers) != n_dense:
+                raise ConfigError(f"first_k_dense_replace={first_dense} but mlp_layer_types has {n_dense} dense "
+                                  "layers: one was edited without the other")
             first_dense = n_dense
         eos = hf.get("eos_token_id", 1)
         if isinstance(eos, list):
@@ -211,7 +243,8 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=float(theta),
             max_position_embeddings=hf.get("max_position_embeddings", 202752),
             num_nextn_predict_layers=hf.get("num_nextn_predict_layers", 0),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # not bool(): the string "false" is truthy
+            tie_word_embeddings=False if hf.get("tie_word_embeddings") is None else hf["tie_word_embeddings"],
             bos_token_id=hf.get("bos_token_id"), eos_token_id=eos,
             initializer_range=hf.get("initializer_range", 0.02),
         )

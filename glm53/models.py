@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Any, Mapping
 
 import jax
@@ -74,12 +73,7 @@ class Model:
         """A digest of the parameters (shapes, dtypes and up to 4,096 values of every tensor): what a saved session
         records, so it is never restored into other weights."""
         if self._digest is None:
-            h = hashlib.sha256()
-            for path, leaf in jax.tree_util.tree_leaves_with_path(self.params):
-                h.update(jax.tree_util.keystr(path).encode())
-                h.update(f"{leaf.shape}{leaf.dtype}".encode())
-                h.update(np.asarray(_head(leaf)).tobytes())
-            self._digest = h.hexdigest()
+            self._digest = checkpoint.params_digest(self.params)
         return self._digest
 
     # ---- validation shared by every entry point ----
@@ -146,22 +140,13 @@ class Model:
         return np.asarray(logits[0], np.float32)
 
     def save(self, directory: str) -> None:
-        checkpoint.write_native(directory, self.config, self.params, self.dtype, self.cache_config, self.tokenizer)
+        checkpoint.write_native(directory, self.config, self.params, self.dtype, self.cache_config, self.tokenizer,
+                                params_digest=self.params_digest())
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Constructors
 # ----------------------------------------------------------------------------------------------------------------
-def _head(x, n: int = 4096):
-    """The first ``n`` values of ``x``, readable by every process: on a mesh spanning several processes a process
-    holds only its shards, so the slice is taken replicated over the mesh first."""
-    sh = getattr(x, "sharding", None)
-    if isinstance(sh, jax.sharding.NamedSharding) and not x.is_fully_addressable:
-        replicated = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
-        return jax.jit(lambda a: a.reshape(-1)[:n], out_shardings=replicated)(x)
-    return x.reshape(-1)[:n]
-
-
 def _check_cache(config: ModelConfig, cache_config: CacheConfig | None) -> None:
     """What ``Model`` refuses of a cache config, checked before any weight is read or initialised."""
     if cache_config is not None and cache_config.mode == "offload":

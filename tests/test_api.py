@@ -300,6 +300,14 @@ def test_a_hot_cache_larger_than_the_history_is_cut_to_it(model, batched):
     (dict(qk_rope_head_dim=32), "qk_rope_head_dim=32"),
     (dict(num_nextn_predict_layers=2), "num_nextn_predict_layers=2"),
     (dict(first_k_dense_replace=3), "first_k_dense_replace=3"),
+    (dict(q_lora_rank=0), "q_lora_rank must be >= 1, got 0"),
+    (dict(index_n_heads=0), "index_n_heads must be >= 1, got 0"),
+    (dict(moe_intermediate_size=0), "moe_intermediate_size must be >= 1, got 0"),
+    (dict(max_position_embeddings=0), "max_position_embeddings must be >= 1, got 0"),
+    (dict(rope_theta=0.0), "rope_theta must be > 0"),
+    (dict(rms_norm_eps=-1e-5), "rms_norm_eps must be > 0"),
+    (dict(eos_token_id=VOCAB), rf"eos_token_id must be None or token ids in \[0, vocab_size={VOCAB}\), got {VOCAB}"),
+    (dict(eos_token_id=(1, "</s>")), "eos_token_id must be None or token ids"),
 ])
 def test_impossible_model_configs(change, match):
     import dataclasses
@@ -317,6 +325,20 @@ def test_model_config_dict_errors():
         ModelConfig.from_hf({**CFG.to_hf(), "model_type": "llama"})
     with pytest.raises(ConfigError, match="rope_type='yarn'"):
         ModelConfig.from_hf({**CFG.to_hf(), "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
+    # fields of config.json that contradict each other or cannot be read are named, never resolved silently
+    hf = CFG.to_hf()
+    with pytest.raises(ConfigError, match="mlp_layer_types has 1 entries for num_hidden_layers=2"):
+        ModelConfig.from_hf({**hf, "mlp_layer_types": ["dense"]})
+    with pytest.raises(ConfigError, match="first_k_dense_replace=2 but mlp_layer_types has 1 dense layers"):
+        ModelConfig.from_hf({**hf, "first_k_dense_replace": 2})
+    assert ModelConfig.from_hf({**hf, "first_k_dense_replace": 5, "mlp_layer_types": ["dense"] * 2}) \
+        .first_k_dense_replace == 2  # transformers clamps it to the layers: consistent
+    with pytest.raises(ConfigError, match="index_topk_pattern='FX' holds letters other than F"):
+        ModelConfig.from_hf({k: v for k, v in hf.items() if k != "indexer_types"} | {"index_topk_pattern": "FX"})
+    with pytest.raises(ConfigError, match="tie_word_embeddings must be true or false, got 'false'"):
+        ModelConfig.from_hf({**hf, "tie_word_embeddings": "false"})
+    with pytest.raises(ConfigError, match="rope_parameters must be an object"):
+        ModelConfig.from_hf({**hf, "rope_parameters": "default"})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -435,6 +457,92 @@ def test_shard_missing_from_index(ckpt):
     os.remove(shard_dir / shards[1])
     with pytest.raises(CheckpointError, match=f"names shards that are not in .*{shards[1]}"):
         glm53.from_pretrained(str(shard_dir))
+
+
+def test_index_that_disagrees_with_its_shards(ckpt):
+    """Shards of different saves mixed under one index (a re-sharded repository, a shard copied from another model)
+    are refused with the tensor and the shards named, not loaded with whatever the shards hold."""
+    from transformers import GlmMoeDsaForCausalLM
+
+    shard_dir = ckpt.parent / "sharded"
+    GlmMoeDsaForCausalLM.from_pretrained(str(ckpt)).save_pretrained(str(shard_dir), max_shard_size="300KB")
+    index_file = shard_dir / "model.safetensors.index.json"
+    good = json.loads(index_file.read_text())
+    shards = sorted(set(good["weight_map"].values()))
+
+    def index_with(**weight_map):
+        index_file.write_text(json.dumps({**good, "weight_map": weight_map}))
+
+    name = next(n for n, f in good["weight_map"].items() if f == shards[0])
+    index_with(**{**good["weight_map"], name: shards[1]})
+    with pytest.raises(CheckpointError, match=rf"maps tensors to shards that do not hold them: \['{name} \(index: "
+                                              rf"{shards[1]}, found in {shards[0]}\)'\]"):
+        glm53.from_pretrained(str(shard_dir))
+    index_with(**{n: f for n, f in good["weight_map"].items() if n != name})
+    with pytest.raises(CheckpointError, match=rf"does not list tensors its shards hold: \['{name}'\]"):
+        glm53.from_pretrained(str(shard_dir))
+    index_with(**{**good["weight_map"], "model.layers.0.self_attn.extra.weight": shards[0]})
+    with pytest.raises(CheckpointError, match="names tensors that no shard holds"):
+        glm53.from_pretrained(str(shard_dir))
+    index_file.write_text(json.dumps({"weight_map": [shards[0]]}))
+    with pytest.raises(CheckpointError, match="weight_map must map tensor names to shard file names"):
+        glm53.from_pretrained(str(shard_dir))
+    index_with(**{**good["weight_map"], name: None})
+    with pytest.raises(CheckpointError, match="weight_map must map tensor names to shard file names"):
+        glm53.from_pretrained(str(shard_dir))
+
+
+def test_fused_experts_of_the_wrong_shape_are_named(ckpt):
+    import torch
+
+    def fused(gate_up_shape):
+        def edit(t):
+            for k in [k for k in t if k.startswith("model.layers.1.mlp.experts.")]:
+                t.pop(k)
+            t["model.layers.1.mlp.experts.gate_up_proj"] = torch.zeros(gate_up_shape)
+            t["model.layers.1.mlp.experts.down_proj"] = torch.zeros(8, 64, 32)
+        return edit
+
+    _rewrite(ckpt, fused((64, 64)))
+    with pytest.raises(CheckpointError, match=r"tensor model.layers.1.mlp.experts.gate_up_proj \(.*\): shape "
+                                              r"\(64, 64\), but the model's fused experts are \(8, 64, 64\)"):
+        glm53.from_pretrained(str(ckpt))
+    _rewrite(ckpt, fused((8, 64, 64)))
+    glm53.from_pretrained(str(ckpt))  # the right shapes load
+
+
+def test_tied_config_with_its_own_lm_head(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    with pytest.raises(CheckpointError, match="tie_word_embeddings=true .* holds its own lm_head.weight"):
+        glm53.from_pretrained(str(ckpt))
+
+
+def test_native_checkpoint_with_parts_of_another_save(model, tmp_path):
+    """A params folder, tokenizer.json or glm53.json field that does not belong to the save is refused by name."""
+    d, other = tmp_path / "a", tmp_path / "b"
+    model.save(str(d))
+    glm53.from_config(CFG, seed=1, dtype="float32").save(str(other))
+    shutil.rmtree(d / "params")
+    shutil.copytree(other / "params", d / "params")  # same architecture, other values
+    with pytest.raises(CheckpointError, match="does not hold the parameters glm53.json was saved with"):
+        glm53.load(str(d))
+    shutil.rmtree(d / "params")
+    shutil.copytree(other / "params", d / "params")
+    shutil.copy(other / "glm53.json", d / "glm53.json")
+    assert glm53.load(str(d)).config == model.config  # both parts of one save
+    _word_tokenizer(d / "tokenizer.json", VOCAB + 5)
+    with pytest.raises(CheckpointError, match=f"tokenizer.json has {VOCAB + 5} ids but glm53.json's vocab_size is "
+                                              f"{VOCAB}"):
+        glm53.load(str(d))
+    (d / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="tokenizer.json is not a valid tokenizer.json"):
+        glm53.load(str(d))
+    os.remove(d / "tokenizer.json")
+    meta = json.loads((d / "glm53.json").read_text())
+    (d / "glm53.json").write_text(json.dumps({**meta, "cache_config": "resident"}))
+    with pytest.raises(CheckpointError, match="cache_config must be an object, got str"):
+        glm53.load(str(d))
 
 
 def test_load_on_non_glm53_dir(ckpt, tmp_path):
