@@ -1044,6 +1044,12 @@ class Engine:
         lengths, the MTP hidden state, the tokens and the sampler settings; not the hot cache: a restored session
         starts cold. Returns the version directory written."""
         s = self._session(sid)
+        if s.processed == 0:
+            # Rolled back to its first token, now pending: no row to save (orbax refuses zero-size arrays, after
+            # leaving a half-written version behind), and a restore needs at least one.
+            raise ValueError(f"session {sid} has no processed rows to save (rolled back to its first token, which is "
+                             "pending): generate or append first, or open a new session from tokens(sid). Nothing "
+                             "was written")
         if self.offload:
             self._admit(0, self._pages_needed(s, s.processed), f"save of session {sid} (its partial page)")
             if self._assign_pages(s, s.processed):

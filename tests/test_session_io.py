@@ -266,3 +266,24 @@ def test_saves_refuse_what_they_cannot_keep(model, tmp_path):
     c = resident.restore(str(tmp_path / "mid"))
     got = resident.generate({c: 6}, return_logits=True)[c], resident.last_run.logits[c]
     assert got[0] == want[0] and np.array_equal(got[1], want[1])
+
+
+def test_save_of_a_session_rolled_back_to_its_first_token(model, tmp_path):
+    """Rolled back to one token (pending), a session has no row in its cache: its save is refused before anything is
+    written (orbax raised on the zero-size arrays, past the flush and leaving a half-written version behind), and the
+    session continues as one that was never saved."""
+    e, ref = engine(model, "offload"), engine(model, "offload")
+    a, b = e.open(ids(40, seed=70)), ref.open(ids(40, seed=70))
+    e.rollback(a, 39)
+    ref.rollback(b, 39)
+    d = tmp_path / "one"
+    with pytest.raises(ValueError, match=f"session {a} has no processed rows to save"):
+        e.save(a, str(d))
+    assert not d.exists()
+    got = e.generate({a: 6}, return_logits=True)[a], e.last_run.logits[a]
+    want = ref.generate({b: 6}, return_logits=True)[b], ref.last_run.logits[b]
+    assert got[0] == want[0] and np.array_equal(got[1], want[1])
+    e.save(a, str(d))  # once it holds rows again
+    r = engine(model, "offload")
+    assert r.tokens(r.restore(str(d))) == e.tokens(a)
+
