@@ -4,6 +4,7 @@ saves are clear errors that change nothing."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -287,3 +288,40 @@ def test_save_of_a_session_rolled_back_to_its_first_token(model, tmp_path):
     r = engine(model, "offload")
     assert r.tokens(r.restore(str(d))) == e.tokens(a)
 
+
+def test_unreadable_saves_and_version_directories(tmp_path):
+    """A LATEST or session.json that cannot be read (a directory, bytes that are not text) is a SessionFileError
+    naming the file, not a raw OSError or UnicodeDecodeError; the version directory a save returns is refused with
+    the save directory to restore from; an edited ``"version": true`` is not read as version 1 (whose metadata has
+    no checksum)."""
+    d = str(tmp_path / "sess")
+    version = session_io.write(d, {"x": np.arange(3.0)}, {"tokens": [1, 2]})
+    with pytest.raises(SessionFileError, match=re.escape(f"{version} is one version inside the save directory {d}: restore")):
+        session_io.read(version)
+    doc_path, pointer = os.path.join(version, "session.json"), os.path.join(d, "LATEST")
+    original, named = open(doc_path).read(), open(pointer).read()
+
+    doc = json.loads(original)
+    doc["version"] = True
+    doc["meta"]["tokens"] = [1, 3]
+    json.dump(doc, open(doc_path, "w"))
+    with pytest.raises(SessionFileError, match="session format version True"):
+        session_io.read(d)
+    os.remove(doc_path)
+    os.mkdir(doc_path)
+    with pytest.raises(SessionFileError, match="session.json cannot be read: the save is corrupted"):
+        session_io.read(d)
+    os.rmdir(doc_path)
+    open(doc_path, "w").write(original)
+
+    open(pointer, "wb").write(b"\xff\xfev000001")
+    with pytest.raises(SessionFileError, match="LATEST cannot be read: the save is corrupted"):
+        session_io.read(d)
+    os.remove(pointer)
+    os.mkdir(pointer)
+    with pytest.raises(SessionFileError, match="LATEST cannot be read: the save is corrupted"):
+        session_io.read(d)
+    os.rmdir(pointer)
+    open(pointer, "w").write(named)
+    meta, arrays = session_io.read(d)
+    assert meta == {"tokens": [1, 2]} and np.array_equal(arrays["x"], np.arange(3.0))
