@@ -944,6 +944,8 @@ class Engine:
         whatever they are. ``trace``: a ``glm53.trace.TraceRecorder`` that records every position the steps look
         up in the hot cache, for offline policy replays (``glm53.policies``; offload engines only)."""
         reqs = self._check_generate(requests, mtp, temperature, top_p, seed, accept_override)
+        if not isinstance(return_logits, (bool, np.bool_)):  # a truthy "no" kept every step's logits (a host copy each)
+            raise TypeError(f"return_logits must be True or False, got {return_logits!r}")
         _check_on_token(on_token)
         progress_lib.check(progress)
         if trace is not None and not self.offload:
