@@ -892,6 +892,9 @@ class Engine:
         s = self._session(sid)
         if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)):
             raise TypeError(f"n_tokens must be an int, got {type(n_tokens).__name__}")
+        if len(s.tokens) == 1:  # no range to offer: "between 1 and 0" read as a bug
+            raise ValueError(f"rollback of {n_tokens} tokens: session {sid} holds a single token, and one must stay: "
+                             "there is nothing to roll back")
         if not 1 <= n_tokens < len(s.tokens):
             raise ValueError(f"rollback of {n_tokens} tokens: session {sid} holds {len(s.tokens)}; roll back between "
                              f"1 and {len(s.tokens) - 1} (one token must stay)")

@@ -281,6 +281,8 @@ def test_save_of_a_session_rolled_back_to_its_first_token(model, tmp_path):
     with pytest.raises(ValueError, match=f"session {a} has no processed rows to save"):
         e.save(a, str(d))
     assert not d.exists()
+    with pytest.raises(ValueError, match=f"session {a} holds a single token, and one must stay"):
+        e.rollback(a, 1)
     got = e.generate({a: 6}, return_logits=True)[a], e.last_run.logits[a]
     want = ref.generate({b: 6}, return_logits=True)[b], ref.last_run.logits[b]
     assert got[0] == want[0] and np.array_equal(got[1], want[1])
