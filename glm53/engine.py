@@ -892,6 +892,9 @@ class Engine:
         s = self._session(sid)
         if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)):
             raise TypeError(f"n_tokens must be an int, got {type(n_tokens).__name__}")
+        if len(s.tokens) == 1:  # no range to offer: "between 1 and 0" read as a bug
+            raise ValueError(f"rollback of {n_tokens} tokens: session {sid} holds a single token, and one must stay: "
+                             "there is nothing to roll back")
         if not 1 <= n_tokens < len(s.tokens):
             raise ValueError(f"rollback of {n_tokens} tokens: session {sid} holds {len(s.tokens)}; roll back between "
                              f"1 and {len(s.tokens) - 1} (one token must stay)")
@@ -944,6 +947,8 @@ class Engine:
         whatever they are. ``trace``: a ``glm53.trace.TraceRecorder`` that records every position the steps look
         up in the hot cache, for offline policy replays (``glm53.policies``; offload engines only)."""
         reqs = self._check_generate(requests, mtp, temperature, top_p, seed, accept_override)
+        if not isinstance(return_logits, (bool, np.bool_)):  # a truthy "no" kept every step's logits (a host copy each)
+            raise TypeError(f"return_logits must be True or False, got {return_logits!r}")
         _check_on_token(on_token)
         progress_lib.check(progress)
         if trace is not None and not self.offload:
@@ -1044,6 +1049,12 @@ class Engine:
         lengths, the MTP hidden state, the tokens and the sampler settings; not the hot cache: a restored session
         starts cold. Returns the version directory written."""
         s = self._session(sid)
+        if s.processed == 0:
+            # Rolled back to its first token, now pending: no row to save (orbax refuses zero-size arrays, after
+            # leaving a half-written version behind), and a restore needs at least one.
+            raise ValueError(f"session {sid} has no processed rows to save (rolled back to its first token, which is "
+                             "pending): generate or append first, or open a new session from tokens(sid). Nothing "
+                             "was written")
         if self.offload:
             self._admit(0, self._pages_needed(s, s.processed), f"save of session {sid} (its partial page)")
             if self._assign_pages(s, s.processed):

@@ -86,8 +86,11 @@ def latest(directory: str) -> str | None:
     path = os.path.join(directory, "LATEST")
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        name = f.read().strip()
+    try:
+        with open(path) as f:
+            name = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:  # a directory, unreadable, or bytes a crash left there
+        raise SessionFileError(f"{path} cannot be read: the save is corrupted ({type(e).__name__}: {e})") from e
     if not _VERSION_RE.match(name):
         raise SessionFileError(f"{path} names {name!r}, not a version directory: the save is corrupted")
     return os.path.join(directory, name)
@@ -205,6 +208,11 @@ def read(directory: str) -> tuple[dict, dict]:
     if not os.path.isdir(directory):
         raise SessionFileError(f"no session save at {directory}: not a directory")
     version = latest(directory)
+    if version is None and _VERSION_RE.match(os.path.basename(directory)) \
+            and os.path.isfile(os.path.join(directory, "session.json")):
+        # What save returns: restoring from it would read a version that a later save may already have replaced.
+        raise SessionFileError(f"{directory} is one version inside the save directory "
+                               f"{os.path.dirname(directory)}: restore from that directory (its newest save)")
     if version is None:
         raise SessionFileError(f"{directory} holds no complete session save (no LATEST file): not a glm53 session "
                                "directory, or its first save never completed")
@@ -214,12 +222,15 @@ def read(directory: str) -> tuple[dict, dict]:
             doc = json.load(f)
     except FileNotFoundError:
         raise SessionFileError(f"{doc_path} is missing: the save is corrupted") from None
+    except OSError as e:
+        raise SessionFileError(f"{doc_path} cannot be read: the save is corrupted ({type(e).__name__}: {e})") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SessionFileError(f"{doc_path} is not valid JSON: the save is corrupted ({e})") from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise SessionFileError(f"{doc_path} is not a glm53 session save")
-    if doc.get("version") not in READABLE_VERSIONS:
-        raise SessionFileError(f"{doc_path} has session format version {doc.get('version')}, this glm53 reads "
+    # The type too: ``True in (1, 2, 3)``, and an edited ``"version": true`` was read as 1, without checksums.
+    if type(doc.get("version")) is not int or doc["version"] not in READABLE_VERSIONS:
+        raise SessionFileError(f"{doc_path} has session format version {doc.get('version')!r}, this glm53 reads "
                                f"versions {READABLE_VERSIONS}")
     meta, expected = doc.get("meta"), doc.get("arrays")
     if not isinstance(meta, dict):

@@ -588,6 +588,8 @@ def test_inputs_accept_lists_arrays_and_check_them(model):
     for bad in ([1.5], ["7"], "ab", [None], [True]):
         with pytest.raises(TypeError, match="stop_tokens must be token ids"):
             e.generate({a: 2}, stop_tokens=bad)
+    with pytest.raises(TypeError, match="return_logits must be True or False, got 'no'"):
+        e.generate({a: 2}, return_logits="no")  # truthy: it ran, keeping every token's logits
     assert e.tokens(a) == ids(30)  # nothing changed by the refused calls
     seq = e.generate({b: 3})[b]  # b holds a's history: greedy a would say the same
     stop = seq[1]

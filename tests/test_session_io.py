@@ -4,6 +4,7 @@ saves are clear errors that change nothing."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -266,3 +267,63 @@ def test_saves_refuse_what_they_cannot_keep(model, tmp_path):
     c = resident.restore(str(tmp_path / "mid"))
     got = resident.generate({c: 6}, return_logits=True)[c], resident.last_run.logits[c]
     assert got[0] == want[0] and np.array_equal(got[1], want[1])
+
+
+def test_save_of_a_session_rolled_back_to_its_first_token(model, tmp_path):
+    """Rolled back to one token (pending), a session has no row in its cache: its save is refused before anything is
+    written (orbax raised on the zero-size arrays, past the flush and leaving a half-written version behind), and the
+    session continues as one that was never saved."""
+    e, ref = engine(model, "offload"), engine(model, "offload")
+    a, b = e.open(ids(40, seed=70)), ref.open(ids(40, seed=70))
+    e.rollback(a, 39)
+    ref.rollback(b, 39)
+    d = tmp_path / "one"
+    with pytest.raises(ValueError, match=f"session {a} has no processed rows to save"):
+        e.save(a, str(d))
+    assert not d.exists()
+    with pytest.raises(ValueError, match=f"session {a} holds a single token, and one must stay"):
+        e.rollback(a, 1)
+    got = e.generate({a: 6}, return_logits=True)[a], e.last_run.logits[a]
+    want = ref.generate({b: 6}, return_logits=True)[b], ref.last_run.logits[b]
+    assert got[0] == want[0] and np.array_equal(got[1], want[1])
+    e.save(a, str(d))  # once it holds rows again
+    r = engine(model, "offload")
+    assert r.tokens(r.restore(str(d))) == e.tokens(a)
+
+
+def test_unreadable_saves_and_version_directories(tmp_path):
+    """A LATEST or session.json that cannot be read (a directory, bytes that are not text) is a SessionFileError
+    naming the file, not a raw OSError or UnicodeDecodeError; the version directory a save returns is refused with
+    the save directory to restore from; an edited ``"version": true`` is not read as version 1 (whose metadata has
+    no checksum)."""
+    d = str(tmp_path / "sess")
+    version = session_io.write(d, {"x": np.arange(3.0)}, {"tokens": [1, 2]})
+    with pytest.raises(SessionFileError, match=re.escape(f"{version} is one version inside the save directory {d}")):
+        session_io.read(version)
+    doc_path, pointer = os.path.join(version, "session.json"), os.path.join(d, "LATEST")
+    original, named = open(doc_path).read(), open(pointer).read()
+
+    doc = json.loads(original)
+    doc["version"] = True
+    doc["meta"]["tokens"] = [1, 3]
+    json.dump(doc, open(doc_path, "w"))
+    with pytest.raises(SessionFileError, match="session format version True"):
+        session_io.read(d)
+    os.remove(doc_path)
+    os.mkdir(doc_path)
+    with pytest.raises(SessionFileError, match="session.json cannot be read: the save is corrupted"):
+        session_io.read(d)
+    os.rmdir(doc_path)
+    open(doc_path, "w").write(original)
+
+    open(pointer, "wb").write(b"\xff\xfev000001")
+    with pytest.raises(SessionFileError, match="LATEST cannot be read: the save is corrupted"):
+        session_io.read(d)
+    os.remove(pointer)
+    os.mkdir(pointer)
+    with pytest.raises(SessionFileError, match="LATEST cannot be read: the save is corrupted"):
+        session_io.read(d)
+    os.rmdir(pointer)
+    open(pointer, "w").write(named)
+    meta, arrays = session_io.read(d)
+    assert meta == {"tokens": [1, 2]} and np.array_equal(arrays["x"], np.arange(3.0))
