@@ -303,27 +303,24 @@ def test_unreadable_saves_and_version_directories(tmp_path):
     doc_path, pointer = os.path.join(version, "session.json"), os.path.join(d, "LATEST")
     original, named = open(doc_path).read(), open(pointer).read()
 
+    def refused_then_put_back(path, kept, why):  # bytes that are not text, then a directory, then put back
+        open(path, "wb").write(b"\xff\xfe" + kept.encode())
+        with pytest.raises(SessionFileError, match=f"{os.path.basename(path)} {why}: the save is corrupted"):
+            session_io.read(d)
+        os.remove(path)
+        os.mkdir(path)
+        with pytest.raises(SessionFileError, match=f"{os.path.basename(path)} cannot be read: the save is corrupted"):
+            session_io.read(d)
+        os.rmdir(path)
+        open(path, "w").write(kept)
+
     doc = json.loads(original)
     doc["version"] = True
     doc["meta"]["tokens"] = [1, 3]
     json.dump(doc, open(doc_path, "w"))
     with pytest.raises(SessionFileError, match="session format version True"):
         session_io.read(d)
-    os.remove(doc_path)
-    os.mkdir(doc_path)
-    with pytest.raises(SessionFileError, match="session.json cannot be read: the save is corrupted"):
-        session_io.read(d)
-    os.rmdir(doc_path)
-    open(doc_path, "w").write(original)
-
-    open(pointer, "wb").write(b"\xff\xfev000001")
-    with pytest.raises(SessionFileError, match="LATEST cannot be read: the save is corrupted"):
-        session_io.read(d)
-    os.remove(pointer)
-    os.mkdir(pointer)
-    with pytest.raises(SessionFileError, match="LATEST cannot be read: the save is corrupted"):
-        session_io.read(d)
-    os.rmdir(pointer)
-    open(pointer, "w").write(named)
+    refused_then_put_back(doc_path, original, "is not valid JSON")
+    refused_then_put_back(pointer, named, "cannot be read")
     meta, arrays = session_io.read(d)
     assert meta == {"tokens": [1, 2]} and np.array_equal(arrays["x"], np.arange(3.0))
