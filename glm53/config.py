@@ -352,7 +352,10 @@ class CacheConfig:
 
     def validate(self) -> None:
         _require(self.mode in CACHE_MODES, f"cache mode {self.mode!r} unknown; choose one of {CACHE_MODES}")
-        kv_formats.get_format(self.kv_format)
+        # A format's name only: a KVFormat object (which kv_formats.get_format passes through) or a list would be
+        # accepted here and fail in the first save or fingerprint, which record the name.
+        _require(isinstance(self.kv_format, str) and self.kv_format in kv_formats.KV_FORMATS,
+                 f"kv_format {self.kv_format!r} unknown; choose one of {sorted(kv_formats.KV_FORMATS)}")
         for name in ("max_len", "prefill_chunk", "hot_rows", "copyback_every", "ring_rows"):
             value = getattr(self, name)
             _require(isinstance(value, numbers.Integral) and not isinstance(value, bool),

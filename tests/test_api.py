@@ -17,6 +17,7 @@ import pytest
 
 import glm53
 from glm53 import CacheConfig, CheckpointError, ConfigError, ModelConfig
+from kernels_pallas import kv_formats
 
 VOCAB = 128
 TOPK = 8
@@ -254,8 +255,12 @@ def test_prompt_errors(model):
 
 
 def test_cache_config_errors(model):
-    with pytest.raises(ValueError, match="Unknown KV format 'int4'"):
+    with pytest.raises(ConfigError, match=r"kv_format 'int4' unknown; choose one of \['bf16', 'f32'"):
         CacheConfig(kv_format="int4")
+    # Not a name: a KVFormat object was accepted and failed in the first save (JSON), a list as unhashable.
+    for bad in (kv_formats.get_format("bf16"), ["bf16"], None):
+        with pytest.raises(ConfigError, match="kv_format .* unknown; choose one of"):
+            CacheConfig(kv_format=bad)
     with pytest.raises(ConfigError, match="cache mode 'disk' unknown"):
         CacheConfig(mode="disk")
     with pytest.raises(ConfigError, match="cache mode 'disk' unknown"):
