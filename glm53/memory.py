@@ -45,6 +45,18 @@ def engine_cache_config(cfg: ModelConfig, cc: CacheConfig, capacity: int) -> Cac
     return cc.replace(hot_rows=offload.hot_rows_for(cfg, cc, capacity))
 
 
+def _check_counted(cfg: ModelConfig, cc: CacheConfig, **counts) -> None:
+    """Refuse what no engine could be before counting it: a count of sessions or history rows below one (or not a
+    whole number) gave zero, negative or fractional bytes, and an offload cache ``Engine`` refuses
+    (``glm53.offload.validate``) figures for nothing that can run. A history past the model's positions is counted:
+    plans size hypothetical contexts (the article's 1M tokens on GLM-5)."""
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+    if cc.mode == "offload":
+        offload.validate(cfg, cc)
+
+
 def _plane_bytes(shapes: dict) -> int:
     """Bytes of ``{plane: (shape, dtype)}`` (padding rows included)."""
     return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize for shape, dt in shapes.values())
@@ -195,6 +207,7 @@ def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtyp
     from glm53 import pipeline, sharding  # kept local to stay out of import cycles
     from glm53.params import param_shapes
 
+    _check_counted(cfg, cc, sessions=sessions, history=history)
     mesh_shape = dict(mesh_shape or {"stage": 1, "tp": 1})
     stages, tp = int(mesh_shape.get("stage", 1)), int(mesh_shape.get("tp", 1))
     sharding.check_shape(cfg, stages, tp)  # a layout no engine could be built on is refused, not planned
@@ -305,6 +318,7 @@ def session_bytes(cfg: ModelConfig, cc: CacheConfig, history: int, dtype) -> dic
     ``cache_bytes`` (so ``Engine.memory_report()``'s per-slot figure, tested equal), with every cache layer (the MTP
     layer too), the indexer keys, slot maps, ring and page rounding; ``transient`` is the largest buffer a
     prefill / append chunk adds (offload's bulk read of one layer)."""
+    _check_counted(cfg, cc, history=history)
     capacity = cache.capacity_for(history, cc)
     cc = engine_cache_config(cfg, cc, capacity)
     pages = capacity // cc.copyback_every if cc.mode == "offload" else 0

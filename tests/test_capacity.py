@@ -90,6 +90,29 @@ def test_a_hot_cache_larger_than_a_slot_is_counted_as_the_engine_cuts_it():
         int(x.nbytes) for x in jax.tree_util.tree_leaves(e.cache))
 
 
+@pytest.mark.parametrize("kw, message", [
+    (dict(sessions=0), "sessions must be an int >= 1, got 0"),
+    (dict(sessions=-1), "sessions must be an int >= 1, got -1"),
+    (dict(sessions=1.5), "sessions must be an int >= 1, got 1.5"),
+    (dict(history=0), "history must be an int >= 1, got 0"),
+    (dict(history=True), "history must be an int >= 1, got True"),
+    (dict(hot_rows=100), "offload: hot_rows=100 must be a power of two"),
+    (dict(hot_rows=32), "offload: hot_rows=32 is below what a round can pin")])
+def test_the_library_accounting_refuses_what_no_engine_could_be(kw, message):
+    """memory.plan and memory.session_bytes called directly (the entry points check their flags themselves): zero,
+    negative or fractional counts gave zero, negative or fractional bytes, and an offload cache the engine refuses
+    was counted as if it could run."""
+    cc = CacheConfig(mode="offload", kv_format="q8g64", prefill_chunk=16, copyback_every=16, hot_rows=64)
+    if "hot_rows" in kw:
+        cc = cc.replace(hot_rows=kw["hot_rows"])
+    sessions, history = kw.get("sessions", 2), kw.get("history", 300)
+    with pytest.raises(glm53.ConfigError, match=message):
+        memory.plan(CFG, cc, sessions=sessions, history=history, dtype=jnp.float32)
+    if "sessions" not in kw:
+        with pytest.raises(glm53.ConfigError, match=message):
+            memory.session_bytes(CFG, cc, history, jnp.float32)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--history=50k"], "--history=50k: give history lengths in tokens"),
     (["--history=100,0"], "--history=100,0: give history lengths in tokens"),
