@@ -10,9 +10,11 @@ Usage, from an empty compilation cache for the cold figure:
         python -m pytest -q -n 2 --dist worksteal tests
     python -m tests.compile_profile.summarize /tmp/cprof
 
-Python imports ``sitecustomize`` at start-up from ``PYTHONPATH``, which every process of the run inherits. JAX is
-not imported here (``tests/conftest.py`` sets the XLA flags before it is): only logging handlers are attached, to the
-loggers JAX_LOG_COMPILES=1 makes JAX write to, and they stop those lines reaching stderr, which some tests read.
+Why log lines and not ``jax.monitoring`` (which ``glm53.engine.compile_seconds`` sums): its duration events carry no
+function name, and a listener needs jax imported. Python imports ``sitecustomize`` at start-up from ``PYTHONPATH``,
+which every process of the run inherits. JAX is not imported here (``tests/conftest.py`` sets the XLA flags before
+it is): only logging handlers are attached, to the loggers JAX_LOG_COMPILES=1 makes JAX write to, and they stop
+those lines reaching stderr, which some tests read.
 """
 
 import logging
