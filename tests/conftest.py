@@ -68,3 +68,20 @@ def pytest_runtest_setup(item):
     import jax
     if jax.default_backend() != "cpu" and jax.device_count() < marker.args[0]:
         pytest.skip(f"needs {marker.args[0]} devices, {jax.device_count()} {jax.default_backend()} device(s) visible")
+
+
+@pytest.fixture(autouse=True)
+def _sigint_handler_restored():
+    """No engine call leaves its own SIGINT handler behind: it installs one for the call's length
+    (``glm53.engine._one_call_at_a_time``), and one left installed would swallow every later Ctrl-C (a later
+    test's, or the user's). Handlers other code leaves are put back silently: nbclient's event loop restores
+    Python's default where the worker started with SIGINT ignored (a background run's)."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before:
+        signal.signal(signal.SIGINT, before)
+        if getattr(after, "__module__", "").startswith("glm53"):
+            pytest.fail(f"an engine call left its SIGINT handler {after!r} installed (it found {before!r})")

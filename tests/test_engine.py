@@ -1084,35 +1084,71 @@ def test_output_ring_is_bit_identical_and_writes_in_place(model):
 # ---------------------------------------------------------------------------------------------------------------
 # Ctrl-C, calls from on_token, failed generates: no session lost or silently wrong
 # ---------------------------------------------------------------------------------------------------------------
-def _sigint_on_call(obj, name, n, monkeypatch, after=False):
-    """``obj.name``'s n-th call receives a real SIGINT (Ctrl-C), before or after doing its work."""
+def _raise_sigint(seen: list) -> None:
+    """A real SIGINT (Ctrl-C), noting what the engine's deferral depends on at that moment: the thread, and the
+    Python handler (the engine's own during a call)."""
+    import signal
+    import threading
+
+    seen.append({"main_thread": threading.current_thread() is threading.main_thread(),
+                 "handler": signal.getsignal(signal.SIGINT)})
+    signal.raise_signal(signal.SIGINT)
+
+
+@pytest.fixture
+def sigint_handler():
+    """Sets SIGINT's Python handler for the test (``sigint_handler(h)``) and puts back the one it found.
+
+    A process started with SIGINT ignored (a background job of a non-interactive shell: ``pytest ... &``) keeps it
+    ignored, and the engine rightly honours that: the Ctrl-C tests, which assume Python's default handler, failed
+    in such runs only, so they now install it."""
     import signal
 
-    real, calls = getattr(obj, name), [0]
+    found = signal.getsignal(signal.SIGINT)
+    yield lambda handler: signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGINT, found)
+
+
+def _sigint_on_call(obj, name, n, monkeypatch, after=False) -> list:
+    """``obj.name``'s n-th call receives a real SIGINT (Ctrl-C), before or after doing its work; returns what
+    ``_raise_sigint`` saw then."""
+    real, calls, seen = getattr(obj, name), [0], []
 
     def wrapped(*args, **kwargs):
         calls[0] += 1
         if calls[0] == n and not after:
-            signal.raise_signal(signal.SIGINT)
+            _raise_sigint(seen)
         out = real(*args, **kwargs)
         if calls[0] == n and after:
-            signal.raise_signal(signal.SIGINT)
+            _raise_sigint(seen)
         return out
 
     monkeypatch.setattr(obj, name, wrapped)
+    return seen
+
+
+def _interrupted(call, seen: list) -> None:
+    """``call()`` raises KeyboardInterrupt; if not, the failure says what the SIGINT met."""
+    try:
+        call()
+    except KeyboardInterrupt:
+        return
+    pytest.fail(f"no KeyboardInterrupt; the SIGINT met {seen or 'nothing: never raised'}")
 
 
 @pytest.mark.parametrize("mode", ["offload", "resident"])
-def test_ctrl_c_in_a_decode_read_stops_at_a_safe_point(model, mode, monkeypatch):
+def test_ctrl_c_in_a_decode_read_stops_at_a_safe_point(model, mode, monkeypatch, sigint_handler):
     """A Ctrl-C while the host waits for a step's tokens used to drop that step on the host while the device kept
     its row: every later token silently wrong. It now stops the call at the next safe point; the sessions continue
     bit-identically to an engine that generated as many tokens without the interrupt."""
+    import signal
+
+    sigint_handler(signal.default_int_handler)
     e, ref = engine(model, mode, 2), engine(model, mode, 2)
     a, b = e.open(ids(70, 1)), e.open(ids(50, 2))
     ra, rb = ref.open(ids(70, 1)), ref.open(ids(50, 2))
-    _sigint_on_call(glm53.engine._Run, "_read_step", 5, monkeypatch)
-    with pytest.raises(KeyboardInterrupt):
-        e.generate({a: 20, b: 20})
+    seen = _sigint_on_call(glm53.engine._Run, "_read_step", 5, monkeypatch)
+    _interrupted(lambda: e.generate({a: 20, b: 20}), seen)
     monkeypatch.undo()
     done = {s: len(e.tokens(s)) - n for s, n in ((a, 70), (b, 50))}
     assert 0 < done[a] < 20 and done[a] == done[b]
@@ -1125,28 +1161,50 @@ def test_ctrl_c_in_a_decode_read_stops_at_a_safe_point(model, mode, monkeypatch)
     assert np.array_equal(logits[a], ref.last_run.logits[ra]) and np.array_equal(logits[b], ref.last_run.logits[rb])
 
 
-def test_ctrl_c_between_a_step_and_its_cache_loses_nothing(model):
+@pytest.mark.parametrize("handler", ["ignored", "own"])
+def test_ctrl_c_goes_to_the_handler_the_call_found(model, monkeypatch, sigint_handler, handler):
+    """The engine defers a Ctrl-C to a safe point and then does what the handler installed before its call would
+    have done: nothing where SIGINT is ignored (a background job's), a call of a handler of the user's own that
+    does not raise, once; either way the generate runs to its end with the tokens of an uninterrupted one, and the
+    handler is the one it found afterwards."""
+    import signal
+
+    calls = []
+    own = (lambda signum, frame: calls.append(signum))
+    sigint_handler(signal.SIG_IGN if handler == "ignored" else own)
+    e, ref = engine(model, "offload", 2), engine(model, "offload", 2)
+    a, b = e.open(ids(70, 1)), e.open(ids(50, 2))
+    ra, rb = ref.open(ids(70, 1)), ref.open(ids(50, 2))
+    seen = _sigint_on_call(glm53.engine._Run, "_read_step", 5, monkeypatch)
+    got = e.generate({a: 12, b: 12})
+    assert seen and seen[0]["handler"] not in (signal.SIG_IGN, own)  # the engine's own during the call
+    assert got == {a: ref.generate({ra: 12, rb: 12})[ra], b: ref.tokens(rb)[-12:]}
+    assert calls == ([] if handler == "ignored" else [signal.SIGINT])
+    assert signal.getsignal(signal.SIGINT) is (signal.SIG_IGN if handler == "ignored" else own)
+
+
+def test_ctrl_c_between_a_step_and_its_cache_loses_nothing(model, sigint_handler):
     """A Ctrl-C landing after a chunk step returned, before the engine stored the cache it returned (the old one
     was donated to it), used to lose every session. Now the open it interrupts is undone whole (slot and pages
     back) and the other session decodes as if nothing happened."""
     import signal
 
+    sigint_handler(signal.default_int_handler)
     e, ref = engine(model, "offload", 2), engine(model, "offload", 1)
     other, r = e.open(ids(70, 1)), ref.open(ids(70, 1))
     before = e.memory_report()
     real = e._step("chunk")
-    calls = [0]
+    calls, seen = [0], []
 
     def chunk(*args, **kwargs):
         out = real(*args, **kwargs)
         calls[0] += 1
         if calls[0] == 2:
-            signal.raise_signal(signal.SIGINT)
+            _raise_sigint(seen)
         return out
 
     e._steps["chunk"] = chunk
-    with pytest.raises(KeyboardInterrupt):
-        e.open(ids(64, 2))
+    _interrupted(lambda: e.open(ids(64, 2)), seen)
     e._steps["chunk"] = real
     assert e.sessions == [other] and e.memory_report() == before
     assert e.generate({other: 8}) == {other: ref.generate({r: 8})[r]}
