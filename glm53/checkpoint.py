@@ -5,6 +5,7 @@ them (``from_pretrained``, ``load``, ``Model.save``)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -107,7 +108,8 @@ def hf_to_path(name: str, cfg: ModelConfig) -> tuple[tuple[str, ...], bool] | st
 # ----------------------------------------------------------------------------------------------------------------
 # from_pretrained
 # ----------------------------------------------------------------------------------------------------------------
-def _weight_files(path: str) -> list[str]:
+def _weight_files(path: str) -> tuple[list[str], dict | None]:
+    """The checkpoint's safetensors files, and the index's weight_map (None for a single file)."""
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(index) and os.path.exists(single):
@@ -128,21 +130,19 @@ def _weight_files(path: str) -> list[str]:
         missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
         if missing:
             raise CheckpointError(f"{index} names shards that are not in {path}: {missing}")
-        return [os.path.join(path, f) for f in files]
+        return [os.path.join(path, f) for f in files], weight_map
     if os.path.exists(single):
-        return [single]
+        return [single], None
     raise CheckpointError(f"no weights in {path}: expected model.safetensors or model.safetensors.index.json")
 
 
-def _check_weight_map(path: str, index: dict[str, "_Stored"]) -> None:
+def _check_weight_map(path: str, weight_map: dict | None, index: dict[str, "_Stored"]) -> None:
     """An index that disagrees with its shards about where a tensor lies means shards of different saves were mixed
     (a download resumed after the repository was re-sharded, a shard copied from another model): refuse it rather
     than load whatever the mixed shards happen to hold."""
-    index_file = os.path.join(path, "model.safetensors.index.json")
-    if not os.path.exists(index_file):
+    if weight_map is None:  # a single file
         return
-    with open(index_file) as f:
-        weight_map = json.load(f)["weight_map"]  # _weight_files has checked it
+    index_file = os.path.join(path, "model.safetensors.index.json")
     moved = [f"{n} (index: {weight_map[n]}, found in {os.path.basename(st.file)})" for n, st in index.items()
              if n in weight_map and os.path.join(path, weight_map[n]) != st.file]
     absent = sorted(n for n in weight_map if n not in index)
@@ -332,8 +332,9 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
     # The tokenizer before the weights: a broken or oversized one is found in a second, not after the whole model.
     tokenizer = _read_tokenizer(os.path.join(path, "tokenizer.json"), cfg, "config.json")
 
-    index = _tensor_index(_weight_files(path))
-    _check_weight_map(path, index)
+    files, weight_map = _weight_files(path)
+    index = _tensor_index(files)
+    _check_weight_map(path, weight_map, index)
     N = cfg.num_hidden_layers
     checkpoint_has_mtp_layer = any(f"model.layers.{N}.{rest}" in index for rest in _MTP_ONLY)
     if cfg.num_nextn_predict_layers and not any(n.startswith(f"model.layers.{N}.") for n in index):
@@ -516,13 +517,19 @@ def _check_finite(arr, name: str) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # native (orbax) save / load
 # ----------------------------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("n", "replicated"))
+def _replicated_head(x, *, n: int, replicated):
+    # One jitted function for every leaf: a lambda jitted per call compiled again for every leaf of the same shape
+    # (a model's layers repeat a handful of shapes).
+    return jax.lax.with_sharding_constraint(x.reshape(-1)[:n], replicated)
+
+
 def _head(x, n: int = 4096):
     """The first ``n`` values of ``x``, readable by every process: on a mesh spanning several processes a process
     holds only its shards, so the slice is taken replicated over the mesh first."""
     sh = getattr(x, "sharding", None)
     if isinstance(sh, jax.sharding.NamedSharding) and not x.is_fully_addressable:
-        replicated = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
-        return jax.jit(lambda a: a.reshape(-1)[:n], out_shardings=replicated)(x)
+        return _replicated_head(x, n=n, replicated=jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec()))
     return x.reshape(-1)[:n]
 
 

@@ -1109,19 +1109,16 @@ def sigint_handler():
     signal.signal(signal.SIGINT, found)
 
 
-def _sigint_on_call(obj, name, n, monkeypatch, after=False) -> list:
-    """``obj.name``'s n-th call receives a real SIGINT (Ctrl-C), before or after doing its work; returns what
+def _sigint_on_call(obj, name, n, monkeypatch) -> list:
+    """``obj.name``'s n-th call receives a real SIGINT (Ctrl-C) before doing its work; returns what
     ``_raise_sigint`` saw then."""
     real, calls, seen = getattr(obj, name), [0], []
 
     def wrapped(*args, **kwargs):
         calls[0] += 1
-        if calls[0] == n and not after:
+        if calls[0] == n:
             _raise_sigint(seen)
-        out = real(*args, **kwargs)
-        if calls[0] == n and after:
-            _raise_sigint(seen)
-        return out
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(obj, name, wrapped)
     return seen
