@@ -23,6 +23,7 @@ operation that needs slots, pages or capacity checks all of it before it changes
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -471,6 +472,9 @@ class Engine:
         # A decode loop's reads poll for their step (``wait_spinning``) on GPUs, where the host thread waits most of
         # a step for the device; not on a CPU, whose cores run the steps themselves. Settable.
         self.spin_reads = platform in ops.GPU_BACKENDS
+        # A decode loop's dispatching thread held on the core it starts on (``_held_on_one_core``). Off until a GPU
+        # A/B shows the step calls' tail follows the thread from core to core; settable.
+        self.pin_dispatch = False
         # The device budget is checked on the configuration, before anything is allocated.
         need = self._device_need()
         if device_budget_bytes is not None and need["total"] > device_budget_bytes:
@@ -982,7 +986,8 @@ class Engine:
             self._decoding = {s.sid for s in sessions}
             for s in sessions:  # what a save records as the session's sampler: the run's, once it runs
                 s.sampler = {"seed": int(seed), "temperature": float(temperature), "top_p": float(top_p)}
-            run.execute()
+            with _held_on_one_core(self.pin_dispatch):
+                run.execute()
         finally:
             self._decoding = set()
             self._settle(sessions)
@@ -1269,6 +1274,29 @@ def start_host_copies(*arrays) -> None:
     for a in arrays:
         if a is not None and a.is_fully_addressable:
             a.copy_to_host_async()
+
+
+@contextlib.contextmanager
+def _held_on_one_core(enabled: bool):
+    """The calling thread kept on the core it is running on for the block's length, then given back the cores it
+    was allowed before (Linux; elsewhere, or when ``enabled`` is false, nothing). On the H200 the slow step calls of
+    an MTP 3 run came in regimes of tens of consecutive calls, the thread busy and not waiting throughout, as a
+    thread moved to a slower or busier core would be (``experiments/results/probes/call_jitter.py``)."""
+    if not enabled or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    allowed = os.sched_getaffinity(0)  # pid 0: this thread
+    try:
+        with open("/proc/thread-self/stat") as f:  # field 39, the core it last ran on (the name may hold spaces)
+            core = int(f.read().rsplit(")", 1)[1].split()[36])
+        os.sched_setaffinity(0, {core})
+    except OSError:  # no /proc, or a core a cgroup took away since: run unpinned
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
 
 
 def wait_spinning(x) -> None:
