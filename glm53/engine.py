@@ -1276,6 +1276,12 @@ def start_host_copies(*arrays) -> None:
             a.copy_to_host_async()
 
 
+def current_core() -> int:
+    """The core the calling thread last ran on (Linux: field 39 of its stat line; the name field may hold spaces)."""
+    with open("/proc/thread-self/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[36])
+
+
 @contextlib.contextmanager
 def _held_on_one_core(enabled: bool):
     """The calling thread kept on the core it is running on for the block's length, then given back the cores it
@@ -1287,9 +1293,7 @@ def _held_on_one_core(enabled: bool):
         return
     allowed = os.sched_getaffinity(0)  # pid 0: this thread
     try:
-        with open("/proc/thread-self/stat") as f:  # field 39, the core it last ran on (the name may hold spaces)
-            core = int(f.read().rsplit(")", 1)[1].split()[36])
-        os.sched_setaffinity(0, {core})
+        os.sched_setaffinity(0, {current_core()})
     except OSError:  # no /proc, or a core a cgroup took away since: run unpinned
         yield
         return
