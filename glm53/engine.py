@@ -1294,13 +1294,13 @@ def _held_on_one_core(enabled: bool):
     allowed = os.sched_getaffinity(0)  # pid 0: this thread
     try:
         os.sched_setaffinity(0, {current_core()})
-    except OSError:  # no /proc, or a core a cgroup took away since: run unpinned
-        yield
-        return
+    except (OSError, ValueError):  # no /proc, or a core a cgroup took away since: run unpinned
+        allowed = None
     try:
         yield
     finally:
-        os.sched_setaffinity(0, allowed)
+        if allowed is not None:
+            os.sched_setaffinity(0, allowed)
 
 
 def wait_spinning(x) -> None:
