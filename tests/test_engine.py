@@ -867,7 +867,7 @@ def test_spinning_reads_poll_each_step_and_change_nothing(model, monkeypatch, mt
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux's")
-def test_pinned_dispatch_holds_the_loop_on_one_core_and_changes_nothing(model):
+def test_pinned_dispatch_holds_the_loop_on_one_core_and_changes_nothing(model, monkeypatch):
     """``Engine.pin_dispatch``: the decode loop's thread runs on one core for the loop's length, the cores it was
     allowed come back after it (also when the loop fails), and the tokens and logits are those of an unpinned run."""
     e = engine(model, "offload", 2)
@@ -900,6 +900,13 @@ def test_pinned_dispatch_holds_the_loop_on_one_core_and_changes_nothing(model):
     with pytest.raises(RuntimeError, match="stop here"):
         e.generate({a: 5, b: 7}, on_token=fails)
     assert os.sched_getaffinity(0) == allowed
+    # a core the thread may not take (one a cgroup took away): the loop runs unpinned
+    from glm53 import engine as engine_module
+    monkeypatch.setattr(engine_module, "current_core", lambda: 1 << 20)
+    e.rollback(a, 5)
+    seen.clear()
+    e.generate({a: 5}, on_token=lambda *_: seen.append(os.sched_getaffinity(0)))
+    assert seen and all(x == allowed for x in seen) and os.sched_getaffinity(0) == allowed
 
 
 def test_a_spinning_read_lets_other_python_threads_run():
