@@ -78,8 +78,6 @@ flags.DEFINE_integer("warmup_runs", 1, "untimed runs of each mode per setting be
                      "the offload hits rose from 99.0% to 99.6% over 59a7e32's first five MTP 0 pairs; up to two more "
                      "while a round compiled anything (the report's warmup_runs: how many ran)")
 flags.DEFINE_integer("check_tokens", 8, "tokens of the logits check run per depth (also the warm-up)")
-flags.DEFINE_boolean("pin_dispatch", False, "hold each decode loop's dispatching thread on one core "
-                     "(glm53.Engine.pin_dispatch), in both modes")
 flags.DEFINE_integer("append", 4096, "large append measured after the decode settings (0: skip)")
 flags.DEFINE_string("prefill_once", "", "prefill the history in the resident engine only, save it to this directory "
                     "and restore it into the offload engine (a 1M-token prefill takes minutes; the restored session "
@@ -106,7 +104,6 @@ def build(model, cc, c, n_sessions: int, save_to: str = "", restore_from: str = 
     rng = np.random.default_rng(c.run.seed)
     history = rng.integers(0, model.config.vocab_size, c.run.prompt_len).tolist()
     e = glm53.Engine(model, cc, max_sessions=n_sessions)
-    e.pin_dispatch = FLAGS.is_parsed() and FLAGS.pin_dispatch
     compiled = compile_seconds()
     t = time.perf_counter()
     if restore_from:
@@ -167,7 +164,6 @@ def main(_):
         rep = e.memory_report()
         engines[mode] = (e, sids)
         results.setdefault("build", {})[mode] = {**fig, "output_ring": e.output_ring, "spin_reads": e.spin_reads,
-                                                 "pin_dispatch": e.pin_dispatch,
                                                  "device_memory": device_memory(),
                                                  "device_cache_bytes": rep["device"]["cache_bytes"],
                                                  "host_pool_bytes": rep["host"]["pool_bytes"],

@@ -23,7 +23,6 @@ operation that needs slots, pages or capacity checks all of it before it changes
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import gc
@@ -472,9 +471,6 @@ class Engine:
         # A decode loop's reads poll for their step (``wait_spinning``) on GPUs, where the host thread waits most of
         # a step for the device; not on a CPU, whose cores run the steps themselves. Settable.
         self.spin_reads = platform in ops.GPU_BACKENDS
-        # A decode loop's dispatching thread held on the core it starts on (``_held_on_one_core``). Off until a GPU
-        # A/B shows the step calls' tail follows the thread from core to core; settable.
-        self.pin_dispatch = False
         # The device budget is checked on the configuration, before anything is allocated.
         need = self._device_need()
         if device_budget_bytes is not None and need["total"] > device_budget_bytes:
@@ -986,8 +982,7 @@ class Engine:
             self._decoding = {s.sid for s in sessions}
             for s in sessions:  # what a save records as the session's sampler: the run's, once it runs
                 s.sampler = {"seed": int(seed), "temperature": float(temperature), "top_p": float(top_p)}
-            with _held_on_one_core(self.pin_dispatch):
-                run.execute()
+            run.execute()
         finally:
             self._decoding = set()
             self._settle(sessions)
@@ -1274,33 +1269,6 @@ def start_host_copies(*arrays) -> None:
     for a in arrays:
         if a is not None and a.is_fully_addressable:
             a.copy_to_host_async()
-
-
-def current_core() -> int:
-    """The core the calling thread last ran on (Linux: field 39 of its stat line; the name field may hold spaces)."""
-    with open("/proc/thread-self/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[36])
-
-
-@contextlib.contextmanager
-def _held_on_one_core(enabled: bool):
-    """The calling thread kept on the core it is running on for the block's length, then given back the cores it
-    was allowed before (Linux; elsewhere, or when ``enabled`` is false, nothing). On the H200 the slow step calls of
-    an MTP 3 run came in regimes of tens of consecutive calls, the thread busy and not waiting throughout, as a
-    thread moved to a slower or busier core would be (``experiments/results/probes/call_jitter.py``)."""
-    if not enabled or not hasattr(os, "sched_setaffinity"):
-        yield
-        return
-    allowed = os.sched_getaffinity(0)  # pid 0: this thread
-    try:
-        os.sched_setaffinity(0, {current_core()})
-    except (OSError, ValueError):  # no /proc, or a core a cgroup took away since: run unpinned
-        allowed = None
-    try:
-        yield
-    finally:
-        if allowed is not None:
-            os.sched_setaffinity(0, allowed)
 
 
 def wait_spinning(x) -> None:

@@ -8,7 +8,6 @@ model and requires the same tokens and bit-identical logits.
 
 import collections
 import gc
-import os
 import time
 
 import jax
@@ -864,49 +863,6 @@ def test_spinning_reads_poll_each_step_and_change_nothing(model, monkeypatch, mt
     spinning = gen(e, {a: 6, b: 9}, mtp=mtp)
     assert len(polled) == e.last_run.steps > 0 and all(polled)
     assert_same(spinning, blocking)
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux's")
-def test_pinned_dispatch_holds_the_loop_on_one_core_and_changes_nothing(model, monkeypatch):
-    """``Engine.pin_dispatch``: the decode loop's thread runs on one core for the loop's length, the cores it was
-    allowed come back after it (also when the loop fails), and the tokens and logits are those of an unpinned run."""
-    e = engine(model, "offload", 2)
-    assert e.pin_dispatch is False
-    a, b = e.open(ids(40, 25)), e.open(ids(29, 26))
-    allowed = os.sched_getaffinity(0)
-    seen = []
-
-    def rolled_back():
-        for s, n in ((a, 5), (b, 7)):
-            e.rollback(s, n)
-
-    gen(e, {a: 5, b: 7}, mtp=1)
-    rolled_back()
-    free = gen(e, {a: 5, b: 7}, mtp=1, on_token=lambda *_: seen.append(os.sched_getaffinity(0)))
-    assert seen and all(x == allowed for x in seen)
-    rolled_back()
-    seen.clear()
-    e.pin_dispatch = True
-    pinned = gen(e, {a: 5, b: 7}, mtp=1, on_token=lambda *_: seen.append(os.sched_getaffinity(0)))
-    assert len(seen) == 12 and len(seen[0]) == 1 and all(x == seen[0] for x in seen)
-    assert os.sched_getaffinity(0) == allowed
-    assert_same(pinned, free)
-
-    def fails(*_):
-        assert len(os.sched_getaffinity(0)) == 1
-        raise RuntimeError("stop here")
-
-    rolled_back()
-    with pytest.raises(RuntimeError, match="stop here"):
-        e.generate({a: 5, b: 7}, on_token=fails)
-    assert os.sched_getaffinity(0) == allowed
-    # a core the thread may not take (one a cgroup took away): the loop runs unpinned
-    from glm53 import engine as engine_module
-    monkeypatch.setattr(engine_module, "current_core", lambda: 1 << 20)
-    e.rollback(a, 5)
-    seen.clear()
-    e.generate({a: 5}, on_token=lambda *_: seen.append(os.sched_getaffinity(0)))
-    assert seen and all(x == allowed for x in seen) and os.sched_getaffinity(0) == allowed
 
 
 def test_a_spinning_read_lets_other_python_threads_run():

@@ -7,14 +7,12 @@
 # call and sessions_ab warmed up until a round compiled nothing (ab_cmdbuf_gpu.sh found both).
 # Stop 45 ran it with NEW=2048 (tokens a session per run: 2,048 step calls at MTP 0 and 512 at MTP 3, so a run's p99
 # is not its one or two slowest calls, as with 128 verify calls at MTP 3 and 512 tokens) and PAIRS=2.
-# Stop 53: PIN=1 passes --pin_dispatch (each decode loop's dispatching thread held on one core, both modes; the file
-# name gets _pinned): does the MTP 3 step-call tail (p99 / median 1.53 / 1.57 at 6e25b47) go with it?
 LIMIT=${LIMIT:-560}
 MTP=${MTP:-0,3}; NEW=${NEW:-512}; PAIRS=${PAIRS:-1}; BUDGET=${BUDGET:-150}
 source experiments/results/probes/gpu_setup.sh
-NAME=sessions_ab_10x50k_mtp${MTP//,/_mtp}_series$([ "$NEW" = 512 ] || echo "_$NEW")${PIN:+_pinned}_$R.json
+NAME=sessions_ab_10x50k_mtp${MTP//,/_mtp}_series$([ "$NEW" = 512 ] || echo "_$NEW")_$R.json
 export JAX_PLATFORMS=cuda,cpu
-timeout $(( LIMIT - 60 )) python -m experiments.sessions_ab ${PIN:+--pin_dispatch} --config=configs/h200_bench.py --config.run.prompt_len=50000 \
+timeout $(( LIMIT - 60 )) python -m experiments.sessions_ab --config=configs/h200_bench.py --config.run.prompt_len=50000 \
   --config.run.max_new_tokens=$NEW --sessions=10 --pairs=$PAIRS --max_pairs=$PAIRS --mtp=$MTP --append=0 \
   --workload=local99 --budget_s=$BUDGET --out=$OUT/$NAME 2>&1 | grep "loss\|p99\|identical\|Error" | cut -c1-400
 python - $OUT/$NAME <<'PY'
