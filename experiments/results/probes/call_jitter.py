@@ -18,6 +18,10 @@ queued work; slower, a diagnosis only); ``pinned`` (the default with the dispatc
 started the run on: the slow calls of the 6e25b47 A/B come in regimes of tens of consecutive calls, the window
 median moving between ~0.85 and ~1.3 ms in both modes, as a thread moved to a slower or busier core would; each
 call's core is recorded in every variant, ``calls_cpu_core``, read after the call from /proc/thread-self/stat).
+Each call's kernel (system) time and minor page faults are recorded too (``calls_system_ms``,
+``calls_minor_faults``; from stop 54): a slow call whose extra time is kernel time touching freshly mapped memory
+would show faults, and a process started with glibc's malloc held from returning memory (``MALLOC_TRIM_THRESHOLD_``,
+``MALLOC_MMAP_THRESHOLD_``, recorded in ``machine.malloc_env``) would lose them.
 
 PROBE_HISTORY (50000), PROBE_NEW (2048), PROBE_REPS (3), PROBE_MODE (offload), PROBE_MTP (3, drafts forced),
 PROBE_CONFIG (h200_bench), PROBE_RING (the engine's default; a CPU's is 1, no ring, and only ring calls are measured).
@@ -60,7 +64,7 @@ def cpu_times() -> np.ndarray:
     return np.array(open("/proc/stat").readline().split()[1:9], np.int64)
 
 
-STATE = {"wall": [], "cpu": [], "vol": [], "invol": [], "core": []}
+STATE = {"wall": [], "cpu": [], "vol": [], "invol": [], "core": [], "sys": [], "minflt": [], "majflt": []}
 
 
 def current_core() -> int:
@@ -80,6 +84,9 @@ def measured_call(self, name, args, static):
         STATE["vol"].append(r1.ru_nvcsw - r0.ru_nvcsw)
         STATE["invol"].append(r1.ru_nivcsw - r0.ru_nivcsw)
         STATE["core"].append(current_core())
+        STATE["sys"].append(r1.ru_stime - r0.ru_stime)
+        STATE["minflt"].append(r1.ru_minflt - r0.ru_minflt)
+        STATE["majflt"].append(r1.ru_majflt - r0.ru_majflt)
     return out
 
 
@@ -113,6 +120,7 @@ def main():
     print(f"prefill {fig['prefill_s']:.1f} s, ring {e.output_ring}", flush=True)
     selections = workloads.Selections("local99", K, hist, S)
     facts = machine_facts()
+    facts["malloc_env"] = {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
     print(json.dumps(facts), flush=True)
     results, digests = [], {}
     variants = os.environ.get("PROBE_VARIANTS", "default,spin,lag1,sync").split(",")
@@ -145,6 +153,7 @@ def main():
             digests.setdefault("tokens", digest)
         w, cpu = np.asarray(STATE["wall"]) * 1e3, np.asarray(STATE["cpu"]) * 1e3
         vol, invol, core = np.asarray(STATE["vol"]), np.asarray(STATE["invol"]), np.asarray(STATE["core"])
+        sys_ms, minflt = np.asarray(STATE["sys"]) * 1e3, np.asarray(STATE["minflt"])
         med = np.median(w)
         slow = w > 1.25 * med
         d = (stat1 - stat0).astype(float)
@@ -164,6 +173,13 @@ def main():
             "other_calls_voluntary_switches": float(vol[~slow].mean()),
             "slow_calls_involuntary_switches": float(invol[slow].mean()) if slow.any() else None,
             "other_calls_involuntary_switches": float(invol[~slow].mean()),
+            # kernel time and page faults: a slow call busy in the kernel (first touches of freshly mapped host
+            # memory, the driver's ioctls) rather than in user code
+            "slow_calls_system_ms": float(sys_ms[slow].mean()) if slow.any() else None,
+            "other_calls_system_ms": float(sys_ms[~slow].mean()),
+            "slow_calls_minor_faults": float(minflt[slow].mean()) if slow.any() else None,
+            "other_calls_minor_faults": float(minflt[~slow].mean()),
+            "major_faults": int(np.sum(STATE["majflt"])),
             "cores_used": len(set(core.tolist())), "core_changes": int((np.diff(core) != 0).sum()),
             "slow_calls_after_a_core_change": int((slow[1:] & (np.diff(core) != 0)).sum()),
             "step_interval_ms": r.step_interval_ms, "step_wait_ms": r.step_wait_ms,
@@ -172,6 +188,7 @@ def main():
             "loadavg": open("/proc/loadavg").read().strip(),
             "calls_ms": [round(float(x), 3) for x in w], "calls_cpu_ms": [round(float(x), 3) for x in cpu],
             "calls_voluntary": vol.tolist(), "calls_involuntary": invol.tolist(), "calls_cpu_core": core.tolist(),
+            "calls_system_ms": [round(float(x), 3) for x in sys_ms], "calls_minor_faults": minflt.tolist(),
         }
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if not k.startswith("calls_")}), flush=True)

@@ -6,7 +6,7 @@
 LIMIT=${LIMIT:-560}
 source experiments/results/probes/gpu_setup.sh
 export JAX_PLATFORMS=cuda,cpu
-timeout $(( LIMIT - 30 )) python experiments/results/probes/call_jitter.py call_jitter_50k_mtp3_$R.json 2>&1 \
+timeout $(( LIMIT - 30 )) python experiments/results/probes/call_jitter.py call_jitter_50k_mtp3_${TAG:+${TAG}_}$R.json 2>&1 \
   | grep -v "^prefill:" | cut -c1-1200
 el done
 # Stop 46's second call, from dde4f65 on (the engine's reads poll on GPUs): PROBE_VARIANTS=blocking,spin PROBE_REPS=3
