@@ -19,7 +19,8 @@ started the run on: the slow calls of the 6e25b47 A/B come in regimes of tens of
 median moving between ~0.85 and ~1.3 ms in both modes, as a thread moved to a slower or busier core would; each
 call's core is recorded in every variant, ``calls_cpu_core``, read after the call from /proc/thread-self/stat).
 Each call's kernel (system) time and minor page faults are recorded too (``calls_system_ms``,
-``calls_minor_faults``; from stop 54): a slow call whose extra time is kernel time touching freshly mapped memory
+``calls_minor_faults``; from stop 54), and a canary: a fixed piece of pure-Python work timed just before and just
+after every call (``calls_canary_us``), which says whether the core was slow then whatever the call did: a slow call whose extra time is kernel time touching freshly mapped memory
 would show faults, and a process started with glibc's malloc held from returning memory (``MALLOC_TRIM_THRESHOLD_``,
 ``MALLOC_MMAP_THRESHOLD_``, recorded in ``machine.malloc_env``) would lose them.
 
@@ -64,7 +65,18 @@ def cpu_times() -> np.ndarray:
     return np.array(open("/proc/stat").readline().split()[1:9], np.int64)
 
 
-STATE = {"wall": [], "cpu": [], "vol": [], "invol": [], "core": [], "sys": [], "minflt": [], "majflt": []}
+STATE = {"wall": [], "cpu": [], "vol": [], "invol": [], "core": [], "sys": [], "minflt": [], "majflt": [], "canary": []}
+
+
+def canary() -> float:
+    """Seconds of a fixed piece of pure-Python work (~40 us): how fast this thread's core runs user code just now,
+    whatever the engine does. Slow calls whose canary is slow too ran on a slowed core (its clock, a busy sibling
+    hyperthread, the hypervisor); a canary at its median beside a slow call says the call itself did more."""
+    t0 = time.perf_counter()
+    x = 0
+    for i in range(1000):
+        x += i * i
+    return time.perf_counter() - t0
 
 
 def current_core() -> int:
@@ -75,6 +87,7 @@ ring_call = eng._StepRing.__call__
 
 
 def measured_call(self, name, args, static):
+    before = canary()
     r0, c0, t0 = resource.getrusage(resource.RUSAGE_THREAD), time.thread_time(), time.perf_counter()
     out = ring_call(self, name, args, static)
     t1, c1, r1 = time.perf_counter(), time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD)
@@ -87,6 +100,7 @@ def measured_call(self, name, args, static):
         STATE["sys"].append(r1.ru_stime - r0.ru_stime)
         STATE["minflt"].append(r1.ru_minflt - r0.ru_minflt)
         STATE["majflt"].append(r1.ru_majflt - r0.ru_majflt)
+        STATE["canary"].append(max(before, canary()))  # the slower of the two, just before and just after
     return out
 
 
@@ -154,6 +168,7 @@ def main():
         w, cpu = np.asarray(STATE["wall"]) * 1e3, np.asarray(STATE["cpu"]) * 1e3
         vol, invol, core = np.asarray(STATE["vol"]), np.asarray(STATE["invol"]), np.asarray(STATE["core"])
         sys_ms, minflt = np.asarray(STATE["sys"]) * 1e3, np.asarray(STATE["minflt"])
+        can = np.asarray(STATE["canary"]) * 1e6
         med = np.median(w)
         slow = w > 1.25 * med
         d = (stat1 - stat0).astype(float)
@@ -180,6 +195,11 @@ def main():
             "slow_calls_minor_faults": float(minflt[slow].mean()) if slow.any() else None,
             "other_calls_minor_faults": float(minflt[~slow].mean()),
             "major_faults": int(np.sum(STATE["majflt"])),
+            "canary_p50_us": float(np.median(can)),
+            "slow_calls_canary_over_median": float(np.median(can[slow]) / np.median(can)) if slow.any() else None,
+            "canary_slow_when_call_slow": float(np.mean(can[slow] > 1.25 * np.median(can))) if slow.any() else None,
+            "canary_slow_when_call_not": float(np.mean(can[~slow] > 1.25 * np.median(can))),
+            "call_canary_correlation": float(np.corrcoef(w, can)[0, 1]),
             "cores_used": len(set(core.tolist())), "core_changes": int((np.diff(core) != 0).sum()),
             "slow_calls_after_a_core_change": int((slow[1:] & (np.diff(core) != 0)).sum()),
             "step_interval_ms": r.step_interval_ms, "step_wait_ms": r.step_wait_ms,
@@ -189,6 +209,7 @@ def main():
             "calls_ms": [round(float(x), 3) for x in w], "calls_cpu_ms": [round(float(x), 3) for x in cpu],
             "calls_voluntary": vol.tolist(), "calls_involuntary": invol.tolist(), "calls_cpu_core": core.tolist(),
             "calls_system_ms": [round(float(x), 3) for x in sys_ms], "calls_minor_faults": minflt.tolist(),
+            "calls_canary_us": [round(float(x), 2) for x in can],
         }
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if not k.startswith("calls_")}), flush=True)
