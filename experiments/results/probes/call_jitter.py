@@ -17,7 +17,8 @@ graphs); ``sync`` (none in flight: each step read before the next is dispatched,
 queued work; slower, a diagnosis only); ``pinned`` (the default with the dispatching thread held on the one core it
 started the run on: the slow calls of the 6e25b47 A/B come in regimes of tens of consecutive calls, the window
 median moving between ~0.85 and ~1.3 ms in both modes, as a thread moved to a slower or busier core would; each
-call's core is recorded in every variant, ``calls_cpu_core``, read after the call from /proc/thread-self/stat).
+call's core is recorded in every variant, ``calls_cpu_core``, read after the call from /proc/thread-self/stat);
+``nocanary`` (the default without the canary below: whether the canary's own work around each call changes the tail).
 Each call's kernel (system) time and minor page faults are recorded too (``calls_system_ms``,
 ``calls_minor_faults``; from stop 54), and a canary: a fixed piece of pure-Python work timed just before and just
 after every call (``calls_canary_us``), which says whether the core was slow then whatever the call did: a slow call whose extra time is kernel time touching freshly mapped memory
@@ -86,8 +87,11 @@ def current_core() -> int:
 ring_call = eng._StepRing.__call__
 
 
+CANARY = {"on": True}
+
+
 def measured_call(self, name, args, static):
-    before = canary()
+    before = canary() if CANARY["on"] else 0.0
     r0, c0, t0 = resource.getrusage(resource.RUSAGE_THREAD), time.thread_time(), time.perf_counter()
     out = ring_call(self, name, args, static)
     t1, c1, r1 = time.perf_counter(), time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD)
@@ -100,7 +104,7 @@ def measured_call(self, name, args, static):
         STATE["sys"].append(r1.ru_stime - r0.ru_stime)
         STATE["minflt"].append(r1.ru_minflt - r0.ru_minflt)
         STATE["majflt"].append(r1.ru_majflt - r0.ru_majflt)
-        STATE["canary"].append(max(before, canary()))  # the slower of the two, just before and just after
+        STATE["canary"].append(max(before, canary()) if CANARY["on"] else 0.0)  # the slower of the two, just before and just after
     return out
 
 
@@ -149,6 +153,7 @@ def main():
         else:
             e.spin_reads = {"blocking": False, "spin": True}.get(v, engine_spins)
         eng._Run.LAG = {"lag1": 1, "sync": 0}.get(v, LAG)
+        CANARY["on"] = v != "nocanary"
         for k in STATE:
             STATE[k].clear()
         allowed = os.sched_getaffinity(0)  # pid 0: this thread alone
@@ -195,11 +200,12 @@ def main():
             "slow_calls_minor_faults": float(minflt[slow].mean()) if slow.any() else None,
             "other_calls_minor_faults": float(minflt[~slow].mean()),
             "major_faults": int(np.sum(STATE["majflt"])),
+            "canary": CANARY["on"],
             "canary_p50_us": float(np.median(can)),
-            "slow_calls_canary_over_median": float(np.median(can[slow]) / np.median(can)) if slow.any() else None,
+            "slow_calls_canary_over_median": float(np.median(can[slow]) / np.median(can)) if slow.any() and CANARY["on"] else None,
             "canary_slow_when_call_slow": float(np.mean(can[slow] > 1.25 * np.median(can))) if slow.any() else None,
             "canary_slow_when_call_not": float(np.mean(can[~slow] > 1.25 * np.median(can))),
-            "call_canary_correlation": float(np.corrcoef(w, can)[0, 1]),
+            "call_canary_correlation": float(np.corrcoef(w, can)[0, 1]) if CANARY["on"] else None,
             "cores_used": len(set(core.tolist())), "core_changes": int((np.diff(core) != 0).sum()),
             "slow_calls_after_a_core_change": int((slow[1:] & (np.diff(core) != 0)).sum()),
             "step_interval_ms": r.step_interval_ms, "step_wait_ms": r.step_wait_ms,
