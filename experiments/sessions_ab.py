@@ -232,8 +232,12 @@ def main(_):
                 runs[mode] = run(e, sids, new, depth, accept, selection(10 + p))
                 runs[mode]["device_memory"] = device_memory()
             fr, fo = figures(runs["resident"], S), figures(runs["offload"], S)
+            # the host's own spread right after the pair: step calls spread no less than a fixed piece of Python
+            # (a unit of the offload calls' median, at most 1.5 ms: a CPU's calls take tens of ms)
+            host_speed = glm53.roofline.measure_host_speed_spread(
+                unit_ms=min((fo["step_call_ms"] or {}).get("p50") or 1.5, 1.5))
             pair = {"order": order, "tokens_identical": runs["resident"]["tokens"] == runs["offload"]["tokens"],
-                    "resident": fr, "offload": fo,
+                    "resident": fr, "offload": fo, "host_speed": host_speed,
                     "offload_loss_pct": 100 * (1 - fo["aggregate_tokens_per_s"] / fr["aggregate_tokens_per_s"]),
                     "device_memory": {m: runs[m]["device_memory"] for m in order}}
             entry["pairs"].append(pair)
@@ -242,7 +246,7 @@ def main(_):
                   f"{pair['tokens_identical']}; hit rate {fo['hit_rate']}; acceptance real {fo['acceptance_real']}, "
                   f"committed {fo['mtp_committed']}/{fo['mtp_proposed']}; step call p99/p50 resident "
                   f"{fr['step_call_p99_over_median']:.2f}, offload {fo['step_call_p99_over_median']:.2f} "
-                  f"(ms {fo['step_call_ms']}); step interval p99/p50 resident "
+                  f"(ms {fo['step_call_ms']}), a fixed Python unit's {host_speed['p99_over_median']:.2f}; step interval p99/p50 resident "
                   f"{fr['step_interval_p99_over_median']:.2f}, offload {fo['step_interval_p99_over_median']:.2f}; "
                   f"copyback steps {fo['copyback_steps'][:8]}", flush=True)
             p += 1
@@ -261,6 +265,7 @@ def main(_):
             "timed_runs_compiled": any(q[m]["decode_compile_s"] > 0 for q in entry["pairs"]
                                        for m in ("resident", "offload")),
             "offload_step_call_p99_over_median": [q["offload"]["step_call_p99_over_median"] for q in entry["pairs"]],
+            "host_speed_p99_over_median": [q["host_speed"]["p99_over_median"] for q in entry["pairs"]],
             "step_interval_p99_over_median": {m: [q[m]["step_interval_p99_over_median"] for q in entry["pairs"]]
                                               for m in ("resident", "offload")}}
         # Runs of one mode on one machine should agree: when they scatter by more than the loss being measured

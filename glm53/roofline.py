@@ -14,6 +14,8 @@ Measurement (device work, kept apart):
 
     measure_hbm_bandwidth()                a jitted copy / read loop over a large array, best of n (on a CPU this
                                            measures RAM bandwidth)
+    measure_host_speed_spread()            a fixed piece of pure-Python work timed back to back: the spread of
+                                           this thread's own speed, beside a decode loop's step-call p99 / median
     probe_routing(engine, requests)        one ``Engine.generate`` through an instrumented copy of the decode (or
                                            verify) step that sends every MoE layer's expert choices to the host
     distinct_experts(probe, cfg, lanes)    the distinct routed experts per MoE layer and step, from a probe
@@ -498,6 +500,43 @@ def measure_host_read_bandwidth(kv_format: str = "q8g64", rows: int = 65536, his
     return {"bandwidth_Bps": bw, "GBps": bw / 1e9, "rows": rows, "row_bytes": fmt.bytes_per_row,
             "history_rows": history_rows, "iters": iters, "seconds": best, "platform": dev.platform,
             "method": "hot_gather with every row a miss (zero-copy reads of pinned_host memory), best of repeats"}
+
+
+def _python_work(iterations: int) -> int:
+    x = 0
+    for i in range(iterations):
+        x += i * i
+    return x
+
+
+def measure_host_speed_spread(calls: int = 512, unit_ms: float = 1.0) -> dict:
+    """How steadily this thread runs a fixed piece of pure-Python work of about ``unit_ms`` (a decode step call's
+    host time), timed ``calls`` times back to back: ``{"unit_ms_p50", "p99_ms", "p99_over_median",
+    "over_1_25x_median", ...}``.
+
+    A decode loop's step-call p99 / median measures the host as much as the engine: on H100 hosts a fixed ~85 us of
+    Python timed beside every MTP 3 verify call had rank correlation 0.59-0.70 with the call's time
+    (``experiments/results/probes/call_jitter_50k_mtp3_canary_h100_f31a144.json``), and the same code's p99 / median
+    was 1.24-1.42 on one host and 3.36-5.26 on another. Where this figure is as large as the step calls', their
+    spread is the machine's speed, not work the engine does on some calls."""
+    if calls < 2 or unit_ms <= 0:
+        raise ValueError(f"measure_host_speed_spread: calls={calls} and unit_ms={unit_ms}; need calls >= 2 and "
+                         "unit_ms > 0")
+    probe = 2000
+    fastest = min(_timed(_python_work, probe) for _ in range(5))
+    iterations = max(1, round(probe * unit_ms * 1e-3 / max(fastest, 1e-9)))
+    times = np.array([_timed(_python_work, iterations) for _ in range(calls)]) * 1e3
+    med = float(np.median(times))
+    p99 = float(np.percentile(times, 99))
+    return {"unit_ms_p50": med, "p99_ms": p99, "max_ms": float(times.max()), "p99_over_median": p99 / med,
+            "over_1_25x_median": int(np.count_nonzero(times > 1.25 * med)), "calls": calls,
+            "iterations": iterations, "method": "a pure-Python loop of fixed length, timed back to back"}
+
+
+def _timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
 
 
 # ----------------------------------------------------------------------------------------------------------------

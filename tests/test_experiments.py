@@ -289,6 +289,11 @@ def test_sessions_ab(tmp_path):
         assert abs(iv["mean"] - sum(s["summary"]["losses_pct"]) / 2) < 1e-9
         assert s["summary"]["target"] in ("met", "missed", "undecided") and s["summary"]["target_pct"] == 1.0
         assert s["stopped_by_budget"] is False
+        # the host's own spread beside each pair's step calls: a fixed piece of Python, timed 512 times
+        speed = [q["host_speed"] for q in s["pairs"]]
+        assert [h["calls"] for h in speed] == [512, 512] and all(h["iterations"] > 0 for h in speed)
+        assert all(1 <= h["p99_over_median"] == h["p99_ms"] / h["unit_ms_p50"] for h in speed)
+        assert s["summary"]["host_speed_p99_over_median"] == [h["p99_over_median"] for h in speed]
         # warm-up rounds: one, then more only while the last compiled something (at most two more)
         rounds, compiled = s["warmup_runs"], s["warmup_compile_s"]
         assert 1 <= rounds == len(compiled) <= 3 and all(c > 0 for c in compiled[:-1])

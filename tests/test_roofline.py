@@ -186,6 +186,19 @@ def test_measure_bandwidth_on_the_cpu():
     assert bw["array_bytes"] == 4 << 20 and bw["passes"] == 2 and bw["platform"] == "cpu"
 
 
+def test_host_speed_spread_times_a_unit_near_the_one_asked_for():
+    r = roofline.measure_host_speed_spread(calls=64, unit_ms=0.5)
+    assert r["calls"] == 64 and r["iterations"] > 0
+    # calibrated on the fastest of five probes, so the median unit is at least roughly the size asked for; a busy
+    # CI machine may run it slower, never 10x faster
+    assert 0.05 < r["unit_ms_p50"] < 50
+    assert r["unit_ms_p50"] <= r["p99_ms"] <= r["max_ms"] and r["p99_over_median"] >= 1
+    assert 0 <= r["over_1_25x_median"] <= 64
+    for bad in ({"calls": 1}, {"unit_ms": 0}):
+        with pytest.raises(ValueError, match="need calls >= 2 and unit_ms > 0"):
+            roofline.measure_host_speed_spread(**bad)
+
+
 def test_best_bandwidth_keeps_the_fastest_probe():
     slow, fast = ({"bandwidth_Bps": g * 1e9, "read_GBps": g} for g in (3750.0, 3983.0))
     best = roofline.best_bandwidth(slow, fast)
