@@ -246,8 +246,9 @@ def main(_):
                   f"{pair['tokens_identical']}; hit rate {fo['hit_rate']}; acceptance real {fo['acceptance_real']}, "
                   f"committed {fo['mtp_committed']}/{fo['mtp_proposed']}; step call p99/p50 resident "
                   f"{fr['step_call_p99_over_median']:.2f}, offload {fo['step_call_p99_over_median']:.2f} "
-                  f"(ms {fo['step_call_ms']}), a fixed Python unit's {host_speed['p99_over_median']:.2f}; step interval p99/p50 resident "
-                  f"{fr['step_interval_p99_over_median']:.2f}, offload {fo['step_interval_p99_over_median']:.2f}; "
+                  f"(ms {fo['step_call_ms']}), a fixed Python unit's {host_speed['p99_over_median']:.2f}; step "
+                  f"interval p99/p50 resident {fr['step_interval_p99_over_median']:.2f}, offload "
+                  f"{fo['step_interval_p99_over_median']:.2f}; "
                   f"copyback steps {fo['copyback_steps'][:8]}", flush=True)
             p += 1
         floors = [loss_plot.floor_pct(q["offload"]["misses"] / max(q["offload"]["steps"], 1), row_bytes, host_bw,

@@ -18,12 +18,14 @@ queued work; slower, a diagnosis only); ``pinned`` (the default with the dispatc
 started the run on: the slow calls of the 6e25b47 A/B come in regimes of tens of consecutive calls, the window
 median moving between ~0.85 and ~1.3 ms in both modes, as a thread moved to a slower or busier core would; each
 call's core is recorded in every variant, ``calls_cpu_core``, read after the call from /proc/thread-self/stat);
-``nocanary`` (the default without the canary below: whether the canary's own work around each call changes the tail).
+``nocanary`` (the default without the canary below: whether the canary's own work around each call changes the
+tail).
 Each call's kernel (system) time and minor page faults are recorded too (``calls_system_ms``,
-``calls_minor_faults``; from stop 54), and a canary: a fixed piece of pure-Python work timed just before and just
-after every call (``calls_canary_us``), which says whether the core was slow then whatever the call did: a slow call whose extra time is kernel time touching freshly mapped memory
+``calls_minor_faults``; from stop 54): a slow call whose extra time is kernel time touching freshly mapped memory
 would show faults, and a process started with glibc's malloc held from returning memory (``MALLOC_TRIM_THRESHOLD_``,
-``MALLOC_MMAP_THRESHOLD_``, recorded in ``machine.malloc_env``) would lose them.
+``MALLOC_MMAP_THRESHOLD_``, recorded in ``machine.malloc_env``) would lose them. And a canary: a fixed piece of
+pure-Python work timed just before and just after every call (``calls_canary_us``), which says whether the core was
+slow then, whatever the call did.
 
 PROBE_HISTORY (50000), PROBE_NEW (2048), PROBE_REPS (3), PROBE_MODE (offload), PROBE_MTP (3, drafts forced),
 PROBE_CONFIG (h200_bench), PROBE_RING (the engine's default; a CPU's is 1, no ring, and only ring calls are measured).
@@ -104,7 +106,8 @@ def measured_call(self, name, args, static):
         STATE["sys"].append(r1.ru_stime - r0.ru_stime)
         STATE["minflt"].append(r1.ru_minflt - r0.ru_minflt)
         STATE["majflt"].append(r1.ru_majflt - r0.ru_majflt)
-        STATE["canary"].append(max(before, canary()) if CANARY["on"] else 0.0)  # the slower of the two, just before and just after
+        # the slower of the two, just before and just after
+        STATE["canary"].append(max(before, canary()) if CANARY["on"] else 0.0)
     return out
 
 
@@ -202,7 +205,8 @@ def main():
             "major_faults": int(np.sum(STATE["majflt"])),
             "canary": CANARY["on"],
             "canary_p50_us": float(np.median(can)),
-            "slow_calls_canary_over_median": float(np.median(can[slow]) / np.median(can)) if slow.any() and CANARY["on"] else None,
+            "slow_calls_canary_over_median": (float(np.median(can[slow]) / np.median(can))
+                                              if slow.any() and CANARY["on"] else None),
             "canary_slow_when_call_slow": float(np.mean(can[slow] > 1.25 * np.median(can))) if slow.any() else None,
             "canary_slow_when_call_not": float(np.mean(can[~slow] > 1.25 * np.median(can))),
             "call_canary_correlation": float(np.corrcoef(w, can)[0, 1]) if CANARY["on"] else None,
