@@ -1279,15 +1279,28 @@ def wait_spinning(x) -> None:
     (``experiments/results/probes/call_jitter_50k_mtp3_2b1106b.json``), and they came in clusters whether the host
     kept two steps, one or none in flight. A thread that blocks ~7.5 ms a step in the read lets its core idle
     between calls; one that polls keeps it busy: 0 / 18 / 2 calls over 1.25x the median in three 512-call runs against
-    51 / 63 / 29 blocking, interleaved in one process, the same tokens/s (the probe's own loop, which kept the GIL;
-    this one not yet measured on a GPU).
+    51 / 63 / 29 blocking, interleaved in one process, the same tokens/s (the probe's own loop, a true spin that
+    kept the GIL). Until stop 54 this loop slept at each poll instead (see ``_poll_pause``): in the H100 runs of
+    ``call_jitter_50k_mtp3_canary_h100_f31a144.json`` the reads waited ~78% of each step, yet the whole machine was
+    1.9% busy in user time, less than one polling core; with the pause that keeps the core, not yet measured on a
+    GPU.
 
-    Each poll gives up the GIL (``time.sleep(0)``): a loop that kept it would hand it to another Python thread only
-    every switch interval (5 ms), and a step whose host callbacks need it (``glm53.roofline.probe_routing``'s) would
-    wait that long for each."""
+    Each poll gives up the GIL but not the core (``_poll_pause``): a loop that kept the GIL would hand it to another
+    Python thread only every switch interval (5 ms), and a step whose host callbacks need it
+    (``glm53.roofline.probe_routing``'s) would wait that long for each."""
     if hasattr(x, "is_ready"):
         while not x.is_ready():
-            time.sleep(0)
+            _poll_pause()
+
+
+# A poll's pause: sched_yield returns at once when no other thread wants this core, so the polling thread stays on
+# it, and CPython lets the GIL go around the call. Until stop 54 the pause was ``time.sleep(0)``, which is no
+# spin: it sleeps for the kernel's timer slack and switches context at every poll, so the thread was off its core
+# most of each wait (a 2 s loop of it: 0.64 s on the CPU and 25,448 voluntary switches, against 2.0 s and none for
+# sched_yield, on this project's CI machine). The polling measured against blocking reads in stop 46
+# (``call_jitter_50k_mtp3_2b1106b.json``, 0 / 18 / 2 slow calls of 512 against 51 / 63 / 29) was a true spin;
+# the engine's sleeping poll was what every GPU A/B since dde4f65 ran. A platform without sched_yield sleeps.
+_poll_pause = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 
 # Step inputs copied into buffers of their own (donated, written in place): see ``_StepRing``. Updates, not

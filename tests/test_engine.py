@@ -865,6 +865,28 @@ def test_spinning_reads_poll_each_step_and_change_nothing(model, monkeypatch, mt
     assert_same(spinning, blocking)
 
 
+def test_a_spinning_read_keeps_its_core():
+    """``wait_spinning`` spins: between polls the thread stays runnable instead of sleeping. ``time.sleep(0)``, its
+    pause until stop 54, sleeps for the timer slack and switches context at every poll (~12,000 voluntary switches
+    a second on the CI machine), so the core idled through most of a GPU step's wait. A busy machine may take the
+    core away (involuntary switches), never the thread give it up."""
+    import resource
+
+    from glm53.engine import wait_spinning
+
+    class Pending:
+        def __init__(self, seconds):
+            self.until = time.perf_counter() + seconds
+
+        def is_ready(self):
+            return time.perf_counter() >= self.until
+
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+    wait_spinning(Pending(0.25))
+    voluntary = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - before
+    assert voluntary < 50, f"{voluntary} voluntary context switches in a 0.25 s spinning wait"
+
+
 def test_a_spinning_read_lets_other_python_threads_run():
     """``wait_spinning`` polls without holding the GIL between polls: a step whose host callbacks need it (the
     routing probe's) would otherwise get it once a switch interval. Here a thread needs the GIL 20 times before the

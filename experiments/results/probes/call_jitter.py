@@ -19,7 +19,8 @@ started the run on: the slow calls of the 6e25b47 A/B come in regimes of tens of
 median moving between ~0.85 and ~1.3 ms in both modes, as a thread moved to a slower or busier core would; each
 call's core is recorded in every variant, ``calls_cpu_core``, read after the call from /proc/thread-self/stat);
 ``nocanary`` (the default without the canary below: whether the canary's own work around each call changes the
-tail).
+tail); ``sleep_poll`` (the default with the engine's polls pausing as they did until stop 54, ``time.sleep(0)``,
+which sleeps for the timer slack at every poll, instead of ``os.sched_yield``, which keeps the core).
 Each call's kernel (system) time and minor page faults are recorded too (``calls_system_ms``,
 ``calls_minor_faults``; from stop 54): a slow call whose extra time is kernel time touching freshly mapped memory
 would show faults, and a process started with glibc's malloc held from returning memory (``MALLOC_TRIM_THRESHOLD_``,
@@ -112,6 +113,7 @@ def measured_call(self, name, args, static):
 
 
 eng._StepRing.__call__ = measured_call
+POLL_PAUSE = getattr(eng, "_poll_pause", None)  # None: an engine before stop 54, whose polls slept
 plain_read = eng._Run._read
 LAG = eng._Run.LAG
 
@@ -157,6 +159,8 @@ def main():
             e.spin_reads = {"blocking": False, "spin": True}.get(v, engine_spins)
         eng._Run.LAG = {"lag1": 1, "sync": 0}.get(v, LAG)
         CANARY["on"] = v != "nocanary"
+        if POLL_PAUSE is not None:
+            eng._poll_pause = (lambda: time.sleep(0)) if v == "sleep_poll" else POLL_PAUSE
         for k in STATE:
             STATE[k].clear()
         allowed = os.sched_getaffinity(0)  # pid 0: this thread alone
