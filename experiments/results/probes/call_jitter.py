@@ -44,6 +44,7 @@ import numpy as np
 
 import glm53
 from glm53 import engine as eng
+from glm53 import roofline
 from experiments import sessions_ab, workloads
 
 
@@ -73,14 +74,11 @@ STATE = {"wall": [], "cpu": [], "vol": [], "invol": [], "core": [], "sys": [], "
 
 
 def canary() -> float:
-    """Seconds of a fixed piece of pure-Python work (~40 us): how fast this thread's core runs user code just now,
-    whatever the engine does. Slow calls whose canary is slow too ran on a slowed core (its clock, a busy sibling
-    hyperthread, the hypervisor); a canary at its median beside a slow call says the call itself did more."""
-    t0 = time.perf_counter()
-    x = 0
-    for i in range(1000):
-        x += i * i
-    return time.perf_counter() - t0
+    """Seconds of a fixed piece of pure-Python work (~40 us; ``measure_host_speed_spread``'s unit): how fast this
+    thread's core runs user code just now, whatever the engine does. Slow calls whose canary is slow too ran on a
+    slowed core (its clock, a busy sibling hyperthread, the hypervisor); a canary at its median beside a slow call
+    says the call itself did more."""
+    return roofline._timed(roofline._python_work, 1000)
 
 
 def current_core() -> int:
