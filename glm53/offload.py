@@ -75,6 +75,7 @@ import tqdm
 from glm53.cache import (CacheBase, Round, Sessions, addressable_planes, init_index_keys, init_sessions, key_slots,
                          padded_rows, place)
 from glm53.config import CacheConfig, ConfigError, ModelConfig
+from kernels_pallas import index_math as im
 from kernels_pallas import kv_formats, ops
 from kernels_pallas.hot_gather import HOST, HOT, MAX_PLANE_ROWS, RING
 
@@ -180,8 +181,8 @@ class OffloadCache(CacheBase):
         S, L, P, R = self.num_slots, self.num_layers, self.page_rows, self.ring_rows
         slot = lanes.slot
         pages = self.page_table.shape[1]
-        first = self.host_len[slot] // P
-        due = jnp.maximum(self.committed()[slot] // P - first, 0)
+        first = im.div(self.host_len[slot], P)
+        due = jnp.maximum(im.div(self.committed()[slot], P) - first, 0)
         g = jnp.arange(G, dtype=jnp.int32)
         k = first[:, None] + g[None, :]  # [B, G] logical pages
         pool_page = jnp.take_along_axis(self.page_table[slot], jnp.clip(k, 0, pages - 1), axis=1)
@@ -191,7 +192,7 @@ class OffloadCache(CacheBase):
         n_written = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [B]
         do = g[None, :] < n_written[:, None]
         l = jnp.arange(L, dtype=jnp.int32)[None, None, :]
-        src = (l * S + slot[:, None, None]) * R + ((k * P) % R)[..., None]
+        src = (l * S + slot[:, None, None]) * R + im.rem(k * P, R)[..., None]
         dst = (jnp.maximum(pool_page, 0)[..., None] * L + l) * P
         count = jnp.broadcast_to(jnp.where(do, P, 0)[..., None], src.shape)
         pool = ops.copy_blocks(self.pool, self.ring, src.reshape(-1).astype(jnp.int32),
@@ -218,7 +219,7 @@ class OffloadCache(CacheBase):
         planes = kv_formats.pack(self.fmt, latent, rope)
         S, R = self.num_slots, self.ring_rows
         pos = step.write_positions
-        row = (layer * S + step.lanes.slot[:, None]) * R + pos % R
+        row = (layer * S + step.lanes.slot[:, None]) * R + im.rem(pos, R)  # pos >= 0: capacity where nothing writes
         write = step.lanes.active[:, None] & (pos < self.capacity)  # padding tokens and inactive lanes: dropped
         B, T = pos.shape
         ring = {n: a.at[jnp.where(write, row, a.shape[0]).reshape(-1)]
@@ -241,12 +242,12 @@ class OffloadCache(CacheBase):
         p = jnp.clip(positions, 0, N - 1)
         in_ring = positions >= self.host_len[lanes.slot][:, None]
         # int32 from here on: the map's int16 (slot_map_dtype) is only how it is stored.
-        hot_slot = jnp.take(self.slot_of_position.reshape(-1), (layer * S + slot) * N + p).astype(jnp.int32)
+        hot_slot = im.take_rows(self.slot_of_position.reshape(-1), (layer * S + slot) * N + p).astype(jnp.int32)
         hit = ~in_ring & (hot_slot >= 0)
-        page = jnp.take(self.page_table.reshape(-1), slot * pages + p // P)
-        ring_row = (layer * S + slot) * R + p % R
+        page = im.take_rows(self.page_table.reshape(-1), slot * pages + im.div(p, P))
+        ring_row = (layer * S + slot) * R + im.rem(p, R)
         hot_row = (layer * S + slot) * H + jnp.maximum(hot_slot, 0)
-        host_row = (jnp.maximum(page, 0) * L + layer) * P + p % P
+        host_row = (jnp.maximum(page, 0) * L + layer) * P + im.rem(p, P)
         source = jnp.where(in_ring, RING, jnp.where(hit, HOT, HOST)).astype(jnp.int32)
         row = jnp.where(in_ring, ring_row, jnp.where(hit, hot_row, host_row)).astype(jnp.int32)
         return source, row, hot_slot
@@ -292,7 +293,7 @@ class OffloadCache(CacheBase):
         pool_page = self.page_table[slot]  # [B, N // P]
         # Only the pages the chunk's queries read (selected or not: every row the gather below reads is a real one):
         # a local selection copies a few pages, the model's own indexer over a long prompt nearly all.
-        page_of = jnp.clip(pos, 0, N - 1) // P
+        page_of = im.div(jnp.clip(pos, 0, N - 1), P)
         touched = jnp.zeros((B, N // P), bool).at[jnp.arange(B)[:, None], page_of].set(True)
         count = jnp.where(lanes.active[:, None] & (k * P < host_len[:, None]) & (pool_page >= 0) & touched, P, 0)
         src = (jnp.maximum(pool_page, 0) * L + layer) * P
@@ -307,7 +308,7 @@ class OffloadCache(CacheBase):
                                   block_size=P, impl=step.kernels)
         p = jnp.clip(pos, 0, N - 1)
         in_ring = pos >= host_len[:, None]
-        ring_row = (layer * S + slot[:, None]) * R + p % R
+        ring_row = (layer * S + slot[:, None]) * R + im.rem(p, R)
         buf_row = jnp.arange(B, dtype=jnp.int32)[:, None] * N + p
         source = jnp.where(in_ring, RING, HOT).astype(jnp.int32)
         row = jnp.where(in_ring, ring_row, buf_row).astype(jnp.int32)
@@ -466,13 +467,13 @@ class OffloadCache(CacheBase):
         cache = self.replace(**self._truncate_common(slot, length, mtp_length))
         c = cache.committed()[slot]
         old = self.host_len[slot]
-        new = jnp.minimum(old, (c // P) * P)
-        k = new // P
+        new = jnp.minimum(old, im.div(c, P) * P)
+        k = im.div(new, P)
         reload = (c < old) & (c > new)  # the new end lies inside a page that was in host memory
         pool_page = self.page_table[slot, jnp.clip(k, 0, self.page_table.shape[1] - 1)]
         l = jnp.arange(L, dtype=jnp.int32)
         src = (jnp.maximum(pool_page, 0) * L + l) * P
-        dst = (l * S + slot) * R + (k * P) % R
+        dst = (l * S + slot) * R + im.rem(k * P, R)
         count = jnp.where(reload & (pool_page >= 0), P, 0) * jnp.ones((L,), jnp.int32)
         ring = ops.copy_blocks(self.ring, self.pool, src.astype(jnp.int32), dst.astype(jnp.int32),
                                count.astype(jnp.int32), block_size=P, impl=kernels)
@@ -490,13 +491,13 @@ class OffloadCache(CacheBase):
         page's pool page, each layer only up to its final rows (the MTP layer one position behind). ``host_len``
         does not move: the page is not complete, and the copyback rewrites it whole once it is."""
         S, L, P, R = self.num_slots, self.num_layers, self.page_rows, self.ring_rows
-        k = self.host_len[slot] // P
+        k = im.div(self.host_len[slot], P)
         pool_page = self.page_table[slot, jnp.clip(k, 0, self.page_table.shape[1] - 1)]
         l = jnp.arange(L, dtype=jnp.int32)
         final = jnp.where(l == L - 1, self.committed()[slot], self.sessions.lengths[slot]) \
             if self._holds_mtp_layer else jnp.full((L,), self.sessions.lengths[slot])
         count = jnp.where(pool_page >= 0, jnp.clip(final - k * P, 0, P), 0)
-        src = (l * S + slot) * R + (k * P) % R
+        src = (l * S + slot) * R + im.rem(k * P, R)
         dst = (jnp.maximum(pool_page, 0) * L + l) * P
         pool = ops.copy_blocks(self.pool, self.ring, src.astype(jnp.int32), dst.astype(jnp.int32),
                                count.astype(jnp.int32), block_size=P, impl=kernels)
@@ -523,7 +524,7 @@ class OffloadCache(CacheBase):
         pool pages, the rows of the partial page to the ring; ``host_len`` is the complete pages."""
         S, L, N, P, R = self.num_slots, self.num_layers, self.capacity, self.page_rows, self.ring_rows
         c = jnp.minimum(length, mtp_length) if self._has_mtp_layer else length
-        complete = c // P
+        complete = im.div(c, P)
         pages = N // P
         k = jnp.arange(pages, dtype=jnp.int32)[None, :]
         l = jnp.arange(L, dtype=jnp.int32)[:, None]
@@ -537,7 +538,7 @@ class OffloadCache(CacheBase):
         lr = jnp.arange(L, dtype=jnp.int32)
         partial = jnp.where(complete * P < N, P, 0)  # a full slot has no partial page
         ring = ops.copy_blocks(self.ring, flat, (lr * N + complete * P).astype(jnp.int32),
-                               ((lr * S + slot) * R + (complete * P) % R).astype(jnp.int32),
+                               ((lr * S + slot) * R + im.rem(complete * P, R)).astype(jnp.int32),
                                jnp.full((L,), partial, jnp.int32), block_size=P, impl=kernels)
         return self.replace(pool=pool, ring=ring, host_len=self.host_len.at[slot].set(complete * P))
 

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas import index_math as im
 from kernels_pallas.hot_gather import HOST, HOT, check_addressable
 
 MAP_NAMES = ("pin_round", "position_of_slot", "slot_of_position", "rounds", "clock", "counters")
@@ -425,7 +426,7 @@ def fill_round_reference(maps: dict, rounds: tuple, lane_slot: jax.Array, lane_a
         jnp.broadcast_to(this_round[..., None], (Lp, B, M)), mode="drop")
     clock = maps["clock"][l_b, s_b]
     if victim_keys is None:
-        slot_at = (clock[..., None] + jnp.arange(W, dtype=jnp.int32)) % H  # slots in circular order from the clock
+        slot_at = im.rem(clock[..., None] + jnp.arange(W, dtype=jnp.int32), H)  # circular order from the clock
     else:  # the policy's order; a round pins at most M slots, so the first W = M + F hold F unpinned ones
         slot_at = jnp.argsort(victim_keys, axis=-1, stable=True)[..., :W].astype(jnp.int32)
     free_at = jnp.take_along_axis(pin_round[l_b, s_b], slot_at, axis=2) != this_round[..., None]
@@ -458,7 +459,10 @@ def fill_round_reference(maps: dict, rounds: tuple, lane_slot: jax.Array, lane_a
         entry = jnp.where(do, entry_of_rank, 0)
         new_pos = jnp.where(do, pos[entry], N)
         old_pos = jnp.where(do, pos_of_slot[jnp.minimum(victim, H - 1)], -1)
-        new_clock = jnp.where(n_fill > 0, (victim_of_rank[jnp.maximum(n_fill - 1, 0)] + 1) % H, clock) if F else clock
+        new_clock = clock
+        if F:  # a round with no fills has no victims (static): nothing to index
+            last_victim = victim_of_rank[jnp.maximum(n_fill - 1, 0)]
+            new_clock = jnp.where(n_fill > 0, im.rem(last_victim + 1, H), clock)
         return victim, entry, new_pos, old_pos, new_clock, n_fill
 
     active = jnp.broadcast_to(lane_active[None, :], (Lp, B))

@@ -50,6 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import kv_formats
+from kernels_pallas.index_math import take_rows
 from kernels_pallas.kv_formats import KVFormat
 
 RING, HOT, HOST = 0, 1, 2
@@ -255,7 +256,7 @@ def hot_gather_reference(source: jax.Array, row: jax.Array, ring: dict, hot: dic
     _validate(source, row, ring, hot, host, block_rows, fmt, compiled=False)
     packed = {}
     for name in ring:
-        vals = [jnp.take(src[name], jnp.where(source == s, row, 0), axis=0)
+        vals = [take_rows(src[name], jnp.where(source == s, row, 0), axis=0)
                 for s, src in ((RING, ring), (HOT, hot), (HOST, host))]
         sel = source[:, None]
         packed[name] = jnp.where(sel == RING, vals[0], jnp.where(sel == HOT, vals[1], vals[2]))
