@@ -1282,8 +1282,10 @@ def wait_spinning(x) -> None:
     51 / 63 / 29 blocking, interleaved in one process, the same tokens/s (the probe's own loop, a true spin that
     kept the GIL). Until stop 54 this loop slept at each poll instead (see ``_poll_pause``): in the H100 runs of
     ``call_jitter_50k_mtp3_canary_h100_f31a144.json`` the reads waited ~78% of each step, yet the whole machine was
-    1.9% busy in user time, less than one polling core; with the pause that keeps the core, not yet measured on a
-    GPU.
+    1.9% busy in user time, less than one polling core. With the pause that keeps the core (stop 55) the machine's
+    user time is 4.8-5.0%, and the calls' p99 / median fell from 4.69 / 6.31 to 3.75 / 3.26 on an H100 host whose own
+    Python spread 5.8-11.4x from median to p99 (``call_jitter_50k_mtp3_poll_h100_24d90f4.json``). On an H200 host,
+    1.30 / 1.14 against 1.11 / 1.52 (``call_jitter_50k_mtp3_poll_h200_4bcd68d.json``): the host's spread decides.
 
     Each poll gives up the GIL but not the core (``_poll_pause``): a loop that kept the GIL would hand it to another
     Python thread only every switch interval (5 ms), and a step whose host callbacks need it
