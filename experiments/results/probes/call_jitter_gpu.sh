@@ -11,8 +11,8 @@ timeout $(( LIMIT - 30 )) python experiments/results/probes/call_jitter.py call_
 el done
 # Stop 46's second call, from dde4f65 on (the engine's reads poll on GPUs): PROBE_VARIANTS=blocking,spin PROBE_REPS=3
 # LIMIT=280, the JSON written after every run.
-# Stop 54 (for the next session): the engine's polls keep their core now (os.sched_yield) instead of sleeping at
-# each poll (time.sleep(0)); the two in one process, interleaved:
+# Stop 54, run in stop 55 at 24d90f4 (H100) and 4bcd68d (H200): the engine's polls keep their core now
+# (os.sched_yield) instead of sleeping at each poll (time.sleep(0)); the two in one process, interleaved:
 #   GLM53_GIT_REVISION=<rev> PROBE_VARIANTS=default,sleep_poll PROBE_REPS=2 TAG=poll LIMIT=370 \
 #     bash experiments/results/probes/call_jitter_gpu.sh
 # Stop 50 (no device lent; for the next session): whether the regimes of slow calls follow the dispatching thread
