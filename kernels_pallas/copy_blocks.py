@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.hot_gather import check_addressable
+from kernels_pallas.index_math import take_rows
 
 
 def _is_pow2(n: int) -> bool:
@@ -146,5 +147,5 @@ def copy_blocks_reference(dst: dict, src: dict, src_start: jax.Array, dst_start:
     src_row = jnp.where(do, src_start.astype(jnp.int32)[:, None] + r, 0).reshape(-1)
     dst_row = dst_start.astype(jnp.int32)[:, None] + r
     return {n: v.at[jnp.where(do, dst_row, v.shape[0]).reshape(-1)].set(
-                jnp.take(src[n], src_row, axis=0, mode="clip"), mode="drop")
+                take_rows(src[n], src_row, axis=0), mode="drop")
             for n, v in dst.items()}

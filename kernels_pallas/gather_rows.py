@@ -28,6 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import kv_formats
 from kernels_pallas.hot_gather import check_addressable
+from kernels_pallas.index_math import take_rows
 from kernels_pallas.kv_formats import KVFormat
 
 
@@ -189,7 +190,7 @@ def gather_rows_reference(
     block_rows: int = 16,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Pure-jnp ``gather_rows``: one ``jnp.take`` per plane of rows ``plane * N + position`` of the planes
+    """Pure-jnp ``gather_rows``: one ``take_rows`` per plane of rows ``plane * N + position`` of the planes
     flattened to ``[P * N, W]`` (a free reshape; taking each lane's plane first would copy whole planes), then
     ``kv_formats.unpack``."""
     del block_rows, interpret  # Same signature as the kernel.
@@ -197,5 +198,5 @@ def gather_rows_reference(
     _validate_planes(planes, plane_of_lane, positions, fmt, compiled=False)
     P, N = planes["latent"].shape[:2]
     flat_row = plane_of_lane.astype(jnp.int32)[:, None] * N + jnp.clip(positions.astype(jnp.int32), 0, N - 1)
-    rows = {k: jnp.take(v.reshape(P * N, v.shape[-1]), flat_row, axis=0, mode="clip") for k, v in planes.items()}
+    rows = {k: take_rows(v.reshape(P * N, v.shape[-1]), flat_row, axis=0) for k, v in planes.items()}
     return kv_formats.unpack(fmt, rows, out_dtype)
