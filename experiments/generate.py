@@ -1,5 +1,6 @@
 """Decode random prompts with a GLM-5 model and report the speeds (the main job of the framework).
 
+    python -m experiments.generate                 # configs/tiny.py: a tiny random model, seconds on a laptop CPU
     python -m experiments.generate --config=configs/tiny.py --config.run.prompt_len=500
     python -m experiments.generate --config=configs/h200_bench.py --config.run.output_json=experiments/results/x.json
 
@@ -41,7 +42,8 @@ from glm53 import distributed, offload, roofline
 from glm53.engine import check_sampling
 from glm53.provenance import provenance
 
-_CONFIG = cli.define_config(None, "experiment config (configs/*.py)", lock_config=True)
+_CONFIG = cli.define_config("configs/tiny.py", "experiment config (configs/*.py); the default, a tiny random model, "
+                            "runs on a laptop CPU in under a minute", lock_config=True)
 _ROOFLINE = flags.DEFINE_bool("roofline", True, "measure the HBM bandwidth and report the decode roofline")
 _ROUTING = flags.DEFINE_enum("routing", "auto", ["auto", "probe", "uniform"],
                              "routed experts for the roofline: auto (exact for one token per step, else probe), "

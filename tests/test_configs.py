@@ -82,15 +82,17 @@ def test_h200_bench_fits_one_h200():
     assert c.run.prompt_len == 8192 and c.cache.mode == "resident" and c.cache.kv_format == "q8g64"
 
 
-def _run_generate(*extra):
-    cmd = [sys.executable, "-m", "experiments.generate", "--config=configs/tiny.py", "--config.run.max_new_tokens=3",
+def _run_generate(*extra, config=("--config=configs/tiny.py",)):
+    cmd = [sys.executable, "-m", "experiments.generate", *config, "--config.run.max_new_tokens=3",
            "--config.run.prompt_len=20", "--config.run.batch=1", *extra]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def test_generate_entry_point_with_overrides(tmp_path):
+    """Without --config the main job runs the tiny config (a new user's first command: it once ended in an
+    AttributeError on a config of None)."""
     out = tmp_path / "res" / "run.json"
-    p = _run_generate(f"--config.run.output_json={out}")
+    p = _run_generate(f"--config.run.output_json={out}", config=())
     assert p.returncode == 0, p.stderr[-3000:]
     assert "1 x 20-token prompts, 3 new tokens" in p.stdout
     lines = [l for l in p.stdout.splitlines() if l.startswith("session 0: [")]
@@ -98,6 +100,7 @@ def test_generate_entry_point_with_overrides(tmp_path):
     assert "decode" in p.stdout and "tok/s" in p.stdout and "Model(" in p.stdout
     report = json.loads(out.read_text())
     assert report["config"]["run"]["prompt_len"] == 20 and report["config"]["run"]["max_new_tokens"] == 3
+    assert report["config"]["model"] == json.loads(json.dumps(get("tiny").model.to_dict()))
     assert len(report["git"]["commit"]) == 40 and isinstance(report["git"]["dirty"], bool)
     assert "--config.run.prompt_len=20" in report["command"] and "experiments" in report["command"]
     assert report["figures"]["run"]["decode_tokens_per_s"] > 0 and report["jax_version"]
