@@ -154,12 +154,14 @@ def _check_cache(config: ModelConfig, cache_config: CacheConfig | None) -> None:
 
 
 def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype="bfloat16",
-                cache_config: CacheConfig | None = None, expert_weights: str = "model", mesh=None) -> Model:
+                cache_config: CacheConfig | None = None, expert_weights: str = "model", mesh=None,
+                progress: bool | None = None) -> Model:
     """A randomly initialised model (normal(0, initializer_range) matrices, unit norms) for research/benchmarks.
     ``config``: a ``ModelConfig``, or a mapping/ConfigDict of its fields. ``expert_weights="fp8"`` keeps the MoE
     experts in FP8 with 128 x 128 block scales on the device (the same random values, quantised). ``mesh`` (a
     ``glm53.sharding.MeshConfig``, its dict, or a ``jax.sharding.Mesh``) places the parameters on a mesh by
-    ``glm53.sharding``'s rules; engines built on the model put their cache there."""
+    ``glm53.sharding``'s rules; engines built on the model put their cache there. ``progress``: a bar over the
+    weights filled (``glm53.progress``: by default once the fill has run 2 s)."""
     if not isinstance(config, ModelConfig):
         if hasattr(config, "to_dict"):
             config = config.to_dict()
@@ -167,7 +169,8 @@ def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype
     dtype = resolve_dtype(dtype)
     sharding.check_layout(config, mesh)
     _check_cache(config, cache_config)  # before the parameters: initialising a large model takes a while
-    model = Model(config, init_params(config, dtype, seed, expert_weights), dtype, cache_config=cache_config)
+    model = Model(config, init_params(config, dtype, seed, expert_weights, progress=progress), dtype,
+                  cache_config=cache_config)
     return sharding.shard_model(model, mesh)
 
 

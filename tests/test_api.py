@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tqdm
 
 import glm53
 from glm53 import CacheConfig, CheckpointError, ConfigError, ModelConfig
@@ -618,6 +619,33 @@ def test_progress_bars_appear_on_long_work_by_default(model, capsys, monkeypatch
     assert bars(progress=False) == (False, False)
     with pytest.raises(TypeError, match="progress must be True, False or None"):
         glm53.generate(model, [P1], max_new_tokens=2, progress="yes")
+
+
+def test_random_weights_show_progress_and_equal_themselves_without(capsys, monkeypatch):
+    """from_config's fill of random weights: a bar over the bytes (the 8.9B benchmark model takes minutes on a CPU
+    and printed nothing until it was done) at once with progress=True, after DELAY_S by default, never with False;
+    the weights are the same either way."""
+    from glm53 import progress
+
+    def bar_of(**kw):
+        capsys.readouterr()
+        m = glm53.from_config(CFG, seed=0, dtype="float32", **kw)
+        return m, capsys.readouterr().err
+
+    monkeypatch.setattr(progress, "DELAY_S", 3600.0)
+    quiet, err = bar_of()
+    assert "random weights" not in err
+    shown, err = bar_of(progress=True)
+    total = glm53.params.nbytes(shown.params)
+    assert "random weights" in err and "100%" in err
+    size = tqdm.tqdm.format_sizeof(total, divisor=1024)  # the bar's total is the weights' bytes, all filled
+    assert f"{size}/{size}" in err, err
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    assert "random weights" in bar_of()[1] and "random weights" not in bar_of(progress=False)[1]
+    for a, b in zip(jax.tree_util.tree_leaves(quiet.params), jax.tree_util.tree_leaves(shown.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(TypeError, match="progress must be True, False or None"):
+        glm53.from_config(CFG, dtype="float32", progress="yes")
 
 
 def test_compiler_options_are_checked_up_front(model):
