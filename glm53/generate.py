@@ -65,10 +65,17 @@ class GenerateResult:
 
 
 def _prompt_list(prompts) -> list:
-    if isinstance(prompts, (str, np.ndarray)) or (isinstance(prompts, Sequence) and prompts
-                                                   and isinstance(prompts[0], (int, np.integer))):
-        raise TypeError("prompts must be a list of prompts (each a list of token ids, an array or a string); "
-                        "wrap a single prompt in a list")
+    """``prompts`` as a list of prompts: a sequence of them, or a 2-D array (``[batch, tokens]``, numpy or JAX) of
+    equal-length ones, row by row."""
+    if hasattr(prompts, "ndim") and hasattr(prompts, "shape") and prompts.ndim == 2:
+        return list(np.asarray(prompts))
+    if isinstance(prompts, str) or hasattr(prompts, "ndim") or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer))):
+        raise TypeError("prompts must be a list of prompts (each a list of token ids, an array or a string) or a "
+                        "2-D array of them; wrap a single prompt in a list")
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a list of prompts (each a list of token ids, an array or a string) or a "
+                        f"2-D array of them, got {type(prompts).__name__}")
     if len(prompts) == 0:
         raise ValueError("prompts is empty: give at least one prompt")
     return list(prompts)
@@ -83,7 +90,7 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     """Decode ``max_new_tokens`` tokens after each prompt.
 
     ``prompts``: a list of prompts, each a list of token ids, an array, or a string when the model has a tokenizer;
-    lengths may differ. ``cache``: "resident", "offload" or a ``CacheConfig``. ``temperature == 0`` is greedy.
+    lengths may differ; or a 2-D array, one prompt a row. ``cache``: "resident", "offload" or a ``CacheConfig``. ``temperature == 0`` is greedy.
     ``mtp``: MTP speculative decoding depth (0-3). ``on_token(prompt_index, step, token_id)`` is called for every
     generated token. ``stop_tokens`` defaults to the model's eos ids; a session stops at the first one (included).
     ``keep_cache=True`` keeps the engine (``result.engine``) with the sessions open. ``compiler_options``: XLA options

@@ -229,6 +229,14 @@ def test_token_ids_outside_vocab(model, bad_id):
         model.forward([bad_id])
 
 
+def test_a_2d_array_of_prompts_is_a_batch_of_rows(model):
+    """A [batch, tokens] array (numpy or JAX) is that many prompts, as the same rows in a list are."""
+    rows = np.array([P1, P1[::-1]], np.int32)
+    want = glm53.generate(model, [list(r) for r in rows], max_new_tokens=2).tokens
+    assert glm53.generate(model, rows, max_new_tokens=2).tokens == want
+    assert glm53.generate(model, jnp.asarray(rows), max_new_tokens=2).tokens == want
+
+
 def test_prompt_errors(model):
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         glm53.generate(model, [[1, 2], []], max_new_tokens=2)
@@ -236,6 +244,12 @@ def test_prompt_errors(model):
         glm53.generate(model, [], max_new_tokens=2)
     with pytest.raises(TypeError, match="list of prompts"):
         glm53.generate(model, [1, 2, 3], max_new_tokens=2)
+    for one in (np.array(P1), jnp.array(P1), "w1 w2"):  # one prompt, not wrapped
+        with pytest.raises(TypeError, match="wrap a single prompt in a list"):
+            glm53.generate(model, one, max_new_tokens=2)
+    for bad in (5, None, {0: P1}):  # not prompts at all: named, not a len() error
+        with pytest.raises(TypeError, match=f"list of prompts .* got {type(bad).__name__}"):
+            glm53.generate(model, bad, max_new_tokens=2)
     with pytest.raises(TypeError, match="integer token ids"):
         glm53.generate(model, [[1.5, 2.0]], max_new_tokens=2)
     with pytest.raises(ValueError, match="max_position_embeddings=64"):
