@@ -611,6 +611,9 @@ def read_native(directory: str, dtype=None, check_config=None
     cfg, saved_dtype, expert_weights, cache_config = read_native_config(directory)
     if check_config is not None:
         check_config(cfg)
+    from glm53 import memory  # here: memory imports the cache modules, which reading a checkpoint does not need
+
+    memory.check_weights_fit(cfg, saved_dtype, expert_weights, jax.local_devices()[0], f"loading {directory}")
     tokenizer = _read_tokenizer(os.path.join(directory, "tokenizer.json"), cfg, NATIVE_META)
     dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev),

@@ -37,6 +37,53 @@ def device_memory() -> dict:
     return out
 
 
+def free_bytes(device) -> int | None:
+    """What ``device`` can still allocate: its allocator's limit less what is in use (GPUs), or on a CPU the host's
+    available memory (``MemAvailable`` of /proc/meminfo, which counts reclaimable page cache); None where neither
+    is known."""
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    if device.platform == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+    return None
+
+
+def check_weights_fit(cfg: ModelConfig, dtype, expert_weights: str, device, what: str) -> None:
+    """Refuse weights that cannot fit on ``device`` (where they are made or read before any mesh placement) before
+    the first one is: an 8.9B-parameter benchmark config on a laptop, or GLM-5 on one GPU, otherwise ran until the
+    allocator or the kernel's OOM killer stopped the process, minutes in and without a word on why. The figure is
+    the peak: random FP8 experts are drawn in the model's dtype and then quantised, both copies alive at once."""
+    from glm53 import params as params_lib
+
+    def total(shapes) -> int:
+        import jax
+        return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(shapes))
+
+    need = total(params_lib.param_shapes(cfg, dtype, expert_weights))
+    if what == "random weights" and expert_weights == "fp8":
+        need += total(params_lib.param_shapes(cfg, dtype))
+    free = free_bytes(device)
+    if free is not None and need > free:
+        n = cfg.param_count()
+        count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+        raise ConfigError(
+            f"{what}: {count} parameters need {_size(need)} on {device.platform}:{device.id} "
+            f"({np.dtype(params_lib.resolve_dtype(dtype)).name}, experts {expert_weights}), which has "
+            f"{_size(free)} free; use a smaller config (configs/tiny.py runs on a laptop CPU) or a device with room "
+            "(a mesh places the weights after they are made on one device)")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def engine_cache_config(cfg: ModelConfig, cc: CacheConfig, capacity: int) -> CacheConfig:
     """``cc`` as an engine of ``capacity`` rows per slot runs it: offload's ``hot_rows`` cut to what a slot can fill
     (``glm53.offload.hot_rows_for``), so the bytes counted here are the ones the engine allocates."""

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm53 import checkpoint, offload, sharding
+from glm53 import checkpoint, memory, offload, sharding
 from glm53.config import CacheConfig, ConfigError, ModelConfig
 from glm53.engine import Engine
 from glm53.model import GLM5
@@ -147,6 +147,15 @@ class Model:
 # ----------------------------------------------------------------------------------------------------------------
 # Constructors
 # ----------------------------------------------------------------------------------------------------------------
+def _default_device():
+    """Where weights are made or read before any mesh placement: JAX's default device (this process's first, in a
+    run of several processes, unless ``jax_default_device`` says otherwise)."""
+    device = jax.config.jax_default_device
+    if isinstance(device, str):  # a platform's name
+        return jax.local_devices(backend=device)[0]
+    return device if device is not None else jax.local_devices()[0]
+
+
 def _check_cache(config: ModelConfig, cache_config: CacheConfig | None) -> None:
     """What ``Model`` refuses of a cache config, checked before any weight is read or initialised."""
     if cache_config is not None and cache_config.mode == "offload":
@@ -169,6 +178,7 @@ def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype
     dtype = resolve_dtype(dtype)
     sharding.check_layout(config, mesh)
     _check_cache(config, cache_config)  # before the parameters: initialising a large model takes a while
+    memory.check_weights_fit(config, dtype, expert_weights, _default_device(), "random weights")
     model = Model(config, init_params(config, dtype, seed, expert_weights, progress=progress), dtype,
                   cache_config=cache_config)
     return sharding.shard_model(model, mesh)
@@ -199,6 +209,7 @@ def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None
         hf_config = dataclasses.replace(hf_config, num_nextn_predict_layers=0)
     sharding.check_layout(hf_config, mesh)
     _check_cache(hf_config, cache_config)
+    memory.check_weights_fit(hf_config, dtype, expert_weights, _default_device(), f"loading {path}")
     cfg, params, tokenizer = checkpoint.read_hf(path, dtype, expert_weights, mtp=mtp, progress=progress)
     return sharding.shard_model(Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer), mesh)
 

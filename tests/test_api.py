@@ -389,6 +389,29 @@ def _rewrite(path, edit):
     save_file(tensors, f, metadata={"format": "pt"})
 
 
+def test_a_checkpoint_that_cannot_fit_is_refused_before_its_first_tensor(ckpt, monkeypatch):
+    """from_pretrained counts the weights from config.json (and load from glm53.json) against the device's free
+    memory before reading any."""
+    from glm53 import memory
+
+    def no_read(*a, **k):
+        raise AssertionError("a tensor was read")
+
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 1024)
+    with monkeypatch.context() as m:
+        m.setattr(glm53.checkpoint, "read_hf", no_read)
+        with pytest.raises(ConfigError, match=rf"loading {ckpt}: .*M parameters need .* MiB on cpu:0 \(float32, "
+                                              r"experts model\), which has 0\.0 MiB free"):
+            glm53.from_pretrained(str(ckpt), dtype="float32")
+    monkeypatch.setattr(memory, "free_bytes", lambda device: None)
+    model = glm53.from_pretrained(str(ckpt), dtype="float32")
+    assert model.config.num_hidden_layers == 2
+    model.save(str(ckpt / "native"))  # a native save too, before orbax reads any array
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 1024)
+    with pytest.raises(ConfigError, match=rf"loading {ckpt / 'native'}: .* which has 0\.0 MiB free"):
+        glm53.load(str(ckpt / "native"))
+
+
 def test_valid_checkpoint_loads_with_tokenizer(ckpt):
     _word_tokenizer(ckpt / "tokenizer.json")
     m = glm53.from_pretrained(str(ckpt), dtype="float32", kv_format="f32")

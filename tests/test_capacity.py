@@ -150,3 +150,45 @@ def test_capacity_refuses_a_layout_it_cannot_plan_in_one_line():
                            cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
         assert what in p.stderr.strip().splitlines()[-1], p.stderr[-1000:]
+
+
+def test_free_bytes_of_a_cpu_is_the_hosts_available_memory():
+    """On the CPU (no allocator statistics) what a device can take is the host's available memory."""
+    meminfo = dict(line.split(":", 1) for line in pathlib.Path("/proc/meminfo").read_text().splitlines())
+    available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    got = memory.free_bytes(jax.devices("cpu")[0])
+    assert got is not None and abs(got - available) < 512 << 20  # the page cache moves between the two reads
+
+
+def test_weights_that_cannot_fit_are_refused_before_the_first_is_made(monkeypatch):
+    """Random weights larger than the device's free memory: one ConfigError naming both sizes, before any
+    parameter exists (it ran until the allocator or the OOM killer stopped the process; a checkpoint's: test_api).
+    Weights that fit, or a device that reports nothing, go ahead; random FP8 experts count both copies the
+    quantisation holds."""
+    from glm53 import params as params_lib
+
+    def no_weights(*a, **k):
+        raise AssertionError("parameters were initialised")
+
+    need = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree_util.tree_leaves(params_lib.param_shapes(CFG, "float32")))
+    monkeypatch.setattr(memory, "free_bytes", lambda device: need - 1)
+    with monkeypatch.context() as m:
+        m.setattr(glm53.models, "init_params", no_weights)
+        mib = f"{need / 2**20:.1f}".replace(".", r"\.")
+        below = f"{(need - 1) / 2**20:.1f}".replace(".", r"\.")
+        with pytest.raises(glm53.ConfigError, match=rf"random weights: {CFG.param_count() / 1e6:.1f}M parameters "
+                                                    rf"need {mib} MiB on cpu:0 \(float32, experts model\), which "
+                                                    rf"has {below} MiB free; use a smaller config"):
+            glm53.from_config(CFG, dtype="float32")
+    monkeypatch.setattr(memory, "free_bytes", lambda device: need)
+    assert glm53.from_config(CFG, dtype="float32").config == CFG
+    monkeypatch.setattr(memory, "free_bytes", lambda device: None)
+    assert glm53.from_config(CFG, dtype="float32").config == CFG
+    fp8 = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+              for x in jax.tree_util.tree_leaves(params_lib.param_shapes(CFG, "bfloat16", "fp8")))
+    bf16 = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree_util.tree_leaves(params_lib.param_shapes(CFG, "bfloat16")))
+    monkeypatch.setattr(memory, "free_bytes", lambda device: fp8 + bf16 - 1)
+    with pytest.raises(glm53.ConfigError, match="experts fp8"):
+        glm53.from_config(CFG, dtype="bfloat16", expert_weights="fp8")
