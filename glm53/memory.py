@@ -55,11 +55,13 @@ def free_bytes(device) -> int | None:
     return None
 
 
-def check_weights_fit(cfg: ModelConfig, dtype, expert_weights: str, device, what: str) -> None:
+def check_weights_fit(cfg: ModelConfig, dtype, expert_weights: str, device, what: str, *,
+                      quantised_whole: bool = False) -> None:
     """Refuse weights that cannot fit on ``device`` (where they are made or read before any mesh placement) before
     the first one is: an 8.9B-parameter benchmark config on a laptop, or GLM-5 on one GPU, otherwise ran until the
     allocator or the kernel's OOM killer stopped the process, minutes in and without a word on why. The figure is
-    the peak: random FP8 experts are drawn in the model's dtype and then quantised, both copies alive at once."""
+    the peak: ``quantised_whole`` (random FP8 experts, drawn in the model's dtype and then quantised all at once)
+    counts both copies."""
     from glm53 import params as params_lib
 
     def total(shapes) -> int:
@@ -67,7 +69,7 @@ def check_weights_fit(cfg: ModelConfig, dtype, expert_weights: str, device, what
         return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(shapes))
 
     need = total(params_lib.param_shapes(cfg, dtype, expert_weights))
-    if what == "random weights" and expert_weights == "fp8":
+    if quantised_whole and expert_weights == "fp8":
         need += total(params_lib.param_shapes(cfg, dtype))
     free = free_bytes(device)
     if free is not None and need > free:

@@ -178,7 +178,7 @@ def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype
     dtype = resolve_dtype(dtype)
     sharding.check_layout(config, mesh)
     _check_cache(config, cache_config)  # before the parameters: initialising a large model takes a while
-    memory.check_weights_fit(config, dtype, expert_weights, _default_device(), "random weights")
+    memory.check_weights_fit(config, dtype, expert_weights, _default_device(), "random weights", quantised_whole=True)
     model = Model(config, init_params(config, dtype, seed, expert_weights, progress=progress), dtype,
                   cache_config=cache_config)
     return sharding.shard_model(model, mesh)
