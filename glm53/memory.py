@@ -45,13 +45,46 @@ def free_bytes(device) -> int | None:
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     if device.platform == "cpu":
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            return None
+        return host_available_bytes()
+    return None
+
+
+def host_available_bytes() -> int | None:
+    """The host's available memory (``MemAvailable`` of /proc/meminfo: free plus reclaimable page cache); None
+    where the kernel does not say (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def free_memory_problem(need: dict, host_pool: int, devices, *, free_of=None, host_free=None) -> str | None:
+    """Why an engine's cache cannot fit in what ``devices`` have free, or None. ``need``: one device's share
+    (``Engine._device_need``: ``cache``, ``transient``, ``step_buffers``; the parameters are already allocated);
+    ``host_pool``: offload's host pool bytes, all copies. Each accelerator must hold one share (``free_of``, default
+    ``free_bytes``). CPU devices share the host's memory (``host_free``, default ``host_available_bytes``), so all of
+    their shares must fit in it together with the host pool, which lives there on every platform. Unknown free
+    memory is not checked."""
+    free_of = free_of or free_bytes
+    host_free = host_free or host_available_bytes
+    share = need["cache"] + need["transient"] + need["step_buffers"]
+    parts = (f"cache {need['cache']:,} bytes, transient {need['transient']:,}, step buffers "
+             f"{need['step_buffers']:,}")
+    for d in devices:
+        free = free_of(d) if d.platform != "cpu" else None
+        if free is not None and share > free:
+            return (f"the engine's cache needs {size_text(share)} on {d.platform}:{d.id} ({parts}), which has "
+                    f"{size_text(free)} free")
+    cpus = sum(d.platform == "cpu" for d in devices)
+    host = share * cpus + host_pool
+    free = host_free() if host else None
+    if free is not None and host > free:
+        return (f"the engine needs {size_text(host)} of host memory ({cpus} CPU device(s) x {share:,} bytes: "
+                f"{parts}; host pool {host_pool:,} bytes), which has {size_text(free)} available")
     return None
 
 
@@ -76,13 +109,14 @@ def check_weights_fit(cfg: ModelConfig, dtype, expert_weights: str, device, what
         n = cfg.param_count()
         count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
         raise ConfigError(
-            f"{what}: {count} parameters need {_size(need)} on {device.platform}:{device.id} "
+            f"{what}: {count} parameters need {size_text(need)} on {device.platform}:{device.id} "
             f"({np.dtype(params_lib.resolve_dtype(dtype)).name}, experts {expert_weights}), which has "
-            f"{_size(free)} free; use a smaller config (configs/tiny.py runs on a laptop CPU) or a device with room "
+            f"{size_text(free)} free; use a smaller config (configs/tiny.py runs on a laptop CPU) or a device with room "
             "(a mesh places the weights after they are made on one device)")
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """Bytes as people read them: ``1.5 GiB``, ``12.0 MiB``."""
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 

@@ -192,3 +192,43 @@ def test_weights_that_cannot_fit_are_refused_before_the_first_is_made(monkeypatc
     monkeypatch.setattr(memory, "free_bytes", lambda device: fp8 + bf16 - 1)
     with pytest.raises(glm53.ConfigError, match="experts fp8"):
         glm53.from_config(CFG, dtype="bfloat16", expert_weights="fp8")
+
+
+def test_free_memory_problem_per_accelerator_and_for_the_shared_host():
+    """An accelerator must hold one device's share; CPU devices and the host pool share the host's memory; memory
+    that is not known is not checked."""
+    from types import SimpleNamespace as NS
+
+    need = {"cache": 600, "transient": 300, "step_buffers": 100}  # a share of 1,000 bytes
+    gpus = [NS(platform="gpu", id=0), NS(platform="gpu", id=1)]
+    room = {0: 1000, 1: 999}
+    got = memory.free_memory_problem(need, 0, gpus, free_of=lambda d: room[d.id], host_free=lambda: 1 << 40)
+    assert got.startswith("the engine's cache needs 0.0 MiB on gpu:1 (cache 600 bytes, transient 300, step buffers "
+                          "100), which has 0.0 MiB free"), got
+    room[1] = 1000
+    assert memory.free_memory_problem(need, 0, gpus, free_of=lambda d: room[d.id], host_free=lambda: 0) is None
+    # the host pool lives in host memory on every platform
+    assert "host pool 5 bytes" in memory.free_memory_problem(need, 5, gpus, free_of=lambda d: room[d.id],
+                                                             host_free=lambda: 4)
+    assert memory.free_memory_problem(need, 0, gpus, free_of=lambda d: None, host_free=lambda: None) is None
+    cpus = [NS(platform="cpu", id=i) for i in range(4)]
+    assert memory.free_memory_problem(need, 24, cpus, host_free=lambda: 4024) is None
+    got = memory.free_memory_problem(need, 25, cpus, host_free=lambda: 4024)
+    assert "4 CPU device(s) x 1,000 bytes" in got and "host pool 25 bytes" in got, got
+
+
+@pytest.mark.parametrize("mode", ["resident", "offload"])
+def test_an_engine_that_cannot_fit_is_refused_before_it_allocates(mode, monkeypatch):
+    """A cache larger than the host's available memory (on a CPU the devices' and the pool's): AdmissionError naming
+    the sizes, before any cache array exists (a 64-slot 1M-row cache ran into the OOM killer)."""
+    model = glm53.from_config(CFG, seed=0, dtype="float32")
+    cc = CacheConfig(mode=mode, kv_format="q8g64", prefill_chunk=16, copyback_every=16, hot_rows=64, max_len=300)
+    built = glm53.Engine(model, cc, max_sessions=2)
+    needed = sum(sum(p.values()) for p in memory.cache_bytes(CFG, built.cache_config, 2, built.capacity,
+                                                              built.alloc_pages, model.dtype).values())
+    del built
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: needed - 1)
+    monkeypatch.setattr(glm53.Engine, "_build", lambda self: pytest.fail("the cache was allocated"))
+    with pytest.raises(glm53.AdmissionError, match=r"needs .* of host memory \(1 CPU device\(s\) x .* which has "
+                                                   r".* available; lower max_sessions.*Nothing was allocated"):
+        glm53.Engine(model, cc, max_sessions=2)
