@@ -91,11 +91,12 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
 
     ``prompts``: a list of prompts, each a list of token ids, an array, or a string when the model has a tokenizer;
     lengths may differ; or a 2-D array, one prompt a row. ``cache``: "resident", "offload" or a ``CacheConfig``.
-    ``temperature == 0`` is greedy. ``mtp``: MTP speculative decoding depth (0-3). ``on_token(prompt_index, step, token_id)`` is called for every
-    generated token. ``stop_tokens`` defaults to the model's eos ids; a session stops at the first one (included).
-    ``keep_cache=True`` keeps the engine (``result.engine``) with the sessions open. ``compiler_options``: XLA options
-    for the engine's steps (``Engine``). ``progress``: bars over the prefills and the decode (True: at once; the
-    default None: once a part has run 2 s, ``glm53.progress``; False: none).
+    ``temperature == 0`` is greedy. ``mtp``: MTP speculative decoding depth (0-3). ``on_token(prompt_index, step,
+    token_id)`` is called for every generated token. ``stop_tokens`` defaults to the model's eos ids; a session
+    stops at the first one (included). ``keep_cache=True`` keeps the engine (``result.engine``) with the sessions
+    open. ``compiler_options``: XLA options for the engine's steps (``Engine``). ``progress``: bars over the
+    prefills and the decode (True: at once; the default None: once a part has run 2 s, ``glm53.progress``; False:
+    none).
 
     Benchmarks only: ``selection_override(step, positions) -> [B, K]`` replaces the DSA selection of decode steps
     (the indexer still runs, so the cost of a step is unchanged; a ``jax.Array`` result is used without host

@@ -111,8 +111,8 @@ def check_weights_fit(cfg: ModelConfig, dtype, expert_weights: str, device, what
         raise ConfigError(
             f"{what}: {count} parameters need {size_text(need)} on {device.platform}:{device.id} "
             f"({np.dtype(params_lib.resolve_dtype(dtype)).name}, experts {expert_weights}), which has "
-            f"{size_text(free)} free; use a smaller config (configs/tiny.py runs on a laptop CPU) or a device with room "
-            "(a mesh places the weights after they are made on one device)")
+            f"{size_text(free)} free; use a smaller config (configs/tiny.py runs on a laptop CPU) or a device with "
+            "room (a mesh places the weights after they are made on one device)")
 
 
 def size_text(n: int) -> str:
