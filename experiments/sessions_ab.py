@@ -44,7 +44,7 @@ import time
 
 import jax
 import numpy as np
-from absl import flags
+from absl import app, flags
 
 import glm53
 import glm53.roofline
@@ -139,11 +139,18 @@ def main(_):
         "experiments.sessions_ab reads config.model, seed, dtype, run.{prompt_len,max_new_tokens,seed} and cache but "
         "its mode (both run) and max_len (from the run's lengths); sessions come from --sessions, MTP from --mtp "
         "(drafts forced), the output from --out, decoding is greedy, and it runs on one device")
-    cc = glm53.CacheConfig.from_config_dict(c.cache)
-    model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
     depths = [int(d) for d in FLAGS.mtp]
     S, new = FLAGS.sessions, c.run.max_new_tokens
     max_len = c.run.prompt_len + FLAGS.suffix + max(new, FLAGS.append + FLAGS.check_tokens) + max(depths) + 64
+    positions = cli.model_config(c).max_position_embeddings
+    if max_len > positions:  # before the model: the engine refused it with a traceback after building it
+        raise app.UsageError(
+            f"a session needs {max_len:,} positions (prompt {c.run.prompt_len:,} + suffix {FLAGS.suffix} + the "
+            f"larger of {new} new tokens and --append={FLAGS.append} + --check_tokens={FLAGS.check_tokens}, + MTP "
+            f"{max(depths)} + 64 spare) but the model has max_position_embeddings={positions:,}: lower --append (0 "
+            "skips it), --config.run.prompt_len or --config.run.max_new_tokens")
+    cc = glm53.CacheConfig.from_config_dict(c.cache)
+    model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
     K = min(model.config.index_topk, max_len)
     history = c.run.prompt_len
     for w in FLAGS.workload:

@@ -266,7 +266,7 @@ def run_mode(model, mode: str, sessions: list, histories: list, results: dict, b
     cli.check_checkpoint(c, reads_checkpoint=False)
     cfg = model.config
     mtp = FLAGS.mtp
-    extra = FLAGS.suffix + max(FLAGS.new_tokens, FLAGS.warmup_tokens, 3, FLAGS.probe_tokens) + mtp + 8
+    extra = FLAGS.suffix + max(FLAGS.new_tokens, FLAGS.warmup_tokens, 3, FLAGS.probe_tokens) + mtp + 8  # as main's
     cc = glm53.CacheConfig.from_config_dict(c.cache).replace(mode=mode, max_len=max(histories) + extra)
     p = plan(model, cc, sessions, max(histories), extra)
     results["plans"][mode] = p
@@ -466,6 +466,13 @@ def main(_):
     if bad or not sessions or min(sessions) < 1 or not histories or FLAGS.new_tokens < 2:
         raise app.UsageError(f"--modes must be among {glm53.config.CACHE_MODES} (got {bad}); --sessions and "
                              "--histories non-empty and >= 1; --new_tokens >= 2")
+    extra = FLAGS.suffix + max(FLAGS.new_tokens, FLAGS.warmup_tokens, 3, FLAGS.probe_tokens) + FLAGS.mtp + 8
+    positions = cli.model_config(c).max_position_embeddings
+    if max(histories) + extra > positions:  # before the model: the engine refused it with a traceback after it
+        raise app.UsageError(
+            f"--histories={','.join(FLAGS.histories)}: a session of the longest needs {max(histories) + extra:,} "
+            f"positions (with the suffix, tokens and MTP drafts) but the model has max_position_embeddings="
+            f"{positions:,}: pass histories up to {positions - extra:,}")
     if FLAGS.routing == "probe":
         try:  # before any run: a probe that cannot run would leave every roofline on the uniform expectation
             roofline.check_routing_probe_runs()

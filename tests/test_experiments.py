@@ -829,6 +829,22 @@ def test_sessions_1m_times_its_decode_without_a_progress_bar(tmp_path):
     assert "/10 [" not in p.stderr, p.stderr[-2000:]  # none for the timed 2 x 5
 
 
+@pytest.mark.parametrize("module,message", [
+    ("experiments.sessions_ab", "a session needs 4,387 positions (prompt 200 + suffix 16 + the larger of 24 new "
+                                "tokens and --append=4096 + --check_tokens=8, + MTP 3 + 64 spare) but the model has "
+                                "max_position_embeddings=4,096: lower --append (0 skips it)"),
+    ("experiments.throughput", "--histories=8192,50000: a session of the longest needs 50,088 positions (with the "
+                               "suffix, tokens and MTP drafts) but the model has max_position_embeddings=4,096: pass "
+                               "histories up to 4,008")])
+def test_entry_points_refuse_sessions_longer_than_the_model_before_building_it(module, message):
+    """configs/tiny.py (4,096 positions) with the GPU configs' default lengths: one line naming the flags, before
+    the model is built (the engine's own ConfigError came as a traceback after the weights were drawn)."""
+    p = subprocess.run([sys.executable, "-m", module, "--config=configs/tiny.py"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert message in p.stderr and "random weights" not in p.stderr and "Model(" not in p.stdout, p.stderr[-2000:]
+
+
 @pytest.mark.parametrize("flag,message", [
     ("--large_capacity=1048576", "--large_capacity=1048576 exceeds the model's max_position_embeddings=4096"),
     ("--large_capacity=64", "--large_capacity=64 is not larger than the run's own capacity")])
