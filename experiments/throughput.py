@@ -466,6 +466,11 @@ def main(_):
     if bad or not sessions or min(sessions) < 1 or not histories or FLAGS.new_tokens < 2:
         raise app.UsageError(f"--modes must be among {glm53.config.CACHE_MODES} (got {bad}); --sessions and "
                              "--histories non-empty and >= 1; --new_tokens >= 2")
+    if FLAGS.routing == "probe":
+        try:  # before any run: a probe that cannot run would leave every roofline on the uniform expectation
+            roofline.check_routing_probe_runs()
+        except RuntimeError as err:
+            raise app.UsageError(f"--routing=probe: {err}; or pass --routing=uniform") from err
     extra = FLAGS.suffix + max(FLAGS.new_tokens, FLAGS.warmup_tokens, 3, FLAGS.probe_tokens) + FLAGS.mtp + 8
     positions = cli.model_config(c).max_position_embeddings
     if max(histories) + extra > positions:  # before the model: the engine refused it with a traceback after it
@@ -473,11 +478,6 @@ def main(_):
             f"--histories={','.join(FLAGS.histories)}: a session of the longest needs {max(histories) + extra:,} "
             f"positions (with the suffix, tokens and MTP drafts) but the model has max_position_embeddings="
             f"{positions:,}: pass histories up to {positions - extra:,}")
-    if FLAGS.routing == "probe":
-        try:  # before any run: a probe that cannot run would leave every roofline on the uniform expectation
-            roofline.check_routing_probe_runs()
-        except RuntimeError as err:
-            raise app.UsageError(f"--routing=probe: {err}; or pass --routing=uniform") from err
     cc = glm53.CacheConfig.from_config_dict(c.cache)
     t = time.perf_counter()
     model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
