@@ -480,7 +480,7 @@ class Engine:
                 f"parameters {need['params']:,}, largest transient buffer {need['transient']:,}, step buffers "
                 f"{need['step_buffers']:,}; lower "
                 "max_sessions, cache.max_len or (offload) cache.hot_rows")
-        self._check_free_memory(need)
+        self._check_free_memory(need, mesh)
         self.device_budget_bytes = device_budget_bytes
         self.host_budget_bytes = host_budget_bytes
         self.cache = self._build()
@@ -526,22 +526,20 @@ class Engine:
         cache = sum(parts["device"].values())
         params = self._params_bytes()
         rings = self.step_buffers_bound()
+        # offload's host pool, every copy (one per tensor-parallel device); pipeline stages' pools are not counted
+        pool = (sum(parts["host"].values()) * (1 if self.mesh is None else int(self.mesh.shape["tp"]))
+                if self.offload and self.pipeline is None else 0)
         return {"cache": cache, "params": params, "transient": self.transient_bytes(), "step_buffers": rings,
-                "total": cache + params + self.transient_bytes() + rings}
+                "total": cache + params + self.transient_bytes() + rings, "host_pool": pool}
 
-    def _check_free_memory(self, need: dict) -> None:
+    def _check_free_memory(self, need: dict, mesh) -> None:
         """Refuse, before anything is allocated, an engine whose cache cannot fit in what its devices have free
         (``memory.free_memory_problem``), budget or not: a cache of many long slots otherwise failed in the
-        allocator midway through the build on a GPU, or ran into the OOM killer on a CPU."""
-        mesh = self.mesh if self.mesh is not None else getattr(self.pipeline, "mesh", None)
+        allocator midway through the build on a GPU, or ran into the OOM killer on a CPU. ``mesh``: the engine's
+        or its pipeline's (None: one device)."""
         devices = ([d for d in mesh.devices.flat if d.process_index == jax.process_index()] if mesh is not None
                    else sorted(jax.tree_util.tree_leaves(self.model.params)[0].sharding.device_set, key=str))
-        pool = 0  # pipeline stages' pools are not counted here
-        if self.offload and self.pipeline is None:
-            parts = memory.cache_bytes(self.cfg, self.cache_config, self.alloc_slots, self.capacity,
-                                       self.alloc_pages, self.model.dtype)
-            pool = sum(parts["host"].values()) * (1 if self.mesh is None else int(self.mesh.shape["tp"]))
-        problem = memory.free_memory_problem(need, pool, devices)
+        problem = memory.free_memory_problem(need, need["host_pool"], devices)
         if problem:
             fix = ("lower max_sessions, cache.max_len or cache.hot_rows, or host_budget_bytes" if self.offload
                    else "lower max_sessions or cache.max_len")

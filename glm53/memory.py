@@ -97,13 +97,9 @@ def check_weights_fit(cfg: ModelConfig, dtype, expert_weights: str, device, what
     counts both copies."""
     from glm53 import params as params_lib
 
-    def total(shapes) -> int:
-        import jax
-        return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(shapes))
-
-    need = total(params_lib.param_shapes(cfg, dtype, expert_weights))
+    need = params_lib.nbytes(params_lib.param_shapes(cfg, dtype, expert_weights))
     if quantised_whole and expert_weights == "fp8":
-        need += total(params_lib.param_shapes(cfg, dtype))
+        need += params_lib.nbytes(params_lib.param_shapes(cfg, dtype))
     free = free_bytes(device)
     if free is not None and need > free:
         n = cfg.param_count()

@@ -125,8 +125,7 @@ def init_params(cfg: ModelConfig, dtype, seed: int = 0, expert_weights: str = "m
     key = jax.random.key(seed)
     scale = np.float32(cfg.initializer_range)
     out = {}
-    total = sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in flat.values())
-    with progress_lib.bar(progress=progress, total=total, unit="B", unit_scale=True, unit_divisor=1024,
+    with progress_lib.bar(progress=progress, total=nbytes(flat), unit="B", unit_scale=True, unit_divisor=1024,
                           desc="random weights") as bar:
         for i, path in enumerate(sorted(flat)):
             s = flat[path]
@@ -138,7 +137,7 @@ def init_params(cfg: ModelConfig, dtype, seed: int = 0, expert_weights: str = "m
                 out[path] = _normal_leaf(key, np.int32(i), scale, shape=tuple(s.shape), dtype=jnp.dtype(s.dtype))
             if not bar.disable:  # the bar counts filled bytes, not dispatched ones
                 out[path].block_until_ready()
-            bar.update(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize)
+            bar.update(_leaf_bytes(s))
     params = unflatten_dict(out)
     return jax.jit(quantize_experts)(params) if expert_weights == "fp8" else params
 
@@ -148,4 +147,9 @@ def num_params(params) -> int:
 
 
 def nbytes(params) -> int:
-    return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(params))
+    """Bytes of a parameter tree: arrays, or ShapeDtypeStructs (counted before anything is allocated)."""
+    return sum(_leaf_bytes(x) for x in jax.tree_util.tree_leaves(params))
+
+
+def _leaf_bytes(x) -> int:
+    return int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
