@@ -152,6 +152,15 @@ def test_launch_fails_when_a_process_fails(tmp_path):
     assert p.returncode == 1 and "exit codes [0, 3]" in p.stdout
 
 
+def test_the_launcher_imports_no_jax():
+    """experiments.launch only starts processes: importing glm53 (JAX with it) cost 1.4 s of its 1.5 s start."""
+    p = subprocess.run([sys.executable, "-c", "import sys, experiments.launch; print(sorted({m.split('.')[0] for m in "
+                        "sys.modules} & {'jax', 'jaxlib', 'glm53', 'numpy'}))"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"
+
+
 def test_launch_refuses_to_start_no_process():
     """--processes=0 started nothing and reported success (exit status 0, "exit codes []")."""
     for flag in ("--processes=0", "--devices_per_process=-3"):
