@@ -303,8 +303,8 @@ def _hf_names(cfg: ModelConfig, paths) -> dict[tuple[str, ...], str]:
     return out
 
 
-def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True, progress: bool | None = None
-            ) -> tuple[ModelConfig, Any, Tokenizer | None]:
+def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True, progress: bool | None = None,
+            place=None) -> tuple[ModelConfig, Any, Tokenizer | None]:
     """Read an HF-format GLM-5 (``glm_moe_dsa``) directory: ``config.json`` plus ``model.safetensors`` or shards
     with ``model.safetensors.index.json``; per-expert tensor names (``mlp.experts.E.gate_proj.weight``) as published
     and as transformers' ``save_pretrained`` writes them, or fused ``mlp.experts.gate_up_proj``.
@@ -318,6 +318,10 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
     ``expert_weights="fp8"`` keeps MoE experts in FP8 on the device: an FP8 checkpoint's expert tensors and block
     scales as they are (not dequantised), other checkpoints' experts quantised after loading
     (``glm53.params.quantize_experts``).
+
+    ``place(path, array)``: where each parameter goes as soon as it is complete (``glm53.sharding.placer``: straight
+    onto its shards, so the device the tensors are read onto holds one of them, or one layer's expert stack, at a
+    time beside its share).
     """
     from glm53 import progress as progress_lib
 
@@ -356,6 +360,9 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
     experts: dict[tuple[str, ...], dict[int, jax.Array]] = {}
     fp8_experts: dict[tuple[str, ...], dict[int, tuple[jax.Array, jax.Array]]] = {}  # expert_weights="fp8"
 
+    def keep(path_, arr):
+        loaded[path_] = arr if place is None else place(path_, arr)
+
     def put(path_, arr, name, finite_checked=False):
         want = expected.get(path_)
         if want is None:
@@ -369,7 +376,7 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
             raise CheckpointError(f"tensor {name} appears twice in the checkpoint")
         if not finite_checked:
             _check_finite(arr, name)
-        loaded[path_] = arr.astype(want.dtype)
+        keep(path_, arr.astype(want.dtype))
 
     def expert(name, stack, e, t, raw_scale):
         """One expert's [out, in] weight, checked as it arrives (the stack it joins is built when all have)."""
@@ -391,8 +398,8 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
             parts[e] = (t.T, raw_scale.astype(jnp.float32).T)
             if len(parts) == E:
                 del fp8_experts[stack]
-                loaded[stack] = jnp.stack([parts[k][0] for k in range(E)])
-                loaded[stack[:-1] + (stack[-1] + "_scale",)] = jnp.stack([parts[k][1] for k in range(E)])
+                keep(stack, jnp.stack([parts[k][0] for k in range(E)]))
+                keep(stack[:-1] + (stack[-1] + "_scale",), jnp.stack([parts[k][1] for k in range(E)]))
         else:
             parts = experts.setdefault(stack, {})
             parts[e] = t.T

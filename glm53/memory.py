@@ -89,26 +89,60 @@ def free_memory_problem(need: dict, host_pool: int, devices, *, free_of=None, ho
 
 
 def check_weights_fit(cfg: ModelConfig, dtype, expert_weights: str, device, what: str, *,
-                      quantised_whole: bool = False) -> None:
-    """Refuse weights that cannot fit on ``device`` (where they are made or read before any mesh placement) before
-    the first one is: an 8.9B-parameter benchmark config on a laptop, or GLM-5 on one GPU, otherwise ran until the
-    allocator or the kernel's OOM killer stopped the process, minutes in and without a word on why. The figure is
-    the peak: ``quantised_whole`` (random FP8 experts, drawn in the model's dtype and then quantised all at once)
-    counts both copies."""
+                      quantised_whole: bool = False, mesh=None) -> None:
+    """Refuse weights that cannot fit where they are made or read (``weights_need``) before the first one is: an
+    8.9B-parameter benchmark config on a laptop, or GLM-5 on one GPU, otherwise ran until the allocator or the
+    kernel's OOM killer stopped the process, minutes in and without a word on why."""
     from glm53 import params as params_lib
+    from glm53 import sharding
 
-    need = params_lib.nbytes(params_lib.param_shapes(cfg, dtype, expert_weights))
-    if quantised_whole and expert_weights == "fp8":
-        need += params_lib.nbytes(params_lib.param_shapes(cfg, dtype))
-    free = free_bytes(device)
-    if free is not None and need > free:
-        n = cfg.param_count()
-        count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-        raise ConfigError(
-            f"{what}: {count} parameters need {size_text(need)} on {device.platform}:{device.id} "
-            f"({np.dtype(params_lib.resolve_dtype(dtype)).name}, experts {expert_weights}), which has "
-            f"{size_text(free)} free; use a smaller config (configs/tiny.py runs on a laptop CPU) or a device with "
-            "room (a mesh places the weights after they are made on one device)")
+    placed = sharding.placer(mesh) is not None
+    needs = weights_need(cfg, dtype, expert_weights, device, quantised_whole=quantised_whole, mesh=mesh)
+    # CPU devices are shares of the host's memory: theirs are counted together against it.
+    cpus = [(d, need) for d, need in needs if d.platform == "cpu"]
+    checks = [(need, free_bytes(d), f"{d.platform}:{d.id}") for d, need in needs if d.platform != "cpu"]
+    if len(cpus) == 1:
+        checks.append((cpus[0][1], free_bytes(cpus[0][0]), f"cpu:{cpus[0][0].id}"))
+    elif cpus:
+        checks.append((sum(n for _, n in cpus), host_available_bytes(), f"the host ({len(cpus)} CPU devices)"))
+    for need, free, where in checks:
+        if free is not None and need > free:
+            n = cfg.param_count()
+            count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+            if placed:
+                where = f"{where}, their shares of a {mesh.devices.size}-device mesh"
+            hint = ("a larger mesh" if placed else "a mesh (without pipeline stages each weight goes to its shards "
+                    "as it is made; with stages the weights are made on one device first)")
+            raise ConfigError(
+                f"{what}: {count} parameters need {size_text(need)} on {where} "
+                f"({np.dtype(params_lib.resolve_dtype(dtype)).name}, experts {expert_weights}), which has "
+                f"{size_text(free)} free; use a smaller config (configs/tiny.py runs on a laptop CPU) or {hint}")
+
+
+def weights_need(cfg: ModelConfig, dtype, expert_weights: str, device, *, quantised_whole: bool = False,
+                 mesh=None) -> list:
+    """``[(device, bytes)]`` at the peak of making or reading the weights, for ``device`` (where they are made or
+    read) and this process's other devices of ``mesh``. ``quantised_whole`` (random FP8 experts, drawn in the
+    model's dtype and then quantised all at once) counts both copies. ``mesh``: a ``jax.sharding.Mesh`` the weights
+    go onto as they are made (``glm53.sharding.placer``): each of its devices needs its share, and ``device`` also
+    the largest weight twice (made there, with its parts, before it moves to its shards); a pipeline's stages place
+    the weights only once all exist, so there the whole model counts on ``device``."""
+    import jax
+
+    from glm53 import params as params_lib
+    from glm53 import sharding
+
+    final = params_lib.param_shapes(cfg, dtype, expert_weights)
+    drawn = params_lib.param_shapes(cfg, dtype) if quantised_whole and expert_weights == "fp8" else None
+    if sharding.placer(mesh) is None:
+        return [(device, params_lib.nbytes(final) + (params_lib.nbytes(drawn) if drawn is not None else 0))]
+    share = sharding.share_bytes(final, mesh) + (sharding.share_bytes(drawn, mesh) if drawn is not None else 0)
+    largest = max(params_lib.nbytes(x) for x in jax.tree_util.tree_leaves(params_lib.param_shapes(cfg, dtype)))
+    needs = [(d, share + (2 * largest if d == device else 0)) for d in mesh.devices.flat
+             if d.process_index == device.process_index]
+    if device not in mesh.devices.flat:
+        needs.append((device, 2 * largest))
+    return needs
 
 
 def size_text(n: int) -> str:

@@ -169,7 +169,8 @@ def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype
     ``config``: a ``ModelConfig``, or a mapping/ConfigDict of its fields. ``expert_weights="fp8"`` keeps the MoE
     experts in FP8 with 128 x 128 block scales on the device (the same random values, quantised). ``mesh`` (a
     ``glm53.sharding.MeshConfig``, its dict, or a ``jax.sharding.Mesh``) places the parameters on a mesh by
-    ``glm53.sharding``'s rules; engines built on the model put their cache there. ``progress``: a bar over the
+    ``glm53.sharding``'s rules, each as soon as it is drawn when the mesh has no pipeline stages (a device then
+    holds only its share); engines built on the model put their cache there. ``progress``: a bar over the
     weights filled (``glm53.progress``: by default once the fill has run 2 s)."""
     if not isinstance(config, ModelConfig):
         if hasattr(config, "to_dict"):
@@ -178,10 +179,12 @@ def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype
     dtype = resolve_dtype(dtype)
     sharding.check_layout(config, mesh)
     _check_cache(config, cache_config)  # before the parameters: initialising a large model takes a while
-    memory.check_weights_fit(config, dtype, expert_weights, _default_device(), "random weights", quantised_whole=True)
-    model = Model(config, init_params(config, dtype, seed, expert_weights, progress=progress), dtype,
-                  cache_config=cache_config)
-    return sharding.shard_model(model, mesh)
+    mesh, microbatches = sharding.resolve_mesh(mesh)
+    memory.check_weights_fit(config, dtype, expert_weights, _default_device(), "random weights", quantised_whole=True,
+                             mesh=mesh)
+    params = init_params(config, dtype, seed, expert_weights, progress=progress, place=sharding.placer(mesh))
+    model = Model(config, params, dtype, cache_config=cache_config)
+    return sharding.shard_model(model, mesh, microbatches)
 
 
 def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None,
@@ -195,8 +198,9 @@ def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None
     checkpoint's own bytes and block scales; other checkpoints' experts quantised), dequantised inside the grouped
     matmul on the same bf16 operands as dequantising on load: decode reads half the expert bytes (outputs
     bit-identical on the CPU; compiled on a GPU the kernel's summation order may differ). ``mesh``: as in
-    ``from_config`` (the tensors are read onto one device first, then placed: the whole model must fit on one
-    device's memory while it loads). ``mtp=False`` loads without the MTP module (checkpoints re-saved by
+    ``from_config``; without pipeline stages each tensor goes to its shards as soon as it is read, so a device
+    holds its share and the tensor being read (with stages the whole model is read onto one device first, then
+    placed). ``mtp=False`` loads without the MTP module (checkpoints re-saved by
     transformers keep the config's MTP layer but not its tensors). ``progress``: a bar over the bytes read (True:
     at once; None: once loading has run 2 s; False: none)."""
     dtype = resolve_dtype(dtype)
@@ -209,9 +213,12 @@ def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None
         hf_config = dataclasses.replace(hf_config, num_nextn_predict_layers=0)
     sharding.check_layout(hf_config, mesh)
     _check_cache(hf_config, cache_config)
-    memory.check_weights_fit(hf_config, dtype, expert_weights, _default_device(), f"loading {path}")
-    cfg, params, tokenizer = checkpoint.read_hf(path, dtype, expert_weights, mtp=mtp, progress=progress)
-    return sharding.shard_model(Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer), mesh)
+    mesh, microbatches = sharding.resolve_mesh(mesh)
+    memory.check_weights_fit(hf_config, dtype, expert_weights, _default_device(), f"loading {path}", mesh=mesh)
+    cfg, params, tokenizer = checkpoint.read_hf(path, dtype, expert_weights, mtp=mtp, progress=progress,
+                                                place=sharding.placer(mesh))
+    model = Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer)
+    return sharding.shard_model(model, mesh, microbatches)
 
 
 def load(directory: str, *, dtype=None, mesh=None) -> Model:

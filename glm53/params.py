@@ -107,13 +107,14 @@ def _normal_leaf(key, index, scale, *, shape, dtype):
 
 
 def init_params(cfg: ModelConfig, dtype, seed: int = 0, expert_weights: str = "model", *,
-                progress: bool | None = None) -> Any:
+                progress: bool | None = None, place=None) -> Any:
     """Random parameters: normal(0, initializer_range) matrices, unit norm scales, zero biases (as transformers
     initialises GLM-5). Filled leaf by leaf from the shapes, so the model itself is never compiled for this; leaf
     ``i`` (in sorted path order) draws from ``fold_in(key(seed), i)``. ``expert_weights="fp8"``: the same values,
     experts then quantised (``quantize_experts``). ``progress``: a bar over the bytes filled (``glm53.progress``:
     by default once the fill has run 2 s; an 8.9B-parameter benchmark model takes minutes on a CPU, which printed
-    nothing until it was done)."""
+    nothing until it was done). ``place(path, array)``: where each leaf goes as soon as it is drawn
+    (``glm53.sharding.placer``: straight onto its shards)."""
     if expert_weights not in EXPERT_WEIGHTS:
         raise ValueError(f"expert_weights must be one of {EXPERT_WEIGHTS}, got {expert_weights!r}")
     from flax.traverse_util import flatten_dict, unflatten_dict
@@ -135,6 +136,8 @@ def init_params(cfg: ModelConfig, dtype, seed: int = 0, expert_weights: str = "m
                 out[path] = jnp.zeros(s.shape, s.dtype)
             else:
                 out[path] = _normal_leaf(key, np.int32(i), scale, shape=tuple(s.shape), dtype=jnp.dtype(s.dtype))
+            if place is not None:
+                out[path] = place(path, out[path])
             if not bar.disable:  # the bar counts filled bytes, not dispatched ones
                 out[path].block_until_ready()
             bar.update(_leaf_bytes(s))

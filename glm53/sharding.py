@@ -187,11 +187,42 @@ def _path(keys) -> str:
 
 def param_shardings(params, mesh: Mesh):
     """``NamedSharding`` of every parameter under ``PARAM_AXES`` and ``RULES``."""
-    def one(keys, leaf):
-        path = _path(keys)
-        return NamedSharding(mesh, spec_of(logical_axes(path, leaf.ndim), leaf.shape, mesh.shape, path))
+    return jax.tree_util.tree_map_with_path(lambda keys, leaf: leaf_sharding(_path(keys), leaf.shape, mesh), params)
 
-    return jax.tree_util.tree_map_with_path(one, params)
+
+def leaf_sharding(path: str, shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
+    """The ``NamedSharding`` of the parameter at ``path`` ("layers_3/self_attn/o_proj/kernel") of ``shape``."""
+    return NamedSharding(mesh, spec_of(logical_axes(path, len(shape)), tuple(shape), mesh.shape, path))
+
+
+def share_bytes(params, mesh: Mesh) -> int:
+    """Bytes of one device's shards of a parameter tree (arrays or ShapeDtypeStructs) placed on ``mesh`` by the rules
+    (every split here is even: each device holds as much)."""
+    total = 0
+    for keys, leaf in jax.tree_util.tree_leaves_with_path(params):
+        shard = leaf_sharding(_path(keys), leaf.shape, mesh).shard_shape(tuple(leaf.shape))
+        total += int(np.prod(shard)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def resolve_mesh(mesh: Mesh | MeshConfig | Mapping[str, Any] | None) -> tuple[Mesh | None, int]:
+    """``(mesh, microbatches)``: a ``MeshConfig`` / dict made into its mesh (None for one device), a ``Mesh`` as it
+    is with one microbatch."""
+    if mesh is None or isinstance(mesh, Mesh):
+        return mesh, 1
+    mc = mesh if isinstance(mesh, MeshConfig) else MeshConfig.from_config_dict(mesh)
+    return make_mesh(mc), mc.microbatches
+
+
+def placer(mesh: Mesh | None):
+    """For a mesh without pipeline stages, ``place(path, array)``: one parameter (its path a tuple of keys) put
+    straight onto its shards. The constructors place each weight as it is drawn or read, so no device ever holds
+    more than its share of the model and the weight being made (GLM-5 in FP8, ~750 GB, could not otherwise load
+    onto a mesh of H200s: the whole model went to one device first). None without a mesh, and with stages: the
+    pipeline places each stage's layers by its own plan (``glm53.pipeline.Pipeline.place``) once they exist."""
+    if mesh is None or mesh.shape["stage"] > 1:
+        return None
+    return lambda path, array: jax.device_put(array, leaf_sharding("/".join(path), array.shape, mesh))
 
 
 def check_model(cfg, mesh: Mesh) -> None:
@@ -225,15 +256,13 @@ def check_layout(cfg, mesh: Mesh | MeshConfig | Mapping[str, Any] | None) -> Non
         check_model(cfg, mesh)
 
 
-def shard_model(model, mesh: Mesh | MeshConfig | Mapping[str, Any] | None):
+def shard_model(model, mesh: Mesh | MeshConfig | Mapping[str, Any] | None, microbatches: int | None = None):
     """``model`` with its parameters placed on ``mesh`` by the rules (``model.mesh`` set; engines built on it put
-    their cache there). A ``MeshConfig`` / dict is made into a mesh first; None or one device returns the model
-    unchanged."""
-    microbatches = 1
-    if mesh is not None and not isinstance(mesh, Mesh):
-        mc = mesh if isinstance(mesh, MeshConfig) else MeshConfig.from_config_dict(mesh)
-        microbatches = mc.microbatches
-        mesh = make_mesh(mc)
+    their cache there; parameters already on their shards, as ``placer`` puts them, stay where they are). A
+    ``MeshConfig`` / dict is made into a mesh first; None or one device returns the model unchanged.
+    ``microbatches``: for a ``Mesh`` with stages (a ``MeshConfig`` carries its own)."""
+    mesh, own = resolve_mesh(mesh)
+    microbatches = microbatches or own
     if mesh is None:
         return model
     check_model(model.config, mesh)

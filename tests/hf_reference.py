@@ -1,5 +1,7 @@
 """Tiny random GLM-5 checkpoints written by transformers' own ``save_pretrained`` (the parity reference)."""
 
+import os
+
 import numpy as np
 
 
@@ -40,6 +42,29 @@ def write_tiny_checkpoint(path, seed=0, **overrides):
                 b.copy_(0.05 * torch.randn(b.shape, generator=gen))
     model.save_pretrained(path)
     return model
+
+
+def write_fp8_checkpoint(path):
+    """A tiny HF checkpoint rewritten as FP8 checkpoints are published: expert and attention-output weights in
+    e4m3 with ``weight_scale_inv`` per 128 x 128 block, the rest as they were."""
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file, save_file
+
+    from kernels_pallas.grouped_matmul import quantize_blocks
+
+    write_tiny_checkpoint(path, seed=2, index_topk=8)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight") and (".mlp.experts." in name or name.endswith("self_attn.o_proj.weight")):
+            q, s = quantize_blocks(jnp.asarray(t))
+            out[name] = np.asarray(q)
+            out[name + "_scale_inv"] = np.asarray(s)
+        else:
+            out[name] = t
+    save_file(out, file, metadata={"format": "pt"})
+    return out
 
 
 def hf_logits(model, ids):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict, unflatten_dict
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 import glm53
 from glm53.params import expert_weights_of
@@ -19,7 +19,7 @@ from kernels_pallas.grouped_matmul import dequantize_blocks, quantize_blocks
 from tests.engine_common import CFG, CC, ids
 
 sys.path.insert(0, os.path.dirname(__file__))
-from hf_reference import write_tiny_checkpoint  # noqa: E402
+from hf_reference import write_fp8_checkpoint, write_tiny_checkpoint  # noqa: E402
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 
@@ -60,26 +60,8 @@ def test_random_fp8_experts_equal_their_dequantised_weights(kernels):
     assert stacks and all(v.dtype == jnp.float8_e4m3fn for v in stacks)
 
 
-def _fp8_checkpoint(path):
-    """A tiny HF checkpoint rewritten as FP8 checkpoints are published: expert and attention-output weights in
-    e4m3 with ``weight_scale_inv`` per 128 x 128 block, the rest as they were."""
-    write_tiny_checkpoint(path, seed=2, index_topk=8)
-    file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith(".weight") and (".mlp.experts." in name or name.endswith("self_attn.o_proj.weight")):
-            q, s = quantize_blocks(jnp.asarray(t))
-            out[name] = np.asarray(q)
-            out[name + "_scale_inv"] = np.asarray(s)
-        else:
-            out[name] = t
-    save_file(out, file, metadata={"format": "pt"})
-    return out
-
-
 def test_fp8_checkpoint_kept_as_fp8_equals_dequantised_on_load(tmp_path):
-    tensors = _fp8_checkpoint(str(tmp_path))
+    tensors = write_fp8_checkpoint(str(tmp_path))
     on_load = glm53.from_pretrained(str(tmp_path), dtype="float32", kv_format="f32")
     kept = glm53.from_pretrained(str(tmp_path), dtype="float32", kv_format="f32", expert_weights="fp8")
     assert on_load.expert_weights == "model" and kept.expert_weights == "fp8"
@@ -115,7 +97,7 @@ def test_fp8_weights_meet_their_scales_across_shards_and_are_checked(tmp_path):
     import json
 
     one = tmp_path / "one"
-    tensors = _fp8_checkpoint(str(one))
+    tensors = write_fp8_checkpoint(str(one))
     sharded = tmp_path / "sharded"
     os.makedirs(sharded)
     for f in os.listdir(one):

@@ -257,3 +257,93 @@ def test_fp8_pallas_experts_split_with_their_block_scales():
                            ps, max_new_tokens=4, return_logits=True, kernels="pallas") for tp in (1, 2)]
     assert runs[1].tokens == runs[0].tokens
     assert close(runs[1].logits, runs[0].logits) < 1e-5
+
+
+def test_weights_go_to_their_shards_as_they_are_made_or_read(tmp_path, monkeypatch):
+    """Without pipeline stages every weight is placed on its shards as soon as it is drawn or read (GLM-5 in FP8,
+    ~750 GB, could not otherwise load onto a mesh: the whole model went to one device first): random weights, an HF
+    checkpoint and an FP8 one kept in FP8 (expert stacks and block scales) hold the same values as on one device,
+    each leaf placed once with the sharding the rules give it, the first before the last tensor is read."""
+    import os
+    import sys
+
+    from flax.traverse_util import flatten_dict
+
+    from glm53 import checkpoint
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from hf_reference import write_fp8_checkpoint
+
+    write_fp8_checkpoint(str(tmp_path))
+    events = []
+    real_placer, real_read = sharding.placer, checkpoint._read
+
+    def recording_placer(mesh):
+        place = real_placer(mesh)
+        if place is None:
+            return None
+
+        def recording(path, array):
+            out = place(path, array)
+            events.append(("place", path, out.sharding))
+            return out
+        return recording
+
+    def recording_read(*args, **kwargs):
+        events.append(("read",))
+        return real_read(*args, **kwargs)
+
+    monkeypatch.setattr(sharding, "placer", recording_placer)
+    monkeypatch.setattr(checkpoint, "_read", recording_read)
+    makers = {"random": lambda mesh: glm53.from_config(CFG, seed=0, dtype="float32", mesh=mesh),
+              "hf": lambda mesh: glm53.from_pretrained(str(tmp_path), dtype="float32", mesh=mesh),
+              "fp8": lambda mesh: glm53.from_pretrained(str(tmp_path), dtype="bfloat16", expert_weights="fp8",
+                                                        mesh=mesh)}
+    for name, make in makers.items():
+        one = flatten_dict(make(None).params)
+        events.clear()
+        model = make(glm53.MeshConfig(tp=2))
+        got = flatten_dict(model.params)
+        assert got.keys() == one.keys(), name
+        for path, leaf in got.items():
+            assert np.asarray(leaf).tobytes() == np.asarray(one[path]).tobytes(), (name, path)
+            assert leaf.sharding == sharding.leaf_sharding("/".join(path), leaf.shape, model.mesh), (name, path)
+        placed = [e for e in events if e[0] == "place"]
+        assert sorted(p for _, p, _ in placed) == sorted(got), name  # each leaf once, as it was made
+        assert all(s == got[p].sharding for _, p, s in placed), name
+        assert any(s.spec != P() for _, _, s in placed), name  # something was split
+        if name != "random":
+            reads = [i for i, e in enumerate(events) if e[0] == "read"]
+            assert events.index(placed[0]) < reads[-1], name
+    assert any(str(p[-1]).endswith("_scale") for _, p, _ in placed)  # the FP8 checkpoint's scales, placed too
+
+
+def test_a_mesh_counts_each_devices_share_of_the_weights(monkeypatch):
+    """The weights' memory check on a mesh: each device its share, the device they are made on also the largest
+    weight twice; CPU devices share the host's memory, so there a mesh needs more, not less (counted together);
+    with pipeline stages the whole model is made on one device first."""
+    from glm53 import memory
+    from glm53 import params as params_lib
+
+    mesh = sharding.make_mesh(glm53.MeshConfig(tp=4))
+    dev = jax.local_devices()[0]
+    whole = params_lib.nbytes(params_lib.param_shapes(CFG, "float32"))
+    largest = max(params_lib.nbytes(x) for x in jax.tree_util.tree_leaves(params_lib.param_shapes(CFG, "float32")))
+    needs = memory.weights_need(CFG, "float32", "model", dev, mesh=mesh)
+    assert [d for d, _ in needs] == list(mesh.devices.flat)
+    share = needs[1][1]
+    assert all(n == share for _, n in needs[1:]) and needs[0][1] == share + 2 * largest
+    assert whole / 4 <= share < whole and 4 * share >= whole  # replicated norms and latents count on every device
+    assert memory.weights_need(CFG, "float32", "model", dev) == [(dev, whole)]
+    staged = sharding.make_mesh(glm53.MeshConfig(stages=2, tp=2))
+    assert memory.weights_need(CFG, "float32", "model", dev, mesh=staged) == [(dev, whole)]
+    # the host holds every CPU device's share: enough for the model on one device is too little for the mesh
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: whole)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: whole)
+    memory.check_weights_fit(CFG, "float32", "model", dev, "random weights")
+    with pytest.raises(ConfigError, match=r"random weights: .* need .* on the host \(4 CPU devices\), their shares "
+                                          r"of a 4-device mesh \(float32, experts model\), which has .* free; use a "
+                                          r"smaller config .* or a larger mesh"):
+        memory.check_weights_fit(CFG, "float32", "model", dev, "random weights", mesh=mesh)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 4 * share + 2 * largest)
+    memory.check_weights_fit(CFG, "float32", "model", dev, "random weights", mesh=mesh)
