@@ -608,10 +608,12 @@ def read_native_config(directory: str) -> tuple[ModelConfig, Any, str, CacheConf
     return cfg, saved_dtype, expert_weights, cache_config
 
 
-def read_native(directory: str, dtype=None, check_config=None
+def read_native(directory: str, dtype=None, check_config=None, mesh=None
                 ) -> tuple[ModelConfig, Any, Any, CacheConfig | None, Tokenizer | None]:
     """Read a directory written by ``write_native``: (config, params, dtype, cache config, tokenizer). The parameter
-    tree is checked against the config's. ``check_config(config)``, when given, runs before any parameter is read."""
+    tree is checked against the config's. ``check_config(config)``, when given, runs before any parameter is read.
+    ``mesh`` (a ``jax.sharding.Mesh`` without pipeline stages): orbax restores each parameter straight onto its
+    shards (``glm53.sharding``'s rules) instead of onto this process's first device."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(directory)
@@ -619,12 +621,17 @@ def read_native(directory: str, dtype=None, check_config=None
     if check_config is not None:
         check_config(cfg)
     from glm53 import memory  # here: memory imports the cache modules, which reading a checkpoint does not need
+    from glm53 import sharding
 
-    memory.check_weights_fit(cfg, saved_dtype, expert_weights, jax.local_devices()[0], f"loading {directory}")
+    memory.check_weights_fit(cfg, saved_dtype, expert_weights, jax.local_devices()[0], f"loading {directory}",
+                             mesh=mesh)
     tokenizer = _read_tokenizer(os.path.join(directory, "tokenizer.json"), cfg, NATIVE_META)
-    dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev),
-                                    param_shapes(cfg, saved_dtype, expert_weights))
+    shapes = param_shapes(cfg, saved_dtype, expert_weights)
+    if sharding.placer(mesh) is not None:
+        where = sharding.param_shardings(shapes, mesh)
+    else:
+        where = jax.tree_util.tree_map(lambda s: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), shapes)
+    target = jax.tree_util.tree_map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w), shapes, where)
     try:
         params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), target)
     except Exception as e:  # orbax raises several types for missing/mismatched arrays

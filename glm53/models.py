@@ -222,11 +222,13 @@ def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None
 
 
 def load(directory: str, *, dtype=None, mesh=None) -> Model:
-    """Read a directory written by ``Model.save`` (``mesh``: as in ``from_config``)."""
+    """Read a directory written by ``Model.save`` (``mesh``: as in ``from_config``; without pipeline stages orbax
+    restores each parameter straight onto its shards)."""
+    mesh, microbatches = sharding.resolve_mesh(mesh)
     cfg, params, dtype, cache_config, tokenizer = checkpoint.read_native(
-        directory, dtype, check_config=lambda cfg: sharding.check_layout(cfg, mesh))
+        directory, dtype, check_config=lambda cfg: sharding.check_layout(cfg, mesh), mesh=mesh)
     try:
         model = Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer)
     except ConfigError as e:
         raise checkpoint.CheckpointError(f"{directory}: its cache config cannot work with its model: {e}") from e
-    return sharding.shard_model(model, mesh)
+    return sharding.shard_model(model, mesh, microbatches)

@@ -263,7 +263,8 @@ def test_weights_go_to_their_shards_as_they_are_made_or_read(tmp_path, monkeypat
     """Without pipeline stages every weight is placed on its shards as soon as it is drawn or read (GLM-5 in FP8,
     ~750 GB, could not otherwise load onto a mesh: the whole model went to one device first): random weights, an HF
     checkpoint and an FP8 one kept in FP8 (expert stacks and block scales) hold the same values as on one device,
-    each leaf placed once with the sharding the rules give it, the first before the last tensor is read."""
+    each leaf placed once with the sharding the rules give it, the first before the last tensor is read; a native
+    save restored by orbax onto its shards."""
     import os
     import sys
 
@@ -316,6 +317,24 @@ def test_weights_go_to_their_shards_as_they_are_made_or_read(tmp_path, monkeypat
             reads = [i for i, e in enumerate(events) if e[0] == "read"]
             assert events.index(placed[0]) < reads[-1], name
     assert any(str(p[-1]).endswith("_scale") for _, p, _ in placed)  # the FP8 checkpoint's scales, placed too
+    # a native save: orbax restores every parameter onto its shards (the FP8 model's, scales and all)
+    import orbax.checkpoint as ocp
+
+    model.save(str(tmp_path / "native"))
+    targets = []
+    real_restore = ocp.StandardCheckpointer.restore
+
+    def recording_restore(self, directory, target=None, **kwargs):
+        targets.append(target)
+        return real_restore(self, directory, target, **kwargs)
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "restore", recording_restore)
+    loaded = glm53.load(str(tmp_path / "native"), mesh=glm53.MeshConfig(tp=2))
+    (target,) = targets
+    want = flatten_dict(model.params)
+    for path, leaf in flatten_dict(loaded.params).items():
+        assert np.asarray(leaf).tobytes() == np.asarray(want[path]).tobytes(), path
+        assert leaf.sharding == want[path].sharding == flatten_dict(target)[path].sharding, path
 
 
 def test_a_mesh_counts_each_devices_share_of_the_weights(monkeypatch):
