@@ -136,7 +136,7 @@ def weights_need(cfg: ModelConfig, dtype, expert_weights: str, device, *, quanti
     drawn = params_lib.param_shapes(cfg, dtype) if quantised_whole and expert_weights == "fp8" else None
     if sharding.placer(mesh) is None:
         return [(device, params_lib.nbytes(final) + (params_lib.nbytes(drawn) if drawn is not None else 0))]
-    share = sharding.share_bytes(final, mesh) + (sharding.share_bytes(drawn, mesh) if drawn is not None else 0)
+    share = sum(sharding.shard_bytes(t, mesh.shape) for t in (final, drawn) if t is not None)
     largest = max(params_lib.nbytes(x) for x in jax.tree_util.tree_leaves(params_lib.param_shapes(cfg, dtype)))
     needs = [(d, share + (2 * largest if d == device else 0)) for d in mesh.devices.flat
              if d.process_index == device.process_index]

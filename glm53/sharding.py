@@ -195,16 +195,6 @@ def leaf_sharding(path: str, shape: tuple[int, ...], mesh: Mesh) -> NamedShardin
     return NamedSharding(mesh, spec_of(logical_axes(path, len(shape)), tuple(shape), mesh.shape, path))
 
 
-def share_bytes(params, mesh: Mesh) -> int:
-    """Bytes of one device's shards of a parameter tree (arrays or ShapeDtypeStructs) placed on ``mesh`` by the rules
-    (every split here is even: each device holds as much)."""
-    total = 0
-    for keys, leaf in jax.tree_util.tree_leaves_with_path(params):
-        shard = leaf_sharding(_path(keys), leaf.shape, mesh).shard_shape(tuple(leaf.shape))
-        total += int(np.prod(shard)) * np.dtype(leaf.dtype).itemsize
-    return total
-
-
 def resolve_mesh(mesh: Mesh | MeshConfig | Mapping[str, Any] | None) -> tuple[Mesh | None, int]:
     """``(mesh, microbatches)``: a ``MeshConfig`` / dict made into its mesh (None for one device), a ``Mesh`` as it
     is with one microbatch."""
