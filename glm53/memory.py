@@ -8,6 +8,8 @@ used, is what keeps admission honest).
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import numpy as np
 
 from glm53 import cache, offload
@@ -121,28 +123,43 @@ def check_weights_fit(cfg: ModelConfig, dtype, expert_weights: str, device, what
 
 def weights_need(cfg: ModelConfig, dtype, expert_weights: str, device, *, quantised_whole: bool = False,
                  mesh=None) -> list:
-    """``[(device, bytes)]`` at the peak of making or reading the weights, for ``device`` (where they are made or
-    read) and this process's other devices of ``mesh``. ``quantised_whole`` (random FP8 experts, drawn in the
-    model's dtype and then quantised all at once) counts both copies. ``mesh``: a ``jax.sharding.Mesh`` the weights
-    go onto as they are made (``glm53.sharding.placer``): each of its devices needs its share, and ``device`` also
-    the largest weight twice (made there, with its parts, before it moves to its shards); a pipeline's stages place
-    the weights only once all exist, so there the whole model counts on ``device``."""
+    """``[(device, bytes)]`` at the peak of making or reading the weights (``loading_bytes``), for ``device`` (where
+    they are made or read) and this process's other devices of ``mesh`` (a ``jax.sharding.Mesh``)."""
+    from glm53 import sharding
+
+    placed = sharding.placer(mesh) is not None
+    share, extra = loading_bytes(cfg, dtype, expert_weights, mesh.shape if placed else None,
+                                 quantised_whole=quantised_whole)
+    if not placed:
+        return [(device, share + extra)]
+    needs = [(d, share + (extra if d == device else 0)) for d in mesh.devices.flat
+             if d.process_index == device.process_index]
+    if device not in mesh.devices.flat:
+        needs.append((device, extra))
+    return needs
+
+
+def loading_bytes(cfg: ModelConfig, dtype, expert_weights: str, mesh_shape: Mapping[str, int] | None, *,
+                  quantised_whole: bool = False) -> tuple[int, int]:
+    """``(share, extra)`` at the peak of making or reading the weights: every device of a mesh of ``mesh_shape``
+    without pipeline stages holds ``share``, the device they are made on ``extra`` more. There each weight goes to
+    its shards as soon as it exists (``glm53.sharding.placer``), so ``extra`` is the largest weight twice (made, with
+    its parts, before it moves). A pipeline's stages place the weights only once all exist, so with stages (or one
+    device) the whole model is made on one device: ``(0, whole)``. ``quantised_whole`` (random FP8 experts, drawn in
+    the model's dtype and then quantised all at once) counts both copies."""
     import jax
 
     from glm53 import params as params_lib
     from glm53 import sharding
 
-    final = params_lib.param_shapes(cfg, dtype, expert_weights)
-    drawn = params_lib.param_shapes(cfg, dtype) if quantised_whole and expert_weights == "fp8" else None
-    if sharding.placer(mesh) is None:
-        return [(device, params_lib.nbytes(final) + (params_lib.nbytes(drawn) if drawn is not None else 0))]
-    share = sum(sharding.shard_bytes(t, mesh.shape) for t in (final, drawn) if t is not None)
+    trees = [params_lib.param_shapes(cfg, dtype, expert_weights)]
+    if quantised_whole and expert_weights == "fp8":
+        trees.append(params_lib.param_shapes(cfg, dtype))
+    shape = dict(mesh_shape or {})
+    if shape.get("stage", 1) > 1 or shape.get("tp", 1) == 1:
+        return 0, sum(params_lib.nbytes(t) for t in trees)
     largest = max(params_lib.nbytes(x) for x in jax.tree_util.tree_leaves(params_lib.param_shapes(cfg, dtype)))
-    needs = [(d, share + (2 * largest if d == device else 0)) for d in mesh.devices.flat
-             if d.process_index == device.process_index]
-    if device not in mesh.devices.flat:
-        needs.append((device, 2 * largest))
-    return needs
+    return sum(sharding.shard_bytes(t, shape) for t in trees), 2 * largest
 
 
 def size_text(n: int) -> str:
@@ -307,7 +324,9 @@ def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtyp
     shards under ``glm53.sharding``'s rules, the cache (replicated over the mesh: every device holds every
     session's rows), the largest transient buffer, and (offload) the host pool. Every figure is the one
     ``Engine.memory_report()`` gives for the same engine (tested equal). With ``device_bytes`` / ``host_bytes``
-    it says whether the plan fits and how many sessions of this history would.
+    it says whether the plan fits and how many sessions of this history would, and whether the weights can be
+    loaded (``per_device["loading"]``, ``loading_bytes``: with pipeline stages the whole model is made on one device
+    first).
 
     The host pool is replicated over tensor-parallel devices like the rest of the cache: each device keeps a copy
     in its host's memory, so a host holds ``devices_per_host`` copies (default: every device of the mesh on one
@@ -354,6 +373,7 @@ def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtyp
 
     parts = cache_at(sessions)
     params = [sharding.shard_bytes(t, {"stage": 1, "tp": tp}) for t in trees]
+    share, extra = loading_bytes(cfg, dtype, expert_weights, mesh_shape)
     transient = capacity * kv_formats.get_format(cc.kv_format).bytes_per_row if cc.mode == "offload" else 0
     topk = min(cfg.index_topk, capacity)
     rings = step_buffers_bytes(cfg, sessions, topk, output_ring)
@@ -366,7 +386,9 @@ def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtyp
         # Per device: the largest figures of any device (with stages: of any stage's devices).
         "per_device": {"params": max(params), "cache": max(device_cache),
                        "cache_parts": parts[largest_cache]["device"], "transient": transient,
-                       "step_buffers": rings, "total": max(totals)},
+                       "step_buffers": rings, "total": max(totals),
+                       # before any cache: the device the weights are made or read on, at their peak
+                       "loading": share + extra},
         "per_host": {"pool": max(sum(p["host"].values()) for p in parts),
                      "pool_replicas": (per_host_devices if stages == 1 else tp) if cc.mode == "offload" else 0,
                      "total": host_total(parts)},
@@ -389,6 +411,7 @@ def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtyp
     if device_bytes is not None:
         out["device_bytes"] = int(device_bytes)
         out["fits_device"] = out["per_device"]["total"] <= device_bytes
+        out["fits_loading"] = out["per_device"]["loading"] <= device_bytes
         out["max_sessions_by_device"] = largest(
             lambda n: max(pb + transient + step_buffers_bytes(cfg, n, topk, output_ring) + sum(p["device"].values())
                           for pb, p in zip(params, cache_at(n))) <= device_bytes)
