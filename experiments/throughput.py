@@ -120,6 +120,11 @@ def pool_pages_for(cc: glm53.CacheConfig, history: int, sessions: int, extra_row
     return -(-history // P) + sessions * (-(-extra_rows // P) + 2) + 4
 
 
+def extra_rows() -> int:
+    """Rows a session needs past its history: the suffix, the most tokens any phase decodes, MTP drafts, spare."""
+    return FLAGS.suffix + max(FLAGS.new_tokens, FLAGS.warmup_tokens, 3, FLAGS.probe_tokens) + FLAGS.mtp + 8
+
+
 def plan(model, cc: glm53.CacheConfig, sessions: list, max_history: int, extra_rows: int) -> dict:
     """Bytes of an engine of S slots for every S, from the configuration; the largest S that fits is the engine's
     ``max_sessions``; the rest get a reason."""
@@ -266,7 +271,7 @@ def run_mode(model, mode: str, sessions: list, histories: list, results: dict, b
     cli.check_checkpoint(c, reads_checkpoint=False)
     cfg = model.config
     mtp = FLAGS.mtp
-    extra = FLAGS.suffix + max(FLAGS.new_tokens, FLAGS.warmup_tokens, 3, FLAGS.probe_tokens) + mtp + 8  # as main's
+    extra = extra_rows()
     cc = glm53.CacheConfig.from_config_dict(c.cache).replace(mode=mode, max_len=max(histories) + extra)
     p = plan(model, cc, sessions, max(histories), extra)
     results["plans"][mode] = p
@@ -471,7 +476,7 @@ def main(_):
             roofline.check_routing_probe_runs()
         except RuntimeError as err:
             raise app.UsageError(f"--routing=probe: {err}; or pass --routing=uniform") from err
-    extra = FLAGS.suffix + max(FLAGS.new_tokens, FLAGS.warmup_tokens, 3, FLAGS.probe_tokens) + FLAGS.mtp + 8
+    extra = extra_rows()
     positions = cli.model_config(c).max_position_embeddings
     if max(histories) + extra > positions:  # before the model: the engine refused it with a traceback after it
         raise app.UsageError(

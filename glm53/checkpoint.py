@@ -627,7 +627,7 @@ def read_native(directory: str, dtype=None, check_config=None, mesh=None
                              mesh=mesh)
     tokenizer = _read_tokenizer(os.path.join(directory, "tokenizer.json"), cfg, NATIVE_META)
     shapes = param_shapes(cfg, saved_dtype, expert_weights)
-    if sharding.placer(mesh) is not None:
+    if sharding.places_as_made(mesh):
         where = sharding.param_shardings(shapes, mesh)
     else:
         where = jax.tree_util.tree_map(lambda s: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), shapes)

@@ -98,7 +98,7 @@ def check_weights_fit(cfg: ModelConfig, dtype, expert_weights: str, device, what
     from glm53 import params as params_lib
     from glm53 import sharding
 
-    placed = sharding.placer(mesh) is not None
+    placed = sharding.places_as_made(mesh)
     needs = weights_need(cfg, dtype, expert_weights, device, quantised_whole=quantised_whole, mesh=mesh)
     # CPU devices are shares of the host's memory: theirs are counted together against it.
     cpus = [(d, need) for d, need in needs if d.platform == "cpu"]
@@ -127,7 +127,7 @@ def weights_need(cfg: ModelConfig, dtype, expert_weights: str, device, *, quanti
     they are made or read) and this process's other devices of ``mesh`` (a ``jax.sharding.Mesh``)."""
     from glm53 import sharding
 
-    placed = sharding.placer(mesh) is not None
+    placed = sharding.places_as_made(mesh)
     share, extra = loading_bytes(cfg, dtype, expert_weights, mesh.shape if placed else None,
                                  quantised_whole=quantised_whole)
     if not placed:

@@ -177,9 +177,9 @@ def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype
             config = config.to_dict()
         config = ModelConfig.from_config_dict(config)
     dtype = resolve_dtype(dtype)
+    mesh, microbatches = sharding.resolve_mesh(mesh)
     sharding.check_layout(config, mesh)
     _check_cache(config, cache_config)  # before the parameters: initialising a large model takes a while
-    mesh, microbatches = sharding.resolve_mesh(mesh)
     memory.check_weights_fit(config, dtype, expert_weights, _default_device(), "random weights", quantised_whole=True,
                              mesh=mesh)
     params = init_params(config, dtype, seed, expert_weights, progress=progress, place=sharding.placer(mesh))
@@ -211,9 +211,9 @@ def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None
     hf_config = checkpoint.read_hf_config(path)
     if not mtp:
         hf_config = dataclasses.replace(hf_config, num_nextn_predict_layers=0)
+    mesh, microbatches = sharding.resolve_mesh(mesh)
     sharding.check_layout(hf_config, mesh)
     _check_cache(hf_config, cache_config)
-    mesh, microbatches = sharding.resolve_mesh(mesh)
     memory.check_weights_fit(hf_config, dtype, expert_weights, _default_device(), f"loading {path}", mesh=mesh)
     cfg, params, tokenizer = checkpoint.read_hf(path, dtype, expert_weights, mtp=mtp, progress=progress,
                                                 place=sharding.placer(mesh))

@@ -210,9 +210,14 @@ def placer(mesh: Mesh | None):
     more than its share of the model and the weight being made (GLM-5 in FP8, ~750 GB, could not otherwise load
     onto a mesh of H200s: the whole model went to one device first). None without a mesh, and with stages: the
     pipeline places each stage's layers by its own plan (``glm53.pipeline.Pipeline.place``) once they exist."""
-    if mesh is None or mesh.shape["stage"] > 1:
+    if not places_as_made(mesh):
         return None
     return lambda path, array: jax.device_put(array, leaf_sharding("/".join(path), array.shape, mesh))
+
+
+def places_as_made(mesh: Mesh | None) -> bool:
+    """Whether the weights go onto ``mesh`` as they are made or read (``placer``): a mesh without pipeline stages."""
+    return mesh is not None and mesh.shape["stage"] == 1
 
 
 def check_model(cfg, mesh: Mesh) -> None:
