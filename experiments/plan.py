@@ -129,9 +129,7 @@ def main(_):
                   f"{worst['cache'] / GiB:.2f}G, pool {worst['pool'] / GiB:.2f}G per device")
         if not p["fits_loading"]:
             print(f"{'':>10} loading the weights needs {d['loading'] / GiB:.2f}G on the device they are made on, "
-                  f"more than its {device_gib:g} GiB: "
-                  + ("with pipeline stages the whole model is made on one device first" if stages > 1 else
-                     "its share and the largest weight twice"))
+                  f"more than its {device_gib:g} GiB: its share and the largest weight twice")
         big = sorted(d["cache_parts"].items(), key=lambda kv: -kv[1])[:3]
         print(f"{'':>10} largest cache parts per device: " + ", ".join(f"{k} {v / GiB:.2f}G" for k, v in big))
         if FLAGS.compile and stages > 1:

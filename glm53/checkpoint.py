@@ -20,7 +20,8 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from glm53.config import CacheConfig, ConfigError, ModelConfig
-from glm53.params import EXPERT_WEIGHTS, expert_weights_of, param_shapes, quantize_experts, resolve_dtype
+from glm53.params import (EXPERT_WEIGHTS, expert_weights_of, param_shapes, quantize_leaf, quantizes, resolve_dtype,
+                          scale_path)
 from kernels_pallas.grouped_matmul import SCALE_BLOCK, dequantize_blocks
 from glm53.tokenizer import Tokenizer
 
@@ -316,12 +317,12 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
     the bytes read (``glm53.progress``).
 
     ``expert_weights="fp8"`` keeps MoE experts in FP8 on the device: an FP8 checkpoint's expert tensors and block
-    scales as they are (not dequantised), other checkpoints' experts quantised after loading
-    (``glm53.params.quantize_experts``).
+    scales as they are (not dequantised), other checkpoints' experts quantised a layer's stack at a time as it is
+    complete (``glm53.params.quantize_leaf``).
 
-    ``place(path, array)``: where each parameter goes as soon as it is complete (``glm53.sharding.placer``: straight
-    onto its shards, so the device the tensors are read onto holds one of them, or one layer's expert stack, at a
-    time beside its share).
+    ``place(path, array)``: where each parameter goes as soon as it is complete (``glm53.sharding.Placement``:
+    straight onto its devices, so the device the tensors are read onto holds one of them, or one layer's expert
+    stack, at a time beside its share).
     """
     from glm53 import progress as progress_lib
 
@@ -361,7 +362,12 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
     fp8_experts: dict[tuple[str, ...], dict[int, tuple[jax.Array, jax.Array]]] = {}  # expert_weights="fp8"
 
     def keep(path_, arr):
-        loaded[path_] = arr if place is None else place(path_, arr)
+        made = [(path_, arr)]
+        if quantizes(path_, arr, expert_weights):  # a layer's stack at a time: never the whole model twice
+            q, s = quantize_leaf(arr)
+            made = [(path_, q), (scale_path(path_), s)]
+        for p, a in made:
+            loaded[p] = a if place is None else place(p, a)
 
     def put(path_, arr, name, finite_checked=False):
         want = expected.get(path_)
@@ -492,10 +498,7 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
         hf_names = _hf_names(cfg, missing)  # only for the message
         named = [f"{'/'.join(p)} ({hf_names[p]})" if p in hf_names else "/".join(p) for p in missing]
         raise CheckpointError(f"{len(missing)} parameters missing from the checkpoint: {named[:10]}")
-    params = unflatten_dict(loaded)
-    if expert_weights == "fp8":
-        params = quantize_experts(params)
-    return cfg, params, tokenizer
+    return cfg, unflatten_dict(loaded), tokenizer
 
 
 def _read_tokenizer(tok_path: str, cfg: ModelConfig, config_file: str) -> Tokenizer | None:
@@ -524,6 +527,9 @@ def _check_finite(arr, name: str) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # native (orbax) save / load
 # ----------------------------------------------------------------------------------------------------------------
+DIGEST_VALUES = 4096  # values of each tensor a params digest reads
+
+
 @functools.partial(jax.jit, static_argnames=("n", "replicated"))
 def _replicated_head(x, *, n: int, replicated):
     # One jitted function for every leaf: a lambda jitted per call compiled again for every leaf of the same shape
@@ -531,22 +537,31 @@ def _replicated_head(x, *, n: int, replicated):
     return jax.lax.with_sharding_constraint(x.reshape(-1)[:n], replicated)
 
 
-def _head(x, n: int = 4096):
-    """The first ``n`` values of ``x``, readable by every process: on a mesh spanning several processes a process
-    holds only its shards, so the slice is taken replicated over the mesh first."""
+def digest_head(x, replicated: jax.sharding.NamedSharding):
+    """The first ``DIGEST_VALUES`` values of ``x``, replicated over ``replicated``'s devices (a pipeline stage's:
+    ``glm53.pipeline.Pipeline.params_digest`` sends them from there to every process)."""
+    return _replicated_head(x, n=DIGEST_VALUES, replicated=replicated)
+
+
+def _head(x):
+    """The first ``DIGEST_VALUES`` values of ``x``, readable by every process: on a mesh spanning several processes
+    a process holds only its shards, so the slice is taken replicated over the mesh first."""
     sh = getattr(x, "sharding", None)
     if isinstance(sh, jax.sharding.NamedSharding) and not x.is_fully_addressable:
-        return _replicated_head(x, n=n, replicated=jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec()))
-    return x.reshape(-1)[:n]
+        return digest_head(x, jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec()))
+    return x.reshape(-1)[:DIGEST_VALUES]
 
 
-def params_digest(params) -> str:
-    """A digest of a parameter tree (paths, shapes, dtypes and up to 4,096 values of every tensor)."""
+def params_digest(params, heads: dict | None = None) -> str:
+    """A digest of a parameter tree (paths, shapes, dtypes and up to 4,096 values of every tensor). ``heads``:
+    those values by ``jax.tree_util.keystr`` path, where they were gathered already (a pipeline over several
+    processes, whose stages' parameters no single process holds)."""
     h = hashlib.sha256()
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        h.update(jax.tree_util.keystr(path).encode())
+        name = jax.tree_util.keystr(path)
+        h.update(name.encode())
         h.update(f"{leaf.shape}{leaf.dtype}".encode())
-        h.update(np.asarray(_head(leaf)).tobytes())
+        h.update(np.asarray(heads[name] if heads is not None else _head(leaf)).tobytes())
     return h.hexdigest()
 
 
@@ -608,12 +623,11 @@ def read_native_config(directory: str) -> tuple[ModelConfig, Any, str, CacheConf
     return cfg, saved_dtype, expert_weights, cache_config
 
 
-def read_native(directory: str, dtype=None, check_config=None, mesh=None
-                ) -> tuple[ModelConfig, Any, Any, CacheConfig | None, Tokenizer | None]:
-    """Read a directory written by ``write_native``: (config, params, dtype, cache config, tokenizer). The parameter
-    tree is checked against the config's. ``check_config(config)``, when given, runs before any parameter is read.
-    ``mesh`` (a ``jax.sharding.Mesh`` without pipeline stages): orbax restores each parameter straight onto its
-    shards (``glm53.sharding``'s rules) instead of onto this process's first device."""
+def read_native(directory: str, dtype=None, check_config=None, mesh=None, microbatches: int = 1):
+    """Read a directory written by ``write_native``: (config, params, dtype, cache config, tokenizer, placement). The
+    parameter tree is checked against the config's. ``check_config(config)``, when given, runs before any parameter
+    is read. ``mesh`` (a ``jax.sharding.Mesh``): orbax restores each parameter straight onto its devices
+    (``glm53.sharding.Placement``, returned, None without a mesh) instead of onto this process's first device."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(directory)
@@ -626,27 +640,48 @@ def read_native(directory: str, dtype=None, check_config=None, mesh=None
     memory.check_weights_fit(cfg, saved_dtype, expert_weights, jax.local_devices()[0], f"loading {directory}",
                              mesh=mesh)
     tokenizer = _read_tokenizer(os.path.join(directory, "tokenizer.json"), cfg, NATIVE_META)
+    dtype = resolve_dtype(dtype) if dtype is not None else saved_dtype
+    # With stages the layers' split follows the model's bytes, in the dtype it will run in.
+    placed = sharding.placement(cfg, dtype, expert_weights, mesh, microbatches)
     shapes = param_shapes(cfg, saved_dtype, expert_weights)
-    if sharding.places_as_made(mesh):
-        where = sharding.param_shardings(shapes, mesh)
+    if placed is not None:
+        target = placed.restore_target(shapes)
     else:
-        where = jax.tree_util.tree_map(lambda s: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), shapes)
-    target = jax.tree_util.tree_map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w), shapes, where)
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
+    # A leaf on no device of this process (a pipeline stage of another process) is not read here: orbax would make
+    # an array of it and fail (no shard to take its dtype from); it becomes a global array this process holds no
+    # part of, as the constructors' placement makes it.
+    mine = set(jax.local_devices())
+    elsewhere = lambda s: not (set(s.sharding.device_set) & mine)  # noqa: E731
+    item = jax.tree_util.tree_map(lambda s: ocp.PLACEHOLDER if elsewhere(s) else s, target)
+    restore_args = jax.tree_util.tree_map(
+        lambda s: s if s is ocp.PLACEHOLDER else ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape,
+                                                                      dtype=s.dtype), item)
     try:
-        params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), target)
+        params = ocp.PyTreeCheckpointer().restore(os.path.join(directory, "params"),
+                                                  args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
     except Exception as e:  # orbax raises several types for missing/mismatched arrays
         raise CheckpointError(f"cannot restore parameters from {directory}/params: {e}") from e
+    params = jax.tree_util.tree_map(
+        lambda x, s: jax.make_array_from_single_device_arrays(s.shape, s.sharding, [], dtype=s.dtype)
+        if elsewhere(s) else x, params, target)
+    if placed is not None:
+        params = placed.restored(params)
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        _check_finite(leaf, "params" + jax.tree_util.keystr(path))
+        if leaf.addressable_shards:  # a pipeline stage of another process: that process checks it
+            _check_finite(leaf, "params" + jax.tree_util.keystr(path))
     # A params folder of another save of the same architecture restores without complaint: only the digest
     # glm53.json recorded at save tells them apart (saves older than it have none).
     with open(os.path.join(directory, NATIVE_META)) as f:
         saved_digest = json.load(f).get("params_digest")
-    if saved_digest is not None and params_digest(params) != saved_digest:
-        raise CheckpointError(f"{directory}/params does not hold the parameters {NATIVE_META} was saved with (their "
-                              "digest differs): the params folder comes from another save")
-    dtype = resolve_dtype(dtype) if dtype is not None else saved_dtype
+    if saved_digest is not None:
+        digest = placed.params_digest(params) if placed is not None else params_digest(params)
+        if digest != saved_digest:
+            raise CheckpointError(f"{directory}/params does not hold the parameters {NATIVE_META} was saved with "
+                                  "(their digest differs): the params folder comes from another save")
     if dtype != saved_dtype:
-        shapes = param_shapes(cfg, dtype, expert_weights)
-        params = jax.tree_util.tree_map(lambda p, s: p.astype(s.dtype), params, shapes)
-    return cfg, params, dtype, cache_config, tokenizer
+        final = param_shapes(cfg, dtype, expert_weights)
+        params = (placed.cast(params, final) if placed is not None
+                  else jax.tree_util.tree_map(lambda p, s: p.astype(s.dtype), params, final))
+    return cfg, params, dtype, cache_config, tokenizer, placed

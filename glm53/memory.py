@@ -90,16 +90,13 @@ def free_memory_problem(need: dict, host_pool: int, devices, *, free_of=None, ho
     return None
 
 
-def check_weights_fit(cfg: ModelConfig, dtype, expert_weights: str, device, what: str, *,
-                      quantised_whole: bool = False, mesh=None) -> None:
+def check_weights_fit(cfg: ModelConfig, dtype, expert_weights: str, device, what: str, *, mesh=None) -> None:
     """Refuse weights that cannot fit where they are made or read (``weights_need``) before the first one is: an
     8.9B-parameter benchmark config on a laptop, or GLM-5 on one GPU, otherwise ran until the allocator or the
     kernel's OOM killer stopped the process, minutes in and without a word on why."""
     from glm53 import params as params_lib
-    from glm53 import sharding
 
-    placed = sharding.places_as_made(mesh)
-    needs = weights_need(cfg, dtype, expert_weights, device, quantised_whole=quantised_whole, mesh=mesh)
+    needs = weights_need(cfg, dtype, expert_weights, device, mesh=mesh)
     # CPU devices are shares of the host's memory: theirs are counted together against it.
     cpus = [(d, need) for d, need in needs if d.platform == "cpu"]
     checks = [(need, free_bytes(d), f"{d.platform}:{d.id}") for d, need in needs if d.platform != "cpu"]
@@ -111,55 +108,52 @@ def check_weights_fit(cfg: ModelConfig, dtype, expert_weights: str, device, what
         if free is not None and need > free:
             n = cfg.param_count()
             count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-            if placed:
+            if mesh is not None:
                 where = f"{where}, their shares of a {mesh.devices.size}-device mesh"
-            hint = ("a larger mesh" if placed else "a mesh (without pipeline stages each weight goes to its shards "
-                    "as it is made; with stages the weights are made on one device first)")
+            hint = ("a larger mesh" if mesh is not None else
+                    "a mesh (each weight goes to its devices as soon as it is made or read)")
             raise ConfigError(
                 f"{what}: {count} parameters need {size_text(need)} on {where} "
                 f"({np.dtype(params_lib.resolve_dtype(dtype)).name}, experts {expert_weights}), which has "
                 f"{size_text(free)} free; use a smaller config (configs/tiny.py runs on a laptop CPU) or {hint}")
 
 
-def weights_need(cfg: ModelConfig, dtype, expert_weights: str, device, *, quantised_whole: bool = False,
-                 mesh=None) -> list:
+def weights_need(cfg: ModelConfig, dtype, expert_weights: str, device, *, mesh=None) -> list:
     """``[(device, bytes)]`` at the peak of making or reading the weights (``loading_bytes``), for ``device`` (where
     they are made or read) and this process's other devices of ``mesh`` (a ``jax.sharding.Mesh``)."""
-    from glm53 import sharding
-
-    placed = sharding.places_as_made(mesh)
-    share, extra = loading_bytes(cfg, dtype, expert_weights, mesh.shape if placed else None,
-                                 quantised_whole=quantised_whole)
-    if not placed:
-        return [(device, share + extra)]
-    needs = [(d, share + (extra if d == device else 0)) for d in mesh.devices.flat
+    shares, extra = loading_bytes(cfg, dtype, expert_weights, None if mesh is None else mesh.shape)
+    if mesh is None:
+        return [(device, shares[0] + extra)]
+    needs = [(d, shares[s] + (extra if d == device else 0)) for s, row in enumerate(mesh.devices) for d in row
              if d.process_index == device.process_index]
     if device not in mesh.devices.flat:
         needs.append((device, extra))
     return needs
 
 
-def loading_bytes(cfg: ModelConfig, dtype, expert_weights: str, mesh_shape: Mapping[str, int] | None, *,
-                  quantised_whole: bool = False) -> tuple[int, int]:
-    """``(share, extra)`` at the peak of making or reading the weights: every device of a mesh of ``mesh_shape``
-    without pipeline stages holds ``share``, the device they are made on ``extra`` more. There each weight goes to
-    its shards as soon as it exists (``glm53.sharding.placer``), so ``extra`` is the largest weight twice (made, with
-    its parts, before it moves). A pipeline's stages place the weights only once all exist, so with stages (or one
-    device) the whole model is made on one device: ``(0, whole)``. ``quantised_whole`` (random FP8 experts, drawn in
-    the model's dtype and then quantised all at once) counts both copies."""
+def loading_bytes(cfg: ModelConfig, dtype, expert_weights: str, mesh_shape: Mapping[str, int] | None
+                  ) -> tuple[list[int], int]:
+    """``(shares, extra)`` at the peak of making or reading the weights: each device of pipeline stage ``s`` of a
+    mesh of ``mesh_shape`` holds ``shares[s]`` (its share of its stage's weights; one entry without stages), and the
+    device they are made on ``extra`` more. Each weight goes to its devices as soon as it exists
+    (``glm53.sharding.Placement``), so ``extra`` is the largest weight twice (made, with its parts or its FP8 copy,
+    before it moves). On one device: ``([the model], 0)``, or with FP8 experts the largest expert stack in the
+    model's dtype beside the FP8 model (each stack is quantised as it is made)."""
     import jax
 
     from glm53 import params as params_lib
-    from glm53 import sharding
+    from glm53 import pipeline, sharding
 
-    trees = [params_lib.param_shapes(cfg, dtype, expert_weights)]
-    if quantised_whole and expert_weights == "fp8":
-        trees.append(params_lib.param_shapes(cfg, dtype))
-    shape = dict(mesh_shape or {})
-    if shape.get("stage", 1) > 1 or shape.get("tp", 1) == 1:
-        return 0, sum(params_lib.nbytes(t) for t in trees)
+    shapes = params_lib.param_shapes(cfg, dtype, expert_weights)
     largest = max(params_lib.nbytes(x) for x in jax.tree_util.tree_leaves(params_lib.param_shapes(cfg, dtype)))
-    return sum(sharding.shard_bytes(t, shape) for t in trees), 2 * largest
+    shape = dict(mesh_shape or {})
+    stages, tp = int(shape.get("stage", 1)), int(shape.get("tp", 1))
+    if stages * tp == 1:
+        return [params_lib.nbytes(shapes)], (largest if expert_weights == "fp8" else 0)
+    trees = [shapes]
+    if stages > 1:
+        trees = pipeline.stage_param_trees(cfg, pipeline.stage_layers(cfg, stages, shapes), shapes)
+    return [sharding.shard_bytes(t, {"stage": 1, "tp": tp}) for t in trees], 2 * largest
 
 
 def size_text(n: int) -> str:
@@ -325,8 +319,8 @@ def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtyp
     session's rows), the largest transient buffer, and (offload) the host pool. Every figure is the one
     ``Engine.memory_report()`` gives for the same engine (tested equal). With ``device_bytes`` / ``host_bytes``
     it says whether the plan fits and how many sessions of this history would, and whether the weights can be
-    loaded (``per_device["loading"]``, ``loading_bytes``: with pipeline stages the whole model is made on one device
-    first).
+    loaded (``per_device["loading"]``, ``loading_bytes``: each device its share, the one they are made on the
+    weight being made too).
 
     The host pool is replicated over tensor-parallel devices like the rest of the cache: each device keeps a copy
     in its host's memory, so a host holds ``devices_per_host`` copies (default: every device of the mesh on one
@@ -373,7 +367,7 @@ def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtyp
 
     parts = cache_at(sessions)
     params = [sharding.shard_bytes(t, {"stage": 1, "tp": tp}) for t in trees]
-    share, extra = loading_bytes(cfg, dtype, expert_weights, mesh_shape)
+    shares, extra = loading_bytes(cfg, dtype, expert_weights, mesh_shape)
     transient = capacity * kv_formats.get_format(cc.kv_format).bytes_per_row if cc.mode == "offload" else 0
     topk = min(cfg.index_topk, capacity)
     rings = step_buffers_bytes(cfg, sessions, topk, output_ring)
@@ -387,8 +381,9 @@ def plan(cfg: ModelConfig, cc: CacheConfig, *, sessions: int, history: int, dtyp
         "per_device": {"params": max(params), "cache": max(device_cache),
                        "cache_parts": parts[largest_cache]["device"], "transient": transient,
                        "step_buffers": rings, "total": max(totals),
-                       # before any cache: the device the weights are made or read on, at their peak
-                       "loading": share + extra},
+                       # before any cache: at the peak of making or reading the weights (the device they are
+                       # made on: the first stage's)
+                       "loading": max(shares[0] + extra, max(shares))},
         "per_host": {"pool": max(sum(p["host"].values()) for p in parts),
                      "pool_replicas": (per_host_devices if stages == 1 else tp) if cc.mode == "offload" else 0,
                      "total": host_total(parts)},

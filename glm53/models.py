@@ -76,6 +76,10 @@ class Model:
             self._digest = checkpoint.params_digest(self.params)
         return self._digest
 
+    def set_params_digest(self, digest: str) -> None:
+        """The digest of the current parameters, computed where they were placed (``glm53.sharding.shard_model``)."""
+        self._digest = digest
+
     # ---- validation shared by every entry point ----
     def check_tokens(self, ids, what: str = "prompt") -> np.ndarray:
         arr = np.asarray(ids)
@@ -169,8 +173,8 @@ def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype
     ``config``: a ``ModelConfig``, or a mapping/ConfigDict of its fields. ``expert_weights="fp8"`` keeps the MoE
     experts in FP8 with 128 x 128 block scales on the device (the same random values, quantised). ``mesh`` (a
     ``glm53.sharding.MeshConfig``, its dict, or a ``jax.sharding.Mesh``) places the parameters on a mesh by
-    ``glm53.sharding``'s rules, each as soon as it is drawn when the mesh has no pipeline stages (a device then
-    holds only its share); engines built on the model put their cache there. ``progress``: a bar over the
+    ``glm53.sharding``'s rules (with pipeline stages each on its stage's devices), each as soon as it is drawn, so
+    a device holds only its share (``glm53.sharding.Placement``); engines built on the model put their cache there. ``progress``: a bar over the
     weights filled (``glm53.progress``: by default once the fill has run 2 s)."""
     if not isinstance(config, ModelConfig):
         if hasattr(config, "to_dict"):
@@ -180,11 +184,11 @@ def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype
     mesh, microbatches = sharding.resolve_mesh(mesh)
     sharding.check_layout(config, mesh)
     _check_cache(config, cache_config)  # before the parameters: initialising a large model takes a while
-    memory.check_weights_fit(config, dtype, expert_weights, _default_device(), "random weights", quantised_whole=True,
-                             mesh=mesh)
-    params = init_params(config, dtype, seed, expert_weights, progress=progress, place=sharding.placer(mesh))
+    memory.check_weights_fit(config, dtype, expert_weights, _default_device(), "random weights", mesh=mesh)
+    placed = sharding.placement(config, dtype, expert_weights, mesh, microbatches)
+    params = init_params(config, dtype, seed, expert_weights, progress=progress, place=placed)
     model = Model(config, params, dtype, cache_config=cache_config)
-    return sharding.shard_model(model, mesh, microbatches)
+    return sharding.shard_model(model, mesh, placed=placed)
 
 
 def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None,
@@ -198,9 +202,8 @@ def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None
     checkpoint's own bytes and block scales; other checkpoints' experts quantised), dequantised inside the grouped
     matmul on the same bf16 operands as dequantising on load: decode reads half the expert bytes (outputs
     bit-identical on the CPU; compiled on a GPU the kernel's summation order may differ). ``mesh``: as in
-    ``from_config``; without pipeline stages each tensor goes to its shards as soon as it is read, so a device
-    holds its share and the tensor being read (with stages the whole model is read onto one device first, then
-    placed). ``mtp=False`` loads without the MTP module (checkpoints re-saved by
+    ``from_config``: each tensor goes to its devices as soon as it is read, so a device holds its share and the
+    tensor being read. ``mtp=False`` loads without the MTP module (checkpoints re-saved by
     transformers keep the config's MTP layer but not its tensors). ``progress``: a bar over the bytes read (True:
     at once; None: once loading has run 2 s; False: none)."""
     dtype = resolve_dtype(dtype)
@@ -215,20 +218,21 @@ def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None
     sharding.check_layout(hf_config, mesh)
     _check_cache(hf_config, cache_config)
     memory.check_weights_fit(hf_config, dtype, expert_weights, _default_device(), f"loading {path}", mesh=mesh)
-    cfg, params, tokenizer = checkpoint.read_hf(path, dtype, expert_weights, mtp=mtp, progress=progress,
-                                                place=sharding.placer(mesh))
+    placed = sharding.placement(hf_config, dtype, expert_weights, mesh, microbatches)
+    cfg, params, tokenizer = checkpoint.read_hf(path, dtype, expert_weights, mtp=mtp, progress=progress, place=placed)
     model = Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer)
-    return sharding.shard_model(model, mesh, microbatches)
+    return sharding.shard_model(model, mesh, placed=placed)
 
 
 def load(directory: str, *, dtype=None, mesh=None) -> Model:
-    """Read a directory written by ``Model.save`` (``mesh``: as in ``from_config``; without pipeline stages orbax
-    restores each parameter straight onto its shards)."""
+    """Read a directory written by ``Model.save`` (``mesh``: as in ``from_config``; orbax restores each parameter
+    straight onto its devices)."""
     mesh, microbatches = sharding.resolve_mesh(mesh)
-    cfg, params, dtype, cache_config, tokenizer = checkpoint.read_native(
-        directory, dtype, check_config=lambda cfg: sharding.check_layout(cfg, mesh), mesh=mesh)
+    cfg, params, dtype, cache_config, tokenizer, placed = checkpoint.read_native(
+        directory, dtype, check_config=lambda cfg: sharding.check_layout(cfg, mesh), mesh=mesh,
+        microbatches=microbatches)
     try:
         model = Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer)
     except ConfigError as e:
         raise checkpoint.CheckpointError(f"{directory}: its cache config cannot work with its model: {e}") from e
-    return sharding.shard_model(model, mesh, microbatches)
+    return sharding.shard_model(model, mesh, placed=placed)

@@ -65,8 +65,25 @@ def quantize_experts(params) -> Any:
 
     flat = dict(flatten_dict(params))
     for path in [p for p in flat if _expert_leaf(p) and flat[p].dtype != jnp.float8_e4m3fn]:
-        flat[path], flat[path[:-1] + (path[-1] + "_scale",)] = _gmm.quantize_blocks(flat[path])
+        flat[path], flat[scale_path(path)] = quantize_leaf(flat[path])
     return unflatten_dict(flat)
+
+
+def quantizes(path, array, expert_weights: str) -> bool:
+    """Whether the weight at ``path`` is one ``expert_weights`` keeps in FP8 and ``array`` is not yet."""
+    return expert_weights == "fp8" and _expert_leaf(path) and array.dtype != jnp.float8_e4m3fn
+
+
+def scale_path(path: tuple) -> tuple:
+    """The path of an FP8 expert weight's block scales."""
+    return path[:-1] + (path[-1] + "_scale",)
+
+
+@jax.jit
+def quantize_leaf(w):
+    # One expert stack at a time, as it is made or read, so the model never exists in both precisions at once (one
+    # program per stack shape: three per model).
+    return _gmm.quantize_blocks(w)
 
 
 def expert_weights_of(params) -> str:
@@ -111,10 +128,10 @@ def init_params(cfg: ModelConfig, dtype, seed: int = 0, expert_weights: str = "m
     """Random parameters: normal(0, initializer_range) matrices, unit norm scales, zero biases (as transformers
     initialises GLM-5). Filled leaf by leaf from the shapes, so the model itself is never compiled for this; leaf
     ``i`` (in sorted path order) draws from ``fold_in(key(seed), i)``. ``expert_weights="fp8"``: the same values,
-    experts then quantised (``quantize_experts``). ``progress``: a bar over the bytes filled (``glm53.progress``:
+    each expert stack quantised as soon as it is drawn (``quantize_leaf``). ``progress``: a bar over the bytes filled (``glm53.progress``:
     by default once the fill has run 2 s; an 8.9B-parameter benchmark model takes minutes on a CPU, which printed
     nothing until it was done). ``place(path, array)``: where each leaf goes as soon as it is drawn
-    (``glm53.sharding.placer``: straight onto its shards)."""
+    (``glm53.sharding.Placement``: straight onto its devices)."""
     if expert_weights not in EXPERT_WEIGHTS:
         raise ValueError(f"expert_weights must be one of {EXPERT_WEIGHTS}, got {expert_weights!r}")
     from flax.traverse_util import flatten_dict, unflatten_dict
@@ -136,13 +153,17 @@ def init_params(cfg: ModelConfig, dtype, seed: int = 0, expert_weights: str = "m
                 out[path] = jnp.zeros(s.shape, s.dtype)
             else:
                 out[path] = _normal_leaf(key, np.int32(i), scale, shape=tuple(s.shape), dtype=jnp.dtype(s.dtype))
-            if place is not None:
-                out[path] = place(path, out[path])
-            if not bar.disable:  # the bar counts filled bytes, not dispatched ones
-                out[path].block_until_ready()
+            made = [path]
+            if quantizes(path, out[path], expert_weights):
+                out[path], out[scale_path(path)] = quantize_leaf(out[path])
+                made.append(scale_path(path))
+            for p in made:
+                if place is not None:
+                    out[p] = place(p, out[p])
+                if not bar.disable:  # the bar counts filled bytes, not dispatched ones
+                    out[p].block_until_ready()
             bar.update(_leaf_bytes(s))
-    params = unflatten_dict(out)
-    return jax.jit(quantize_experts)(params) if expert_weights == "fp8" else params
+    return unflatten_dict(out)
 
 
 def num_params(params) -> int:

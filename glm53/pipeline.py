@@ -22,7 +22,10 @@ allocator is unchanged and each stage's history lives in the host memory of that
 
 **Placement.** The embedding is on the first stage; the final norm, the LM head and the MTP layer on the last, which
 also holds a copy of the embedding where the MTP layer or a tied head reads it. Layers are split where the stages'
-parameter bytes are most even (``split_layers``).
+parameter bytes are most even (``split_layers``), decided from the parameters' shapes, so the model's constructors
+put each weight on its stage as soon as it is drawn or read (``Pipeline.place_leaf``), and orbax restores each
+there (``restore_sharding``): no device ever holds the whole model (GLM-5 in FP8 is 720 GiB; a stage of 8 on
+H200s holds at most 94 GiB of it).
 
 **Bit-identical to one device** for stage-only layouts (``tp = 1``) with whole batches (``microbatches = 1``): every
 stage runs exactly the operations the whole model runs on its layers, in the same order, on the same bytes.
@@ -365,21 +368,101 @@ class Pipeline:
         """Cache layers of each stage (a host pool page of stage s holds ``copyback_every`` rows of each)."""
         return tuple(len(ls) for ls in self.layers)
 
-    def place(self, params):
-        """``params`` with every parameter on its stage's devices, split over ``tp`` by ``glm53.sharding``'s rules.
-        With several processes each process places what its stages hold (the others' are global arrays it holds
-        no part of): every process starts from the same full parameters."""
-        from glm53 import sharding  # sharding imports this module
+    # ---- weights ----
+    def leaf_sharding(self, path: tuple[str, ...], shape) -> NamedSharding:
+        """Where the parameter at ``path`` (a tuple of keys) of ``shape`` goes: its stage's devices, split over the
+        stage's ``tp`` by ``glm53.sharding``'s rules."""
+        name = "/".join(path)
+        return sharding.leaf_sharding(name, shape, self.stages[owner(name, self.stage_of_layer, self.count)].mesh)
 
-        def put(key, value, stage):  # one top-level entry on a stage's mesh, by the rules
-            entry = {key: value}
-            return jax.device_put(entry, sharding.param_shardings(entry, self.stages[stage].mesh))[key]
-
-        if needs_embed_copy(self.cfg, self.count):
-            self._embed_copy = put("embed_tokens", params["embed_tokens"], self.count - 1)
-        placed = {k: put(k, v, owner(k, self.stage_of_layer, self.count)) for k, v in params.items()}
-        self._split = (placed, None)
+    def place_leaf(self, path: tuple[str, ...], array):
+        """One parameter put on its stage's devices as soon as it is drawn or read (``glm53.sharding.Placement``),
+        and the embedding also on the last stage where that one reads it. The layers' split is decided from the
+        parameters' shapes (``Pipeline`` may be built from ``ShapeDtypeStruct``s), so no device ever holds more
+        than its stage's share and the weight being made: a whole GLM-5 (720 GiB in FP8) on one device first, as
+        placing a made model needs, fits no GPU. With several processes every process makes every weight and puts
+        it on its stage, the other processes' stages included (as ``place`` does)."""
+        placed = jax.device_put(array, self.leaf_sharding(path, array.shape))
+        if tuple(path) == ("embed_tokens",) and needs_embed_copy(self.cfg, self.count):
+            self._embed_copy = jax.device_put(array, self._last_embedding_sharding(array.shape))
         return placed
+
+    def _last_embedding_sharding(self, shape) -> NamedSharding:
+        return sharding.leaf_sharding("embed_tokens", shape, self.stages[-1].mesh)
+
+    def place(self, params):
+        """``params`` (made on one device) with every parameter on its stage's devices (``place_leaf``). With
+        several processes each process places what its stages hold (the others' are global arrays it holds no part
+        of): every process starts from the same full parameters."""
+        flat = jax.tree_util.tree_map_with_path(
+            lambda keys, x: self.place_leaf(tuple(sharding.key_names(keys)), x), params)
+        return self.take(flat)
+
+    def take(self, params):
+        """``params`` as the model's, each already on its stage (``place_leaf``, or ``restored``)."""
+        if needs_embed_copy(self.cfg, self.count) and self._embed_copy is None:
+            raise ValueError("the embedding was never placed: no copy of it on the last stage")
+        self._split = (params, None)
+        return params
+
+    def restore_sharding(self, path: tuple[str, ...], shape) -> NamedSharding:
+        """Where orbax restores the parameter at ``path`` (``glm53.checkpoint.read_native``): its stage's devices,
+        and for an embedding the last stage reads too, the first and the last stage's devices at once (split in
+        two by ``restored``), so it is read once."""
+        if tuple(path) == ("embed_tokens",) and needs_embed_copy(self.cfg, self.count):
+            pair = Mesh(self.mesh.devices[[0, self.count - 1]], self.mesh.axis_names)
+            return sharding.leaf_sharding("embed_tokens", shape, pair)
+        return self.leaf_sharding(path, shape)
+
+    def restored(self, params):
+        """``params`` as orbax restored them onto ``restore_sharding``: the embedding's two copies taken apart
+        (each stage's devices keep theirs; a process holds the copies of its own stages only)."""
+        if not needs_embed_copy(self.cfg, self.count):
+            return params
+        both = params["embed_tokens"]
+        data = {shard.device: shard.data for shard in both.addressable_shards}
+
+        def part(sh: NamedSharding):
+            mine = [data[d] for d in sh.mesh.devices.flat if d in data]
+            return jax.make_array_from_single_device_arrays(both.shape, sh, mine, dtype=both.dtype)
+
+        self._embed_copy = part(self._last_embedding_sharding(both.shape))
+        return {**params, "embed_tokens": part(self.leaf_sharding(("embed_tokens",), both.shape))}
+
+    def cast(self, params, shapes):
+        """``params`` in the dtypes of ``shapes`` (``glm53.load(dtype=...)``), each cast on its stage's devices.
+        With several processes a process casts its stages' parameters only: the others' are global arrays of the
+        new dtype it holds no part of (a program on devices all of another process is not this process's to run)."""
+        def one(x, s):
+            if x.dtype == s.dtype:
+                return x
+            if x.addressable_shards:
+                return x.astype(s.dtype)
+            return jax.make_array_from_single_device_arrays(x.shape, x.sharding, [], dtype=s.dtype)
+
+        params = jax.tree_util.tree_map(one, params, shapes)
+        if self._embed_copy is not None:
+            self._embed_copy = one(self._embed_copy, shapes["embed_tokens"])
+        return params
+
+    def params_digest(self, params) -> str:
+        """``glm53.checkpoint.params_digest`` of ``params``, the same in every process. With several processes a
+        process holds only its stages' parameters, so each stage's leaves' first values are sent to every process
+        (one collective per stage, ``publish``)."""
+        from glm53 import checkpoint  # checkpoint reads configs and weights; it needs nothing of the pipeline
+
+        if not self.multiprocess:
+            return checkpoint.params_digest(params)
+        leaves = jax.tree_util.tree_leaves_with_path(params)
+        heads = {}
+        for s in range(self.count):
+            mine = [(jax.tree_util.keystr(k), x) for k, x in leaves
+                    if owner("/".join(sharding.key_names(k)), self.stage_of_layer, self.count) == s]
+            shapes = [jax.ShapeDtypeStruct((min(checkpoint.DIGEST_VALUES, x.size),), x.dtype) for _, x in mine]
+            tree = [checkpoint.digest_head(x, self.stages[s].replicated) for _, x in mine] if self.local[s] else None
+            for (name, _), h in zip(mine, self.publish(tree, shapes, s)):
+                heads[name] = np.asarray(h.addressable_data(0))
+        return checkpoint.params_digest(params, heads=heads)
 
     def stage_params(self, params) -> list[dict]:
         """Each stage's parameters (the last's with its copy of the embedding), for the parameters given (kept

@@ -181,8 +181,13 @@ def shard_bytes(params, mesh_shape: Mapping[str, int]) -> int:
     return total
 
 
+def key_names(keys) -> list[str]:
+    """The names of a ``jax.tree_util`` key path (``DictKey("layers_3")`` -> "layers_3")."""
+    return [str(getattr(k, "key", getattr(k, "name", k))) for k in keys]
+
+
 def _path(keys) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in keys)
+    return "/".join(key_names(keys))
 
 
 def param_shardings(params, mesh: Mesh):
@@ -204,20 +209,65 @@ def resolve_mesh(mesh: Mesh | MeshConfig | Mapping[str, Any] | None) -> tuple[Me
     return make_mesh(mc), mc.microbatches
 
 
-def placer(mesh: Mesh | None):
-    """For a mesh without pipeline stages, ``place(path, array)``: one parameter (its path a tuple of keys) put
-    straight onto its shards. The constructors place each weight as it is drawn or read, so no device ever holds
-    more than its share of the model and the weight being made (GLM-5 in FP8, ~750 GB, could not otherwise load
-    onto a mesh of H200s: the whole model went to one device first). None without a mesh, and with stages: the
-    pipeline places each stage's layers by its own plan (``glm53.pipeline.Pipeline.place``) once they exist."""
-    if not places_as_made(mesh):
-        return None
-    return lambda path, array: jax.device_put(array, leaf_sharding("/".join(path), array.shape, mesh))
+class Placement:
+    """Where each weight of a model goes on ``mesh``, decided from the config's parameter shapes before any weight
+    exists, so the constructors put each one there as soon as it is drawn or read (``placement(path, array)``) and
+    orbax restores each straight there (``restore_target``): no device ever holds more than its share of the model
+    and the weight being made. GLM-5 in FP8 (~750 GB) could not otherwise load onto a mesh of H200s (141 GB each):
+    the whole model went to one device first.
+
+    Without pipeline stages a weight goes to its shards over the whole mesh by the rules. With stages the split of
+    layers is the pipeline's (``glm53.pipeline.Pipeline``, built here from the shapes, then the model's): a weight
+    goes to its stage's devices, split over that stage's ``tp``, and the embedding also to the last stage where its
+    MTP layer or tied head reads it. ``dtype``: the model's (with stages the split follows the bytes in it)."""
+
+    def __init__(self, cfg, dtype, expert_weights: str, mesh: Mesh, microbatches: int = 1):
+        self.mesh = mesh
+        self.pipeline = None
+        if mesh.shape["stage"] > 1:
+            from glm53 import pipeline  # pipeline imports the steps, which import the model
+            from glm53.params import param_shapes
+
+            self.pipeline = pipeline.Pipeline(cfg, dtype, mesh, param_shapes(cfg, dtype, expert_weights),
+                                              microbatches=microbatches)
+
+    def __call__(self, path: tuple[str, ...], array):
+        """One weight (``path`` its keys) put onto its devices."""
+        if self.pipeline is not None:
+            return self.pipeline.place_leaf(tuple(path), array)
+        return jax.device_put(array, leaf_sharding("/".join(path), array.shape, self.mesh))
+
+    def restore_target(self, shapes):
+        """``shapes`` (``ShapeDtypeStruct``s) carrying the shardings orbax restores each parameter onto."""
+        def one(keys, s):
+            path = tuple(key_names(keys))
+            where = (self.pipeline.restore_sharding(path, s.shape) if self.pipeline is not None
+                     else leaf_sharding("/".join(path), s.shape, self.mesh))
+            return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where)
+        return jax.tree_util.tree_map_with_path(one, shapes)
+
+    def restored(self, params):
+        """``params`` as orbax restored them onto ``restore_target``, ready to be the model's."""
+        return params if self.pipeline is None else self.pipeline.restored(params)
+
+    def cast(self, params, shapes):
+        """``params`` in the dtypes of ``shapes``, each cast where it lies."""
+        if self.pipeline is not None:
+            return self.pipeline.cast(params, shapes)
+        return jax.tree_util.tree_map(lambda p, s: p.astype(s.dtype), params, shapes)
+
+    def params_digest(self, params) -> str:
+        """``glm53.checkpoint.params_digest`` of the placed ``params``, the same in every process."""
+        from glm53 import checkpoint
+
+        if self.pipeline is not None:
+            return self.pipeline.params_digest(params)
+        return checkpoint.params_digest(params)
 
 
-def places_as_made(mesh: Mesh | None) -> bool:
-    """Whether the weights go onto ``mesh`` as they are made or read (``placer``): a mesh without pipeline stages."""
-    return mesh is not None and mesh.shape["stage"] == 1
+def placement(cfg, dtype, expert_weights: str, mesh: Mesh | None, microbatches: int = 1) -> Placement | None:
+    """The ``Placement`` of a model's weights on ``mesh``; None without one (the weights stay where they are made)."""
+    return None if mesh is None else Placement(cfg, dtype, expert_weights, mesh, microbatches)
 
 
 def check_model(cfg, mesh: Mesh) -> None:
@@ -251,27 +301,38 @@ def check_layout(cfg, mesh: Mesh | MeshConfig | Mapping[str, Any] | None) -> Non
         check_model(cfg, mesh)
 
 
-def shard_model(model, mesh: Mesh | MeshConfig | Mapping[str, Any] | None, microbatches: int | None = None):
+def shard_model(model, mesh: Mesh | MeshConfig | Mapping[str, Any] | None, microbatches: int | None = None, *,
+                placed: Placement | None = None):
     """``model`` with its parameters placed on ``mesh`` by the rules (``model.mesh`` set; engines built on it put
-    their cache there; parameters already on their shards, as ``placer`` puts them, stay where they are). A
-    ``MeshConfig`` / dict is made into a mesh first; None or one device returns the model unchanged.
-    ``microbatches``: for a ``Mesh`` with stages (a ``MeshConfig`` carries its own)."""
-    mesh, own = resolve_mesh(mesh)
-    microbatches = microbatches or own
-    if mesh is None:
-        return model
-    check_model(model.config, mesh)
-    if mesh.shape["stage"] > 1:
+    their cache there). A ``MeshConfig`` / dict is made into a mesh first; None or one device returns the model
+    unchanged. ``microbatches``: for a ``Mesh`` with stages (a ``MeshConfig`` carries its own). ``placed``: the
+    ``Placement`` the constructors put the parameters on its mesh with, as they were made or read (nothing moves)."""
+    if placed is not None:
+        mesh = placed.mesh
+    else:
+        mesh, own = resolve_mesh(mesh)
+        microbatches = microbatches or own
+        if mesh is None:
+            return model
+        check_model(model.config, mesh)
+        placed = Placement(model.config, model.dtype, model.expert_weights, mesh, microbatches)
+        if placed.pipeline is not None:
+            model.params = placed.pipeline.place(model.params)
+        else:
+            model.params = jax.device_put(model.params, param_shardings(model.params, mesh))
+    pipe = placed.pipeline
+    if pipe is not None:
         from glm53 import pipeline  # pipeline imports the steps, which import the model
-        # Before placement, while every process holds every parameter (sessions' saves carry the digest; with
-        # several processes a stage's weights are then on one process only).
-        model.params_digest()
-        pipe = pipeline.Pipeline(model.config, model.dtype, mesh, model.params, microbatches=microbatches)
-        model.params = pipe.place(model.params)
+
+        if pipe.cfg != model.config:
+            raise ValueError("the weights were placed for another model config than the model's")
+
+        model.params = pipe.take(model.params)
         model.steps = pipeline.PipelineSteps(pipe, model.module)
         model.pipeline = pipe
-    else:
-        model.params = jax.device_put(model.params, param_shardings(model.params, mesh))
+        # Now, once: with several processes a stage's weights lie in one process (Model.params_digest's own
+        # reading of every tensor needs them all in each); sessions' saves carry the digest.
+        model.set_params_digest(placed.params_digest(model.params))
     model.mesh = mesh
     return model
 

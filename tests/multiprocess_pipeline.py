@@ -1,7 +1,9 @@
 """A session's life on pipeline stages spanning several processes (run by tests/test_distributed.py through
 experiments.launch), or on one device for the baseline: open, generate (MTP or not), a long append, fork,
 rollback, save, restore into a fresh engine, stats; in offload mode the generate calls record a selection trace.
-Process 0 writes the tokens, the logits and the trace.
+Then the model's own save (``Model.save``, written by the one-device baseline beside DIR: model-save) read back onto the
+layout by ``glm53.load``, in its dtype and in bfloat16: its digest, and a session decoded on it. Process 0 writes the
+tokens, the logits, the trace and the digests.
 
     python -m experiments.launch --processes=2 --devices_per_process=8 -- \
         python tests/multiprocess_pipeline.py OUT DIR CONFIG STAGES TP MODE MTP KV_FORMAT
@@ -52,6 +54,16 @@ def main(out: str, directory: str, config: str, stages: str, tp: str, mode: str,
     got = r.restore(directory)
     restored = r.generate({got: 4}, mtp=mtp)[got]
     stats = e.stats(a)
+    # The model's save, restored straight onto the stages (each process reading its stages' weights): its digest
+    # (each stage's weights' first values sent to every process), in its dtype and cast, and a session on it.
+    native = os.path.join(os.path.dirname(directory), "model-save")
+    if stages * tp == 1:  # the baseline, run first
+        model.save(native)
+    loaded = glm53.load(native, mesh=mesh)
+    cast = glm53.load(native, mesh=mesh, dtype="bfloat16")
+    on_loaded = glm53.Engine(loaded, max_sessions=1)
+    s = on_loaded.open(rng.integers(0, 256, 30).tolist())
+    loaded_out = on_loaded.generate({s: 4}, mtp=mtp)[s]
     if distributed.is_writer():
         arrays = {f"{i}_{sid}": np.asarray(v) for i, run in enumerate(logits) for sid, v in run.items()}
         np.savez(out + ".npz", **arrays)
@@ -62,7 +74,10 @@ def main(out: str, directory: str, config: str, stages: str, tp: str, mode: str,
                        "outs": [{str(k): v for k, v in o.items()} for o in outs], "restored": restored,
                        "hits": stats.get("hits"), "misses": stats.get("misses"),
                        "layers": len(stats["per_layer"]["hits"]) if mode == "offload" else None,
-                       "memory": e.memory_report()["device"]}, f)
+                       "memory": e.memory_report()["device"], "digest": model.params_digest(),
+                       "loaded_digest": loaded.params_digest(), "cast_digest": cast.params_digest(),
+                       "cast_dtypes": sorted({str(x.dtype) for x in jax.tree_util.tree_leaves(cast.params)}),
+                       "loaded_out": loaded_out}, f)
 
 
 if __name__ == "__main__":

@@ -163,8 +163,8 @@ def test_free_bytes_of_a_cpu_is_the_hosts_available_memory():
 def test_weights_that_cannot_fit_are_refused_before_the_first_is_made(monkeypatch):
     """Random weights larger than the device's free memory: one ConfigError naming both sizes, before any
     parameter exists (it ran until the allocator or the OOM killer stopped the process; a checkpoint's: test_api).
-    Weights that fit, or a device that reports nothing, go ahead; random FP8 experts count both copies the
-    quantisation holds."""
+    Weights that fit, or a device that reports nothing, go ahead; random FP8 experts count the FP8 model and the
+    one expert stack being quantised in the model's dtype."""
     from glm53 import params as params_lib
 
     def no_weights(*a, **k):
@@ -189,9 +189,15 @@ def test_weights_that_cannot_fit_are_refused_before_the_first_is_made(monkeypatc
               for x in jax.tree_util.tree_leaves(params_lib.param_shapes(CFG, "bfloat16", "fp8")))
     bf16 = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
                for x in jax.tree_util.tree_leaves(params_lib.param_shapes(CFG, "bfloat16")))
-    monkeypatch.setattr(memory, "free_bytes", lambda device: fp8 + bf16 - 1)
+    # each expert stack is quantised as soon as it is drawn: the FP8 model and the largest stack in bfloat16
+    stack = max(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                for x in jax.tree_util.tree_leaves(params_lib.param_shapes(CFG, "bfloat16")))
+    assert fp8 + stack < bf16
+    monkeypatch.setattr(memory, "free_bytes", lambda device: fp8 + stack - 1)
     with pytest.raises(glm53.ConfigError, match="experts fp8"):
         glm53.from_config(CFG, dtype="bfloat16", expert_weights="fp8")
+    monkeypatch.setattr(memory, "free_bytes", lambda device: fp8 + stack)
+    assert glm53.from_config(CFG, dtype="bfloat16", expert_weights="fp8").expert_weights == "fp8"
 
 
 def test_free_memory_problem_per_accelerator_and_for_the_shared_host():

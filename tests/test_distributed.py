@@ -105,13 +105,18 @@ def _pipeline_run(tmp_path, name: str, processes: int, devices: int, *args):
 def test_pipeline_stages_across_two_processes(tmp_path, config, devices, stages, tp, mode, mtp):
     """Pipeline stages spanning 2 processes: generate, a long append, fork, rollback, save and restore, against one
     process on one device: the same tokens, hits and misses; logits bit-identical for stage-only layouts (within
-    1e-5 relative with tp > 1)."""
+    1e-5 relative with tp > 1). The weights placed on their stages as they are drawn, and a model's save restored
+    onto them, have the one device's digest."""
     # float32 rows where tp > 1: quantised rows would turn a split reduction's last-bit differences into whole steps
     kv = "q8g64" if tp == 1 else "f32"
     one, one_logits = _pipeline_run(tmp_path, "one", 1, 1, config, 1, 1, mode, mtp, kv)
     two, two_logits = _pipeline_run(tmp_path, "two", 2, devices, config, stages, tp, mode, mtp, kv)
     assert (two["processes"], two["devices"]) == (2, 2 * devices)
     assert two["outs"] == one["outs"] and two["restored"] == one["restored"]
+    # the model's save restored onto the stages (each process its own): the same weights, in its dtype and cast
+    assert two["digest"] == two["loaded_digest"] == one["digest"] == one["loaded_digest"]
+    assert two["cast_digest"] == one["cast_digest"] != one["digest"] and "bfloat16" in two["cast_dtypes"]
+    assert two["loaded_out"] == one["loaded_out"]
     assert two_logits.keys() == one_logits.keys()
     for k in one_logits:
         if tp == 1:

@@ -96,21 +96,25 @@ def test_session_counts_are_exact():
 @pytest.mark.devices(2)
 def test_plan_says_whether_the_weights_can_be_loaded():
     """The peak while the weights are made or read, as the constructors' check counts it (memory.weights_need):
-    with pipeline stages the whole model on one device, which a plan whose every stage fits can exceed; with tensor
-    parallelism each device its share, the one they are made on the largest weight twice more."""
+    each device its share (with stages its stage's), the one they are made on (the first stage's) the largest weight
+    twice more; one device its parameters."""
     from glm53.params import nbytes, param_shapes
 
     cc = CacheConfig(kv_format="f32", prefill_chunk=16)
     whole = nbytes(param_shapes(CFG, jnp.float32))
-    staged = memory.plan(CFG, cc, sessions=1, history=32, dtype=jnp.float32, mesh_shape={"stage": 2, "tp": 1})
-    assert staged["per_device"]["loading"] == whole > staged["per_device"]["total"]
-    p = memory.plan(CFG, cc, sessions=1, history=32, dtype=jnp.float32, mesh_shape={"stage": 2, "tp": 1},
-                    device_bytes=staged["per_device"]["total"])
-    assert p["fits_device"] and not p["fits_loading"]
-    split = memory.plan(CFG, cc, sessions=1, history=32, dtype=jnp.float32, mesh_shape={"stage": 1, "tp": 2})
-    needs = memory.weights_need(CFG, jnp.float32, "model", jax.local_devices()[0],
-                                mesh=sharding.make_mesh(glm53.MeshConfig(tp=2)))
-    assert split["per_device"]["loading"] == needs[0][1] > needs[1][1] == split["per_device"]["params"]
+    largest = max(nbytes(x) for x in jax.tree_util.tree_leaves(param_shapes(CFG, jnp.float32)))
+    for stages, tp in ((2, 1), (1, 2)):
+        split = memory.plan(CFG, cc, sessions=1, history=32, dtype=jnp.float32,
+                            mesh_shape={"stage": stages, "tp": tp})
+        needs = memory.weights_need(CFG, jnp.float32, "model", jax.local_devices()[0],
+                                    mesh=sharding.make_mesh(glm53.MeshConfig(stages=stages, tp=tp)))
+        first = split["stages"][0]["params"] if stages > 1 else split["per_device"]["params"]
+        assert needs[0][1] == first + 2 * largest and all(n == first for _, n in needs[1:tp])
+        assert split["per_device"]["loading"] == max(n for _, n in needs) < whole
+        for device_bytes in (split["per_device"]["loading"], split["per_device"]["loading"] - 1):
+            p = memory.plan(CFG, cc, sessions=1, history=32, dtype=jnp.float32,
+                            mesh_shape={"stage": stages, "tp": tp}, device_bytes=device_bytes)
+            assert p["fits_loading"] == (device_bytes == split["per_device"]["loading"])
     one = memory.plan(CFG, cc, sessions=1, history=32, dtype=jnp.float32)
     assert one["per_device"]["loading"] == one["per_device"]["params"] == whole
 

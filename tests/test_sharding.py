@@ -5,12 +5,14 @@ so tokens must be identical to one device and float32 logits within 1e-5 relativ
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import glm53
 from glm53 import sharding
+from glm53.pipeline import needs_embed_copy
 from glm53.config import CacheConfig, ConfigError
 from engine_common import MESH_CFG as CFG
 
@@ -259,56 +261,62 @@ def test_fp8_pallas_experts_split_with_their_block_scales():
     assert close(runs[1].logits, runs[0].logits) < 1e-5
 
 
-def test_weights_go_to_their_shards_as_they_are_made_or_read(tmp_path, monkeypatch):
-    """Without pipeline stages every weight is placed on its shards as soon as it is drawn or read (GLM-5 in FP8,
-    ~750 GB, could not otherwise load onto a mesh: the whole model went to one device first): random weights, an HF
-    checkpoint and an FP8 one kept in FP8 (expert stacks and block scales) hold the same values as on one device,
-    each leaf placed once with the sharding the rules give it, the first before the last tensor is read; a native
-    save restored by orbax onto its shards."""
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(stages=2, tp=2)])
+def test_weights_go_to_their_devices_as_they_are_made_or_read(tmp_path, monkeypatch, layout):
+    """Every weight is placed on its devices as soon as it is drawn or read (GLM-5 in FP8, ~750 GB, could not
+    otherwise load onto a mesh: the whole model went to one device first), with tensor parallelism and with pipeline
+    stages: random weights, an HF checkpoint and an FP8 one kept in FP8 (expert stacks and block scales) hold the
+    same values and digest as on one device, each leaf placed once where the layout puts it (its shards; with stages
+    its stage's, the embedding also on the last stage, which reads it for the MTP layer), the first before the last
+    tensor is read; a native save restored by orbax onto those devices, in its dtype and in another."""
     import os
     import sys
 
     from flax.traverse_util import flatten_dict
 
     from glm53 import checkpoint
+    from glm53.params import param_shapes
 
     sys.path.insert(0, os.path.dirname(__file__))
     from hf_reference import write_fp8_checkpoint
 
     write_fp8_checkpoint(str(tmp_path))
     events = []
-    real_placer, real_read = sharding.placer, checkpoint._read
+    real_place, real_read = sharding.Placement.__call__, checkpoint._read
 
-    def recording_placer(mesh):
-        place = real_placer(mesh)
-        if place is None:
-            return None
-
-        def recording(path, array):
-            out = place(path, array)
-            events.append(("place", path, out.sharding))
-            return out
-        return recording
+    def recording_place(self, path, array):
+        out = real_place(self, path, array)
+        events.append(("place", tuple(path), out.sharding))
+        return out
 
     def recording_read(*args, **kwargs):
         events.append(("read",))
         return real_read(*args, **kwargs)
 
-    monkeypatch.setattr(sharding, "placer", recording_placer)
+    def where(model, path, shape):  # where the layout puts a weight
+        if model.pipeline is not None:
+            return model.pipeline.leaf_sharding(path, shape)
+        return sharding.leaf_sharding("/".join(path), shape, model.mesh)
+
+    monkeypatch.setattr(sharding.Placement, "__call__", recording_place)
     monkeypatch.setattr(checkpoint, "_read", recording_read)
     makers = {"random": lambda mesh: glm53.from_config(CFG, seed=0, dtype="float32", mesh=mesh),
               "hf": lambda mesh: glm53.from_pretrained(str(tmp_path), dtype="float32", mesh=mesh),
               "fp8": lambda mesh: glm53.from_pretrained(str(tmp_path), dtype="bfloat16", expert_weights="fp8",
                                                         mesh=mesh)}
+    mesh = glm53.MeshConfig(**layout)
+    copies, models = 0, {}
     for name, make in makers.items():
-        one = flatten_dict(make(None).params)
+        first = make(None)
+        one = flatten_dict(first.params)
         events.clear()
-        model = make(glm53.MeshConfig(tp=2))
+        model = models[name] = make(mesh)
         got = flatten_dict(model.params)
         assert got.keys() == one.keys(), name
         for path, leaf in got.items():
             assert np.asarray(leaf).tobytes() == np.asarray(one[path]).tobytes(), (name, path)
-            assert leaf.sharding == sharding.leaf_sharding("/".join(path), leaf.shape, model.mesh), (name, path)
+            assert leaf.sharding == where(model, path, leaf.shape), (name, path)
+        assert model.params_digest() == first.params_digest(), name
         placed = [e for e in events if e[0] == "place"]
         assert sorted(p for _, p, _ in placed) == sorted(got), name  # each leaf once, as it was made
         assert all(s == got[p].sharding for _, p, s in placed), name
@@ -316,31 +324,62 @@ def test_weights_go_to_their_shards_as_they_are_made_or_read(tmp_path, monkeypat
         if name != "random":
             reads = [i for i, e in enumerate(events) if e[0] == "read"]
             assert events.index(placed[0]) < reads[-1], name
+        if model.pipeline is not None:  # the last stage's own copy of the embedding, and nothing else moved
+            copies += needs_embed_copy(model.config, 2)
+            if needs_embed_copy(model.config, 2):
+                copy = model.pipeline.stage_params(model.params)[-1]["embed_tokens"]
+                assert set(copy.sharding.device_set) == set(model.pipeline.stages[-1].mesh.devices.flat), name
+                assert np.asarray(copy).tobytes() == np.asarray(one[("embed_tokens",)]).tobytes(), name
+            devices = [set(s.device_set) for _, _, s in placed]
+            assert all(d <= set(st.mesh.devices.flat) for d in devices for st in model.pipeline.stages
+                       if d & set(st.mesh.devices.flat)), name  # no weight spans two stages
     assert any(str(p[-1]).endswith("_scale") for _, p, _ in placed)  # the FP8 checkpoint's scales, placed too
-    # a native save: orbax restores every parameter onto its shards (the FP8 model's, scales and all)
+    # a native save: orbax restores every parameter onto its devices (the FP8 model's, scales and all)
     import orbax.checkpoint as ocp
 
-    model.save(str(tmp_path / "native"))
     targets = []
-    real_restore = ocp.StandardCheckpointer.restore
+    real_restore = ocp.PyTreeCheckpointer.restore
 
-    def recording_restore(self, directory, target=None, **kwargs):
-        targets.append(target)
-        return real_restore(self, directory, target, **kwargs)
+    def recording_restore(self, directory, *args, **kwargs):
+        targets.append(kwargs["args"].item)
+        return real_restore(self, directory, *args, **kwargs)
 
-    monkeypatch.setattr(ocp.StandardCheckpointer, "restore", recording_restore)
-    loaded = glm53.load(str(tmp_path / "native"), mesh=glm53.MeshConfig(tp=2))
-    (target,) = targets
-    want = flatten_dict(model.params)
-    for path, leaf in flatten_dict(loaded.params).items():
-        assert np.asarray(leaf).tobytes() == np.asarray(want[path]).tobytes(), path
-        assert leaf.sharding == want[path].sharding == flatten_dict(target)[path].sharding, path
+    monkeypatch.setattr(ocp.PyTreeCheckpointer, "restore", recording_restore)
+    # the random model (float32, with an MTP layer) and the FP8 one (bfloat16), each in its dtype and in the other
+    for name, other in (("random", jnp.bfloat16), ("fp8", jnp.float32)):
+        model = models[name]
+        model.save(str(tmp_path / name))
+        want = flatten_dict(model.params)
+        copy = needs_embed_copy(model.config, 2 if model.pipeline is not None else 1)
+        for dtype in (None, other):
+            targets.clear()
+            loaded = glm53.load(str(tmp_path / name), mesh=mesh, dtype=dtype)
+            (target,) = targets
+            target = flatten_dict(target)
+            dtypes = flatten_dict(param_shapes(model.config, dtype or model.dtype, model.expert_weights))
+            assert dtype is None or any(want[p].dtype != s.dtype for p, s in dtypes.items())
+            for path, leaf in flatten_dict(loaded.params).items():
+                assert leaf.dtype == dtypes[path].dtype, (name, path)
+                assert np.asarray(leaf).tobytes() == np.asarray(want[path].astype(leaf.dtype)).tobytes(), path
+                assert leaf.sharding == want[path].sharding, (name, path)
+                if path != ("embed_tokens",) or not copy:
+                    assert target[path].sharding == leaf.sharding, (name, path)
+            if copy:  # the embedding read once onto the first and the last stage, then taken apart
+                stages = loaded.pipeline.stages
+                assert set(target[("embed_tokens",)].sharding.device_set) == (
+                    set(stages[0].mesh.devices.flat) | set(stages[-1].mesh.devices.flat))
+                last = loaded.pipeline.stage_params(loaded.params)[-1]["embed_tokens"]
+                assert set(last.sharding.device_set) == set(stages[-1].mesh.devices.flat)
+                assert np.asarray(last).tobytes() == np.asarray(loaded.params["embed_tokens"]).tobytes()
+            if dtype is None:
+                assert loaded.params_digest() == model.params_digest()
+    assert copies == (1 if "stages" in layout else 0)
 
 
 def test_a_mesh_counts_each_devices_share_of_the_weights(monkeypatch):
     """The weights' memory check on a mesh: each device its share, the device they are made on also the largest
     weight twice; CPU devices share the host's memory, so there a mesh needs more, not less (counted together);
-    with pipeline stages the whole model is made on one device first."""
+    with pipeline stages each device its stage's share, which a device of the model's stages holds."""
     from glm53 import memory
     from glm53 import params as params_lib
 
@@ -354,8 +393,16 @@ def test_a_mesh_counts_each_devices_share_of_the_weights(monkeypatch):
     assert all(n == share for _, n in needs[1:]) and needs[0][1] == share + 2 * largest
     assert whole / 4 <= share < whole and 4 * share >= whole  # replicated norms and latents count on every device
     assert memory.weights_need(CFG, "float32", "model", dev) == [(dev, whole)]
+    # with stages each device its stage's share (the last stage's with its copy of the embedding)
     staged = sharding.make_mesh(glm53.MeshConfig(stages=2, tp=2))
-    assert memory.weights_need(CFG, "float32", "model", dev, mesh=staged) == [(dev, whole)]
+    model = glm53.from_config(CFG, seed=0, dtype="float32", mesh=staged)
+    parts = model.pipeline.stage_params(model.params)
+    held = [sum(sum(s.data.nbytes for s in x.addressable_shards if s.device == d)
+                for x in jax.tree_util.tree_leaves(parts[i])) for i, row in enumerate(staged.devices) for d in row]
+    need = memory.weights_need(CFG, "float32", "model", dev, mesh=staged)
+    assert [d for d, _ in need] == list(staged.devices.flat)
+    assert [n for _, n in need] == [held[0] + 2 * largest] + held[1:]
+    assert held[2] > held[0] and sum(held) > whole  # the embedding twice, the norms and latents on every device
     # the host holds every CPU device's share: enough for the model on one device is too little for the mesh
     monkeypatch.setattr(memory, "host_available_bytes", lambda: whole)
     monkeypatch.setattr(memory, "free_bytes", lambda device: whole)
