@@ -212,15 +212,28 @@ def _tensor_index(files: list[str]) -> dict[str, _Stored]:
     return index
 
 
-def _read(stored: _Stored, name: str) -> jax.Array:
+def _read(stored: _Stored, name: str) -> np.ndarray:
+    """The tensor's bytes in its file, memory-mapped: nothing is read until they are used."""
     dt = _TENSOR_DTYPES[stored.dtype]
     try:
         if stored.end == stored.start:
-            return jnp.zeros(stored.shape, dt)
+            return np.zeros(stored.shape, dt)
         data = np.memmap(stored.file, dtype=np.uint8, mode="r", offset=stored.start, shape=(stored.end - stored.start,))
-        return jnp.asarray(data.view(dt).reshape(stored.shape))
+        return data.view(dt).reshape(stored.shape)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read tensor {name} from {stored.file}: {e}") from e
+
+
+@functools.partial(jax.jit, static_argnames=("transpose", "dequantise_to", "dtype"))
+def _arranged(x, raw_scale, *, transpose: bool, dequantise_to, dtype):
+    # A tensor as read made the model's in one program (block scales applied, last two axes swapped, cast), so the
+    # device holds it as read and as kept, never a transposed or cast copy beside both: the memory check counts the
+    # largest weight twice. Dequantising is per element, so the same values before or after the swap.
+    if raw_scale is not None:
+        x = _dequant_fp8_block(x, raw_scale, dequantise_to)
+    if transpose:
+        x = jnp.swapaxes(x, -1, -2)
+    return x.astype(dtype)
 
 
 def _dequant_fp8_block(w: jax.Array, scale_inv: jax.Array, dtype) -> jax.Array:
@@ -241,6 +254,23 @@ def _check_fp8_pair(name: str, weight: _Stored, scale: _Stored | None) -> None:
     if scale.shape != want:
         raise CheckpointError(f"tensor {name}{_SCALE_SUFFIX}: shape {scale.shape}, but {name} {weight.shape} in "
                               f"{SCALE_BLOCK} x {SCALE_BLOCK} blocks needs {want}")
+
+
+def stored_itemsize(path: str) -> int | None:
+    """The element width (bytes) of an HF-format directory's largest tensor, from the files' headers: a weight is on
+    the device as read beside its model-dtype copy while it is made the model's (``glm53.memory.loading_bytes``),
+    and float32 weights read into a bfloat16 model take three bytes an element more than two. None where the files
+    cannot be read: ``read_hf`` says why, once it has checked the tokenizer (found in a second, not after a memory
+    check of weights that are not there)."""
+    try:
+        index = _tensor_index(_weight_files(path)[0])
+    except CheckpointError:
+        return None
+    stored = [st for st in index.values() if st.dtype in _TENSOR_DTYPES]
+    if not stored:
+        return None
+    largest = max(stored, key=lambda st: st.end - st.start)
+    return np.dtype(_TENSOR_DTYPES[largest.dtype]).itemsize
 
 
 def read_hf_config(path: str) -> ModelConfig:
@@ -310,8 +340,9 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
     with ``model.safetensors.index.json``; per-expert tensor names (``mlp.experts.E.gate_proj.weight``) as published
     and as transformers' ``save_pretrained`` writes them, or fused ``mlp.experts.gate_up_proj``.
 
-    Tensors stream one at a time from the memory-mapped files to the device (an expert stack is assembled per
-    layer), so the model is never held twice. A ``tokenizer.json`` beside the weights is read and checked first.
+    Tensors stream one at a time from the memory-mapped files to the device (each expert stack assembled in host
+    memory, then sent whole), each made the model's in one program (transposed, dequantised, cast), so the device
+    holds the model once plus one tensor as read and as kept. A ``tokenizer.json`` beside the weights is read and checked first.
     ``mtp=False`` loads without the MTP module (``num_nextn_predict_layers`` 0; its layer's tensors skipped):
     checkpoints re-saved by transformers keep the config's MTP layer but drop its tensors. ``progress``: a bar over
     the bytes read (``glm53.progress``).
@@ -358,8 +389,7 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
 
     expected = {k: v for k, v in flatten_dict(param_shapes(cfg, dtype)).items()}
     loaded: dict[tuple[str, ...], jax.Array] = {}
-    experts: dict[tuple[str, ...], dict[int, jax.Array]] = {}
-    fp8_experts: dict[tuple[str, ...], dict[int, tuple[jax.Array, jax.Array]]] = {}  # expert_weights="fp8"
+    experts: dict[tuple[str, ...], dict[int, tuple]] = {}  # per layer stack: expert -> (weight, scales, name)
 
     def keep(path_, arr):
         made = [(path_, arr)]
@@ -369,23 +399,34 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
         for p, a in made:
             loaded[p] = a if place is None else place(p, a)
 
-    def put(path_, arr, name, finite_checked=False):
+    def put(path_, t, name, *, transpose=False, raw_scale=None, names=None):
+        """Tensor ``t`` (memory-mapped, or already on the device; FP8 with ``raw_scale``) as the parameter at
+        ``path_``: its last two axes swapped with ``transpose``, dequantised, cast, checked finite (``names``: of
+        a stack's tensors, to name a bad one)."""
         want = expected.get(path_)
         if want is None:
             unexpected.append(name)
             return
-        if tuple(arr.shape) != tuple(want.shape):
-            raise CheckpointError(f"tensor {name}: shape {tuple(arr.shape)} (after layout conversion) does not match "
+        shape = tuple(t.shape[:-2]) + tuple(t.shape[-2:][::-1]) if transpose else tuple(t.shape)
+        if shape != tuple(want.shape):
+            raise CheckpointError(f"tensor {name}: shape {shape} (after layout conversion) does not match "
                                   f"the model's {tuple(want.shape)} for parameter {'/'.join(path_)}; does "
                                   "config.json describe these weights?")
         if path_ in loaded:
             raise CheckpointError(f"tensor {name} appears twice in the checkpoint")
-        if not finite_checked:
-            _check_finite(arr, name)
-        keep(path_, arr.astype(want.dtype))
+        try:
+            arr = _arranged(jnp.asarray(t), None if raw_scale is None else jnp.asarray(raw_scale),
+                            transpose=transpose, dequantise_to=dtype, dtype=want.dtype)
+        except Exception as e:
+            if raw_scale is None:
+                raise
+            raise CheckpointError(f"cannot dequantise tensor {name} with its block scales: {e}") from e
+        _check_stack_finite(arr, names) if names else _check_finite(arr, name)
+        keep(path_, arr)
 
     def expert(name, stack, e, t, raw_scale):
-        """One expert's [out, in] weight, checked as it arrives (the stack it joins is built when all have)."""
+        """One expert's [out, in] weight (memory-mapped, with its block scales in an FP8 checkpoint), checked as it
+        arrives; the layer's stack is built once all its experts have (``keep_stack``)."""
         want = expected.get(stack)
         if want is None:
             unexpected.append(name)
@@ -394,25 +435,35 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
             raise CheckpointError(f"tensor {name} ({index[name].file}): shape {tuple(t.shape)}, but the model's "
                                   f"experts are [out, in] = {tuple(want.shape[1:][::-1])}; does config.json describe "
                                   "these weights?")
-        if stack in loaded or e in experts.get(stack, {}) or e in fp8_experts.get(stack, {}):
+        if stack in loaded or e in experts.get(stack, {}):
             raise CheckpointError(f"tensor {name}: expert {e} of {'/'.join(stack)} appears twice in the checkpoint")
-        _check_finite(t, name)
-        E = cfg.n_routed_experts
-        # Each layer's stack is built as soon as all its experts have arrived: one layer's experts exist twice, briefly.
-        if raw_scale is not None:  # [out, in] e4m3 and [out/128, in/128]: our layout is [in, out]
-            parts = fp8_experts.setdefault(stack, {})
-            parts[e] = (t.T, raw_scale.astype(jnp.float32).T)
-            if len(parts) == E:
-                del fp8_experts[stack]
-                keep(stack, jnp.stack([parts[k][0] for k in range(E)]))
-                keep(stack[:-1] + (stack[-1] + "_scale",), jnp.stack([parts[k][1] for k in range(E)]))
-        else:
-            parts = experts.setdefault(stack, {})
-            parts[e] = t.T
-            if len(parts) == E:
-                del experts[stack]
-                put(stack, jnp.stack([parts[k] for k in range(E)]), f"{'/'.join(stack)} (stacked experts)",
-                    finite_checked=True)
+        parts = experts.setdefault(stack, {})
+        parts[e] = (t, raw_scale, name)
+        if len(parts) == cfg.n_routed_experts:
+            del experts[stack]
+            keep_stack(stack, [parts[k] for k in range(cfg.n_routed_experts)])
+
+    def keep_stack(stack, parts):
+        """A layer's expert stack, assembled in host memory from the memory-mapped files and sent to the device
+        whole. A layer's three stacks arrive interleaved, expert by expert: kept on the device as they arrived, up
+        to four stacks' bytes would be there at once (three in parts, one stacked), more than the memory check's
+        largest weight twice; this way the device holds one stack as read and as kept beside its share."""
+        names = [n for _, _, n in parts]
+        if len({sc is None for _, sc, _ in parts}) > 1:
+            raise CheckpointError(f"{'/'.join(stack)}: some experts are stored in FP8 with block scales and some are "
+                                  f"not ({names[0]}, {names[-1]}, ...): one checkpoint mixes two formats")
+        w = np.stack([t for t, _, _ in parts])  # [E, out, in]: read from the files here
+        scales = None if parts[0][1] is None else np.stack([sc for _, sc, _ in parts])
+        label = f"{'/'.join(stack)} (stacked experts)"
+        if scales is None or expert_weights != "fp8":
+            put(stack, w, label, transpose=True, raw_scale=scales, names=names)
+            return
+        # kept as stored: e4m3 and one f32 scale per 128 x 128 block
+        for path_, x, ns in ((stack, w, names), (scale_path(stack), scales, [n + _SCALE_SUFFIX for n in names])):
+            x = _arranged(jnp.asarray(x), None, transpose=True, dequantise_to=None,
+                          dtype=x.dtype if x is w else np.float32)
+            _check_stack_finite(x, ns)
+            keep(path_, x)
 
     def check_fused(name, t, want):
         # Whole, before slicing: a misshaped stack would fail inside jnp, or split into a wrong but plausible half.
@@ -449,18 +500,11 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
                 if target is None:
                     unexpected.append(name)
                     continue
-            t = _read(stored, name)
-            raw_scale = None
-            if scale is not None:
-                raw_scale = _read(scale, name + _SCALE_SUFFIX)
-                if not (m and expert_weights == "fp8"):
-                    try:
-                        t, raw_scale = _dequant_fp8_block(t, raw_scale, dtype), None
-                    except Exception as e:
-                        raise CheckpointError(f"cannot dequantise tensor {name} with its block scales: {e}") from e
+            t = _read(stored, name)  # memory-mapped
+            raw_scale = None if scale is None else _read(scale, name + _SCALE_SUFFIX)
+            em = _EXPERT_RE.search(name) if m else None
             if m:
                 prefix = (f"layers_{i}",) if i < N else ("mtp_layer", "block")
-                em = _EXPERT_RE.search(name)
                 if em:
                     e, kind = int(em.group(1)), em.group(2)
                     if e >= cfg.n_routed_experts:
@@ -470,17 +514,16 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
                 elif m.group(2) == "gate_up_proj":  # fused [E, 2I, H] as transformers holds it in memory
                     I = cfg.moe_intermediate_size
                     check_fused(name, t, (cfg.n_routed_experts, 2 * I, cfg.hidden_size))
-                    put(prefix + ("mlp", "experts_gate_proj"), jnp.transpose(t[:, :I], (0, 2, 1)), name)
-                    put(prefix + ("mlp", "experts_up_proj"), jnp.transpose(t[:, I:], (0, 2, 1)), name)
+                    put(prefix + ("mlp", "experts_gate_proj"), t[:, :I], name, transpose=True)
+                    put(prefix + ("mlp", "experts_up_proj"), t[:, I:], name, transpose=True)
                 elif m.group(2) == "down_proj":
                     check_fused(name, t, (cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size))
-                    put(prefix + ("mlp", "experts_down_proj"), jnp.transpose(t, (0, 2, 1)), name)
+                    put(prefix + ("mlp", "experts_down_proj"), t, name, transpose=True)
                 else:
                     unexpected.append(name)
                 continue
             p, transpose = target
-            put(p, t.T if transpose else t, name)
-    experts.update(fp8_experts)
+            put(p, t, name, transpose=transpose, raw_scale=raw_scale)
     for p, parts in experts.items():
         missing_e = sorted(set(range(cfg.n_routed_experts)) - set(parts))
         raise CheckpointError(f"parameter {'/'.join(p)}: experts {missing_e[:8]} missing from the checkpoint "
@@ -515,6 +558,13 @@ def _read_tokenizer(tok_path: str, cfg: ModelConfig, config_file: str) -> Tokeni
     return tokenizer
 
 
+def _check_stack_finite(stack, names: list[str]) -> None:
+    """``_check_finite`` of a stack of tensors ``names`` (one per leading index), naming the first bad one."""
+    if jnp.issubdtype(stack.dtype, jnp.floating) and not bool(jnp.isfinite(stack).all()):
+        first = int(jnp.argmin(jnp.isfinite(stack).reshape(stack.shape[0], -1).all(axis=1)))
+        _check_finite(stack[first], names[first])
+
+
 def _check_finite(arr, name: str) -> None:
     """Corrupted tensor bytes load without complaint and surface much later as non-finite logits: refuse them
     here, naming the tensor."""
@@ -537,18 +587,13 @@ def _replicated_head(x, *, n: int, replicated):
     return jax.lax.with_sharding_constraint(x.reshape(-1)[:n], replicated)
 
 
-def digest_head(x, replicated: jax.sharding.NamedSharding):
-    """The first ``DIGEST_VALUES`` values of ``x``, replicated over ``replicated``'s devices (a pipeline stage's:
-    ``glm53.pipeline.Pipeline.params_digest`` sends them from there to every process)."""
-    return _replicated_head(x, n=DIGEST_VALUES, replicated=replicated)
-
-
 def _head(x):
     """The first ``DIGEST_VALUES`` values of ``x``, readable by every process: on a mesh spanning several processes
     a process holds only its shards, so the slice is taken replicated over the mesh first."""
     sh = getattr(x, "sharding", None)
     if isinstance(sh, jax.sharding.NamedSharding) and not x.is_fully_addressable:
-        return digest_head(x, jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec()))
+        replicated = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
+        return _replicated_head(x, n=DIGEST_VALUES, replicated=replicated)
     return x.reshape(-1)[:DIGEST_VALUES]
 
 

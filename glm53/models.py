@@ -217,7 +217,8 @@ def from_pretrained(path: str, *, dtype="bfloat16", kv_format: str | None = None
     mesh, microbatches = sharding.resolve_mesh(mesh)
     sharding.check_layout(hf_config, mesh)
     _check_cache(hf_config, cache_config)
-    memory.check_weights_fit(hf_config, dtype, expert_weights, _default_device(), f"loading {path}", mesh=mesh)
+    memory.check_weights_fit(hf_config, dtype, expert_weights, _default_device(), f"loading {path}", mesh=mesh,
+                             read_itemsize=checkpoint.stored_itemsize(path))
     placed = sharding.placement(hf_config, dtype, expert_weights, mesh, microbatches)
     cfg, params, tokenizer = checkpoint.read_hf(path, dtype, expert_weights, mtp=mtp, progress=progress, place=placed)
     model = Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer)

@@ -447,22 +447,34 @@ class Pipeline:
 
     def params_digest(self, params) -> str:
         """``glm53.checkpoint.params_digest`` of ``params``, the same in every process. With several processes a
-        process holds only its stages' parameters, so each stage's leaves' first values are sent to every process
-        (one collective per stage, ``publish``)."""
+        process holds only its stages' parameters, so each leaf's first values are sent from its stage to every
+        process. Each process first takes the heads of its own stages (one program a stage), then one collective
+        program sends them all: a process waiting in a collective while the other still compiles its part gives
+        up after 30 s (gloo's context set-up), which per-stage collectives after uneven work had reached."""
         from glm53 import checkpoint  # checkpoint reads configs and weights; it needs nothing of the pipeline
 
         if not self.multiprocess:
             return checkpoint.params_digest(params)
-        leaves = jax.tree_util.tree_leaves_with_path(params)
-        heads = {}
-        for s in range(self.count):
-            mine = [(jax.tree_util.keystr(k), x) for k, x in leaves
-                    if owner("/".join(sharding.key_names(k)), self.stage_of_layer, self.count) == s]
-            shapes = [jax.ShapeDtypeStruct((min(checkpoint.DIGEST_VALUES, x.size),), x.dtype) for _, x in mine]
-            tree = [checkpoint.digest_head(x, self.stages[s].replicated) for _, x in mine] if self.local[s] else None
-            for (name, _), h in zip(mine, self.publish(tree, shapes, s)):
-                heads[name] = np.asarray(h.addressable_data(0))
-        return checkpoint.params_digest(params, heads=heads)
+        leaves = [(jax.tree_util.keystr(k), x, owner("/".join(sharding.key_names(k)), self.stage_of_layer,
+                                                      self.count)) for k, x in jax.tree_util.tree_leaves_with_path(params)]
+        n = checkpoint.DIGEST_VALUES
+        shapes = [jax.ShapeDtypeStruct((min(n, x.size),), x.dtype) for _, x, _ in leaves]
+        heads: list = [None] * len(leaves)
+        for st in self.stages:
+            if st.local:
+                mine = [i for i, (_, _, s) in enumerate(leaves) if s == st.index]
+                take = jax.jit(lambda *xs: tuple(x.reshape(-1)[:n] for x in xs), out_shardings=st.replicated)
+                for i, h in zip(mine, take(*(leaves[i][1] for i in mine))):
+                    heads[i] = h
+        glob = [jax.make_array_from_single_device_arrays((self.count, *sds.shape),
+                                                         NamedSharding(self.mesh, P("stage")),
+                                                         self._blocks(self.mesh, {s}, h, sds))
+                for (_, _, s), h, sds in zip(leaves, heads, shapes)]
+        owners = [s for _, _, s in leaves]
+        publish = jax.jit(lambda *a: tuple(v[s] for v, s in zip(a, owners)),
+                          out_shardings=NamedSharding(self.mesh, P()))
+        return checkpoint.params_digest(params, heads={name: np.asarray(h.addressable_data(0))
+                                                       for (name, _, _), h in zip(leaves, publish(*glob))})
 
     def stage_params(self, params) -> list[dict]:
         """Each stage's parameters (the last's with its copy of the embedding), for the parameters given (kept

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import glm53
-from glm53 import sharding
+from glm53 import memory, sharding
 from glm53.pipeline import needs_embed_copy
 from glm53.config import CacheConfig, ConfigError
 from engine_common import MESH_CFG as CFG
@@ -224,7 +224,6 @@ def test_pallas_experts_use_their_own_slice_on_a_mesh(one_device):
     """The Pallas grouped matmul has no partitioning rule, so on tp=2 the MoE calls it per device on that device's
     slice of the experts' width (shard_map) and sums the partial outputs: no step gathers an expert weight whole
     (what GSPMD does to a custom call's operands), and tokens equal one device's (logits within 1e-5)."""
-    from glm53 import memory
 
     mesh = sharding.make_mesh(glm53.MeshConfig(tp=2))
     text = memory.lower_step(CFG, CC, sessions=2, history=64, dtype="float32", mesh=mesh,
@@ -245,7 +244,6 @@ def test_fp8_pallas_experts_split_with_their_block_scales():
     the experts' width (an expert width of 256 here), so no FP8 weight is gathered, and tokens equal one device's."""
     import dataclasses
 
-    from glm53 import memory
 
     cfg = dataclasses.replace(CFG, moe_intermediate_size=256)
     mesh = sharding.make_mesh(glm53.MeshConfig(tp=2))
@@ -284,9 +282,16 @@ def test_weights_go_to_their_devices_as_they_are_made_or_read(tmp_path, monkeypa
     events = []
     real_place, real_read = sharding.Placement.__call__, checkpoint._read
 
+    dev0 = jax.local_devices()[0]  # where the weights are made
+
+    def on_dev0() -> int:  # bytes of distinct buffers (a shard's .data is another live array of the same buffer)
+        held = {s.data.unsafe_buffer_pointer(): s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards
+                if s.device == dev0}
+        return sum(held.values())
+
     def recording_place(self, path, array):
         out = real_place(self, path, array)
-        events.append(("place", tuple(path), out.sharding))
+        events.append(("place", tuple(path), out.sharding, on_dev0()))
         return out
 
     def recording_read(*args, **kwargs):
@@ -308,19 +313,27 @@ def test_weights_go_to_their_devices_as_they_are_made_or_read(tmp_path, monkeypa
     copies, models = 0, {}
     for name, make in makers.items():
         first = make(None)
-        one = flatten_dict(first.params)
+        one = {p: np.asarray(x) for p, x in flatten_dict(first.params).items()}
+        first_digest, whole = first.params_digest(), sum(x.nbytes for x in one.values())
+        del first
         events.clear()
+        before = on_dev0()
         model = models[name] = make(mesh)
         got = flatten_dict(model.params)
         assert got.keys() == one.keys(), name
         for path, leaf in got.items():
-            assert np.asarray(leaf).tobytes() == np.asarray(one[path]).tobytes(), (name, path)
+            assert np.asarray(leaf).tobytes() == one[path].tobytes(), (name, path)
             assert leaf.sharding == where(model, path, leaf.shape), (name, path)
-        assert model.params_digest() == first.params_digest(), name
+        assert model.params_digest() == first_digest, name
         placed = [e for e in events if e[0] == "place"]
-        assert sorted(p for _, p, _ in placed) == sorted(got), name  # each leaf once, as it was made
-        assert all(s == got[p].sharding for _, p, s in placed), name
-        assert any(s.spec != P() for _, _, s in placed), name  # something was split
+        assert sorted(p for _, p, _, _ in placed) == sorted(got), name  # each leaf once, as it was made
+        assert all(s == got[p].sharding for _, p, s, _ in placed), name
+        assert any(s.spec != P() for _, _, s, _ in placed), name  # something was split
+        # the device the weights are made on held at most what the memory check counts for it, less than the model
+        (need,) = [n for d, n in memory.weights_need(model.config, model.dtype, model.expert_weights, dev0,
+                                                     mesh=model.mesh) if d == dev0]
+        peak = max(b for *_, b in placed) - before
+        assert peak <= need < whole, (name, peak, need, whole)
         if name != "random":
             reads = [i for i, e in enumerate(events) if e[0] == "read"]
             assert events.index(placed[0]) < reads[-1], name
@@ -329,11 +342,11 @@ def test_weights_go_to_their_devices_as_they_are_made_or_read(tmp_path, monkeypa
             if needs_embed_copy(model.config, 2):
                 copy = model.pipeline.stage_params(model.params)[-1]["embed_tokens"]
                 assert set(copy.sharding.device_set) == set(model.pipeline.stages[-1].mesh.devices.flat), name
-                assert np.asarray(copy).tobytes() == np.asarray(one[("embed_tokens",)]).tobytes(), name
-            devices = [set(s.device_set) for _, _, s in placed]
+                assert np.asarray(copy).tobytes() == one[("embed_tokens",)].tobytes(), name
+            devices = [set(s.device_set) for _, _, s, _ in placed]
             assert all(d <= set(st.mesh.devices.flat) for d in devices for st in model.pipeline.stages
                        if d & set(st.mesh.devices.flat)), name  # no weight spans two stages
-    assert any(str(p[-1]).endswith("_scale") for _, p, _ in placed)  # the FP8 checkpoint's scales, placed too
+    assert any(str(p[-1]).endswith("_scale") for _, p, _, _ in placed)  # the FP8 checkpoint's scales, placed too
     # a native save: orbax restores every parameter onto its devices (the FP8 model's, scales and all)
     import orbax.checkpoint as ocp
 
@@ -380,7 +393,6 @@ def test_a_mesh_counts_each_devices_share_of_the_weights(monkeypatch):
     """The weights' memory check on a mesh: each device its share, the device they are made on also the largest
     weight twice; CPU devices share the host's memory, so there a mesh needs more, not less (counted together);
     with pipeline stages each device its stage's share, which a device of the model's stages holds."""
-    from glm53 import memory
     from glm53 import params as params_lib
 
     mesh = sharding.make_mesh(glm53.MeshConfig(tp=4))
@@ -402,6 +414,14 @@ def test_a_mesh_counts_each_devices_share_of_the_weights(monkeypatch):
     need = memory.weights_need(CFG, "float32", "model", dev, mesh=staged)
     assert [d for d, _ in need] == list(staged.devices.flat)
     assert [n for _, n in need] == [held[0] + 2 * largest] + held[1:]
+    # reading float32 weights into a bfloat16 model: the largest as read (4 bytes an element) beside its copy (2)
+    shapes16 = params_lib.param_shapes(CFG, "bfloat16")
+    elements = max(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes16))
+    read = memory.weights_need(CFG, "bfloat16", "model", dev, mesh=staged, read_itemsize=4)
+    plain = memory.weights_need(CFG, "bfloat16", "model", dev, mesh=staged)
+    assert read[0][1] - plain[0][1] == 2 * elements and read[1:] == plain[1:]
+    assert memory.weights_need(CFG, "bfloat16", "model", dev, read_itemsize=4)[0][1] == (
+        params_lib.nbytes(shapes16) + 4 * elements)  # one device: the model and the largest as read
     assert held[2] > held[0] and sum(held) > whole  # the embedding twice, the norms and latents on every device
     # the host holds every CPU device's share: enough for the model on one device is too little for the mesh
     monkeypatch.setattr(memory, "host_available_bytes", lambda: whole)
