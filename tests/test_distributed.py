@@ -116,7 +116,16 @@ def test_pipeline_stages_across_two_processes(tmp_path, config, devices, stages,
     # the model's save restored onto the stages (each process its own): the same weights, in its dtype and cast
     assert two["digest"] == two["loaded_digest"] == one["digest"] == one["loaded_digest"]
     assert two["cast_digest"] == one["cast_digest"] != one["digest"] and "bfloat16" in two["cast_dtypes"]
-    assert two["loaded_out"] == one["loaded_out"]
+    # every byte: the two processes' parameters together are the one device's (the embedding's copy on the last
+    # stage too), drawn, restored and cast
+    base = json.loads((tmp_path / "one.json.p0.weights.json").read_text())
+    parts = [json.loads((tmp_path / f"two.json.p{i}.weights.json").read_text()) for i in (0, 1)]
+    for name in ("model", "loaded", "cast"):
+        held = {**parts[0][name], **parts[1][name]}
+        assert set(parts[0][name]) != set(held) != set(parts[1][name]), name  # each process holds a part
+        copy = held.pop("['last_stage_embedding']", None)
+        assert held == base[name], name
+        assert copy == held["['params']['embed_tokens']"], name  # both configs have an MTP layer
     assert two_logits.keys() == one_logits.keys()
     for k in one_logits:
         if tp == 1:
