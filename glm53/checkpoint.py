@@ -342,7 +342,8 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
 
     Tensors stream one at a time from the memory-mapped files to the device (each expert stack assembled in host
     memory, then sent whole), each made the model's in one program (transposed, dequantised, cast), so the device
-    holds the model once plus one tensor as read and as kept. A ``tokenizer.json`` beside the weights is read and checked first.
+    holds the model once plus one tensor as read and as kept. A ``tokenizer.json`` beside the weights is read and
+    checked first.
     ``mtp=False`` loads without the MTP module (``num_nextn_predict_layers`` 0; its layer's tensors skipped):
     checkpoints re-saved by transformers keep the config's MTP layer but drop its tensors. ``progress``: a bar over
     the bytes read (``glm53.progress``).

@@ -174,8 +174,8 @@ def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype
     experts in FP8 with 128 x 128 block scales on the device (the same random values, quantised). ``mesh`` (a
     ``glm53.sharding.MeshConfig``, its dict, or a ``jax.sharding.Mesh``) places the parameters on a mesh by
     ``glm53.sharding``'s rules (with pipeline stages each on its stage's devices), each as soon as it is drawn, so
-    a device holds only its share (``glm53.sharding.Placement``); engines built on the model put their cache there. ``progress``: a bar over the
-    weights filled (``glm53.progress``: by default once the fill has run 2 s)."""
+    a device holds only its share (``glm53.sharding.Placement``); engines built on the model put their cache there.
+    ``progress``: a bar over the weights filled (``glm53.progress``: by default once the fill has run 2 s)."""
     if not isinstance(config, ModelConfig):
         if hasattr(config, "to_dict"):
             config = config.to_dict()

@@ -455,8 +455,8 @@ class Pipeline:
 
         if not self.multiprocess:
             return checkpoint.params_digest(params)
-        leaves = [(jax.tree_util.keystr(k), x, owner("/".join(sharding.key_names(k)), self.stage_of_layer,
-                                                      self.count)) for k, x in jax.tree_util.tree_leaves_with_path(params)]
+        leaves = [(jax.tree_util.keystr(k), x, owner("/".join(sharding.key_names(k)), self.stage_of_layer, self.count))
+                  for k, x in jax.tree_util.tree_leaves_with_path(params)]
         n = checkpoint.DIGEST_VALUES
         shapes = [jax.ShapeDtypeStruct((min(n, x.size),), x.dtype) for _, x, _ in leaves]
         heads: list = [None] * len(leaves)
