@@ -106,7 +106,7 @@ def test_pipeline_stages_across_two_processes(tmp_path, config, devices, stages,
     """Pipeline stages spanning 2 processes: generate, a long append, fork, rollback, save and restore, against one
     process on one device: the same tokens, hits and misses; logits bit-identical for stage-only layouts (within
     1e-5 relative with tp > 1). The weights placed on their stages as they are drawn, and a model's save restored
-    onto them, have the one device's digest."""
+    onto them (in its dtype and cast), have the one device's digest and bytes."""
     # float32 rows where tp > 1: quantised rows would turn a split reduction's last-bit differences into whole steps
     kv = "q8g64" if tp == 1 else "f32"
     one, one_logits = _pipeline_run(tmp_path, "one", 1, 1, config, 1, 1, mode, mtp, kv)
