@@ -4,8 +4,6 @@ breakdown is the engine's own memory report (one source of truth)."""
 import importlib
 import json
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +14,7 @@ import glm53
 from glm53 import memory
 from glm53.config import CacheConfig, ModelConfig
 from engine_common import MESH_CFG as CFG
+import python_runner
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -51,8 +50,8 @@ def test_session_bytes_are_the_engines_per_slot_bytes(mode, index_keys):
 
 def test_capacity_entry_point(tmp_path):
     out = tmp_path / "cap.json"
-    p = subprocess.run([sys.executable, "-m", "experiments.capacity", "--history=50000,1048576", f"--out={out}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = python_runner.run(["-m", "experiments.capacity", "--history=50000,1048576", f"--out={out}"],
+                          cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert all(f["matches_article"] for f in r["article"]) and "DIFFERS" not in p.stdout
@@ -62,9 +61,9 @@ def test_capacity_entry_point(tmp_path):
 
 
 def test_capacity_for_given_sizes():
-    p = subprocess.run([sys.executable, "-m", "experiments.capacity", "--config=configs/h200_bench.py",
-                        "--history=1048576", "--machine=custom", "--devices=1", "--device_gib=139", "--host_gib=125",
-                        "--sessions=16"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = python_runner.run(["-m", "experiments.capacity", "--config=configs/h200_bench.py",
+                          "--history=1048576", "--machine=custom", "--devices=1", "--device_gib=139", "--host_gib=125",
+                          "--sessions=16"], cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "16 sessions on custom: 1 devices x 139.0 GiB, 125.0 GiB per host" in p.stdout
     # h200_bench's cache is resident: no host pool to fit, said so (it printed "fits None, at most None")
@@ -121,8 +120,7 @@ def test_the_library_accounting_refuses_what_no_engine_could_be(kw, message):
 def test_capacity_refuses_what_no_engine_could_be(args, message):
     """A history that is no token count (a traceback before), a history or session count of zero, an offload cache
     the engine refuses (counted as if it could run before): each a one-line error naming the problem."""
-    p = subprocess.run([sys.executable, "-m", "experiments.capacity", "--config=configs/tiny.py", *args], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    p = python_runner.run(["-m", "experiments.capacity", "--config=configs/tiny.py", *args], cwd=ROOT, timeout=300)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert message in p.stderr, p.stderr[-2000:]
 
@@ -130,8 +128,8 @@ def test_capacity_refuses_what_no_engine_could_be(args, message):
 def test_capacity_records_its_command(tmp_path):
     """The JSON records the command that made it beside the git revision, as every other entry point's does."""
     out = tmp_path / "cap.json"
-    p = subprocess.run([sys.executable, "-m", "experiments.capacity", "--config=configs/tiny.py", "--history=100",
-                        f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = python_runner.run(["-m", "experiments.capacity", "--config=configs/tiny.py", "--history=100",
+                          f"--out={out}"], cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["git"]["commit"] and r["command"] == (f"python -m experiments.capacity --config=configs/tiny.py "
@@ -146,8 +144,7 @@ def test_capacity_refuses_a_layout_it_cannot_plan_in_one_line():
     for args, what in [(["--machine=custom", "--devices=3", "--device_gib=1", "--host_gib=1"],
                         "mesh.tp=3 does not divide num_attention_heads=4"),
                        (["--config.mesh.stages=2"], "--config.mesh.stages=2: experiments.capacity counts")]:
-        p = subprocess.run([sys.executable, "-m", "experiments.capacity", "--config=configs/tiny.py", *args],
-                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+        p = python_runner.run(["-m", "experiments.capacity", "--config=configs/tiny.py", *args], cwd=ROOT, timeout=120)
         assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
         assert what in p.stderr.strip().splitlines()[-1], p.stderr[-1000:]
 

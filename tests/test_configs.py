@@ -5,12 +5,11 @@ import glob
 import importlib
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 import glm53
+import python_runner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
@@ -83,9 +82,8 @@ def test_h200_bench_fits_one_h200():
 
 
 def _run_generate(*extra, config=("--config=configs/tiny.py",)):
-    cmd = [sys.executable, "-m", "experiments.generate", *config, "--config.run.max_new_tokens=3",
-           "--config.run.prompt_len=20", "--config.run.batch=1", *extra]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return python_runner.run(["-m", "experiments.generate", *config, "--config.run.max_new_tokens=3",
+                              "--config.run.prompt_len=20", "--config.run.batch=1", *extra], cwd=ROOT, timeout=300)
 
 
 def test_generate_entry_point_with_overrides(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 from glm53 import distributed
 from glm53.config import ConfigError
 from experiments.launch import free_port, xla_flags_with_devices
+import python_runner
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARGS = ["--config=configs/tiny.py", "--config.model.num_attention_heads=16", "--config.dtype=float32",
@@ -22,7 +23,12 @@ ARGS = ["--config=configs/tiny.py", "--config.model.num_attention_heads=16", "--
 
 
 def _run(cmd, env=None):
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    """``cmd`` (a ``python`` command line) run to success. The launcher runs as a real interpreter: its processes are
+    what this file tests; a one-process baseline is forked (tests/python_runner.py)."""
+    if cmd[1:3] == ["-m", "experiments.launch"]:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    else:
+        p = python_runner.run(cmd[1:], cwd=ROOT, timeout=900, env=env)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     return p
 

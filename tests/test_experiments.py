@@ -5,8 +5,6 @@ import json
 import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -14,6 +12,7 @@ import pytest
 
 from experiments import compare_profiles
 from kernels_pallas import ops
+import python_runner
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # configs/tiny.py cut to its first two layers (dense + MoE, a full and a shared indexer; MTP kept): every code path
@@ -33,8 +32,8 @@ def tiny(module):
 
 
 def _run(module, *args, env=None):
-    p = subprocess.run([sys.executable, "-m", module, *tiny(module), *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600, env=None if env is None else {**os.environ, **env})
+    p = python_runner.run(["-m", module, *tiny(module), *args], cwd=ROOT, timeout=600,
+                          env=None if env is None else {**os.environ, **env})
     assert p.returncode == 0, p.stderr[-3000:]
     return p
 
@@ -131,8 +130,7 @@ def test_profile_decode(tmp_path):
 
 
 def _bench(module, *args):
-    p = subprocess.run([sys.executable, "-m", module, "--tiny", *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
+    p = python_runner.run(["-m", module, "--tiny", *args], cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
 
 
@@ -409,9 +407,8 @@ def test_sessions_1m_ab_on_stages(tmp_path):
 
 def test_sessions_1m_refuses_what_host_ram_cannot_hold(tmp_path):
     out = tmp_path / "refused.json"
-    p = subprocess.run([sys.executable, "-m", "experiments.sessions_1m", *tiny("experiments.sessions_1m"),
-                        "--host_margin_gib=1e9",
-                        f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    p = python_runner.run(["-m", "experiments.sessions_1m", *tiny("experiments.sessions_1m"),
+                          "--host_margin_gib=1e9", f"--out={out}"], cwd=ROOT, timeout=600)
     assert p.returncode == 2 and "host RAM" in p.stderr and "sessions fit" in p.stderr
     report = json.loads(out.read_text())
     assert report["status"] == "refused" and "host RAM" in report["error"]
@@ -443,9 +440,9 @@ def test_hf_prefill(tmp_path):
     import torch  # noqa: F401  (the test extra installs it: CI must run this, not skip it)
     import transformers  # noqa: F401
     out = tmp_path / "hf.json"
-    p = subprocess.run([sys.executable, "-m", "experiments.hf_prefill", "--config=configs/tiny.py",
-                        "--prompt_lens=64", "--chunk=32", "--warmup_tokens=64", "--device=cpu", f"--out={out}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    p = python_runner.run(["-m", "experiments.hf_prefill", "--config=configs/tiny.py",
+                          "--prompt_lens=64", "--chunk=32", "--warmup_tokens=64", "--device=cpu", f"--out={out}"],
+                          cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["torch_device"] == "cpu" and report["model"]["params"] > 0
@@ -471,8 +468,7 @@ def test_generate_refuses_bad_settings_before_building_the_model():
                           (["--config.cache.hot_row=5"],
                            "flag --config.cache.hot_row=5: the config has no field 'hot_row'; did you mean "
                            '"hot_rows"')):
-        p = subprocess.run([sys.executable, "-m", "experiments.generate", *TINY, *args], cwd=ROOT,
-                           capture_output=True, text=True, timeout=600)
+        p = python_runner.run(["-m", "experiments.generate", *TINY, *args], cwd=ROOT, timeout=600)
         assert p.returncode == 1 and "Model(" not in p.stdout and "Traceback" not in p.stderr, p.stderr[-2000:]
         assert re.search(message, "\n".join(p.stderr.strip().splitlines()[-2:])), p.stderr[-2000:]  # absl's flag
         # errors end on a line of their own pointing at --helpshort
@@ -487,34 +483,31 @@ def test_generate_runs_a_checkpoint_and_records_the_model_it_loaded(tmp_path):
     model_dict = dict(tiny.get_config().model, num_hidden_layers=2, indexer_types=("full", "shared"))
     glm53.from_config(glm53.ModelConfig(**model_dict), seed=3, dtype="float32").save(str(tmp_path / "ckpt"))
     out = tmp_path / "gen.json"
-    p = subprocess.run([sys.executable, "-m", "experiments.generate", "--config=configs/tiny.py",
-                        "--config.run.prompt_len=100", "--config.run.batch=1", "--config.run.max_new_tokens=3",
-                        f"--config.checkpoint={tmp_path / 'ckpt'}", f"--config.run.output_json={out}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    p = python_runner.run(["-m", "experiments.generate", "--config=configs/tiny.py",
+                          "--config.run.prompt_len=100", "--config.run.batch=1", "--config.run.max_new_tokens=3",
+                          f"--config.checkpoint={tmp_path / 'ckpt'}", f"--config.run.output_json={out}"],
+                          cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "orbax" not in p.stderr + p.stdout and "Model(2 layers" in p.stdout, p.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["config"]["model"]["num_hidden_layers"] == 4 and report["model"]["num_hidden_layers"] == 2
     # The planner counts the checkpoint's shapes, not the config file's.
-    p = subprocess.run([sys.executable, "-m", "experiments.plan", "--config=configs/tiny.py", "--history=1000",
-                        "--machine=custom", "--devices=2", "--device_gib=1", "--host_gib=1",
-                        f"--config.checkpoint={tmp_path / 'ckpt'}"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
+    p = python_runner.run(["-m", "experiments.plan", "--config=configs/tiny.py", "--history=1000",
+                          "--machine=custom", "--devices=2", "--device_gib=1", "--host_gib=1",
+                          f"--config.checkpoint={tmp_path / 'ckpt'}"], cwd=ROOT, timeout=600)
     assert p.returncode == 0 and p.stdout.startswith("2 layers + 1 MTP"), p.stderr[-3000:] + p.stdout[:500]
 
 
 def test_random_weight_experiments_refuse_a_checkpoint_they_would_ignore():
-    p = subprocess.run([sys.executable, "-m", "experiments.sessions_ab", *tiny("experiments.sessions_ab"),
-                        "--config.checkpoint=/tmp/any_ckpt"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    p = python_runner.run(["-m", "experiments.sessions_ab", *tiny("experiments.sessions_ab"),
+                          "--config.checkpoint=/tmp/any_ckpt"], cwd=ROOT, timeout=600)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert re.search("experiments.sessions_ab: --config.checkpoint=/tmp/any_ckpt: this experiment builds random "
                      "weights", p.stderr.strip().splitlines()[-1]), p.stderr[-2000:]
 
 
 def test_run_notebooks_refuses_a_name_no_notebook_has():
-    p = subprocess.run([sys.executable, "-m", "experiments.run_notebooks", "99_nothing"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    p = python_runner.run(["-m", "experiments.run_notebooks", "99_nothing"], cwd=ROOT, timeout=120)
     assert p.returncode != 0 and "no notebook's name starts with 99_nothing" in p.stderr + p.stdout
 
 
@@ -813,8 +806,7 @@ def test_per_session_tokens_per_s_add_up_to_the_aggregate():
 def test_experiments_refuse_config_overrides_they_would_ignore(module, flag, reads):
     """An override an entry point does not read would have gone into its results' config as if it had run (a
     throughput run at --config.run.mtp=2 decoded at MTP 0): refused at once, on one line naming the flag."""
-    p = subprocess.run([sys.executable, "-m", module, "--config=configs/tiny.py", flag], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    p = python_runner.run(["-m", module, "--config=configs/tiny.py", flag], cwd=ROOT, timeout=300)
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert last.startswith(f"{module}: {flag}: ") and reads in last, last
@@ -839,8 +831,7 @@ def test_sessions_1m_times_its_decode_without_a_progress_bar(tmp_path):
 def test_entry_points_refuse_sessions_longer_than_the_model_before_building_it(module, message):
     """configs/tiny.py (4,096 positions) with the GPU configs' default lengths: one line naming the flags, before
     the model is built (the engine's own ConfigError came as a traceback after the weights were drawn)."""
-    p = subprocess.run([sys.executable, "-m", module, "--config=configs/tiny.py"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    p = python_runner.run(["-m", module, "--config=configs/tiny.py"], cwd=ROOT, timeout=300)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert message in p.stderr and "random weights" not in p.stderr and "Model(" not in p.stdout, p.stderr[-2000:]
 
@@ -851,7 +842,7 @@ def test_entry_points_refuse_sessions_longer_than_the_model_before_building_it(m
 def test_live_history_ab_refuses_a_large_capacity_it_cannot_build_before_prefilling(flag, message):
     """configs/tiny.py with the default 1M-row large cache: refused on one line before any model or prefill (it was
     a traceback from the large engine, after the small one had prefilled)."""
-    p = subprocess.run([sys.executable, "-m", "experiments.live_history_ab", "--config=configs/tiny.py", flag],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = python_runner.run(["-m", "experiments.live_history_ab", "--config=configs/tiny.py", flag],
+                          cwd=ROOT, timeout=300)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert message in p.stderr and "prefill" not in p.stdout + p.stderr.replace(message, ""), p.stderr[-2000:]

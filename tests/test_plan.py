@@ -4,8 +4,6 @@ parameter shards follow the sharding rules (checked by hand on known shapes), an
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +15,7 @@ from glm53 import memory, sharding
 from glm53.config import CacheConfig
 from engine_common import MESH_CFG as CFG
 from experiments.launch import xla_flags_with_devices
+import python_runner
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -122,11 +121,12 @@ def test_plan_says_whether_the_weights_can_be_loaded():
 @pytest.mark.devices(2)
 def test_plan_entry_point(tmp_path):
     out = tmp_path / "plan.json"
-    p = subprocess.run([sys.executable, "-m", "experiments.plan", "--config=configs/tiny.py", "--machine=custom",
-                        "--devices=2", "--device_gib=0.01", "--host_gib=1", "--sessions=3", "--history=100,400",
-                        "--compile", f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       # this run's (cheaper) compile flags; it makes its 2 devices
-                       env={**os.environ, "XLA_FLAGS": xla_flags_with_devices(os.environ.get("XLA_FLAGS", ""), None)})
+    p = python_runner.run(["-m", "experiments.plan", "--config=configs/tiny.py", "--machine=custom",
+                          "--devices=2", "--device_gib=0.01", "--host_gib=1", "--sessions=3", "--history=100,400",
+                          "--compile", f"--out={out}"], cwd=ROOT, timeout=300,
+                          # this run's (cheaper) compile flags; it makes its 2 devices
+                          env={**os.environ,
+                               "XLA_FLAGS": xla_flags_with_devices(os.environ.get("XLA_FLAGS", ""), None)})
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert [q["history"] for q in r["plans"]] == [100, 400] and r["devices"] == 2
@@ -228,9 +228,8 @@ def test_plan_refuses_layouts_no_engine_could_run():
                                 ({"stages": 0, "tp": 1}, 4, "mesh.stages must be an int >= 1")]:
         with pytest.raises(glm53.ConfigError, match=what):
             memory.machine_mesh(CFG, mesh, devices)
-    p = subprocess.run([sys.executable, "-m", "experiments.plan", "--config=configs/tiny.py", "--machine=custom",
-                        "--devices=3", "--device_gib=1", "--host_gib=1", "--history=100"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    p = python_runner.run(["-m", "experiments.plan", "--config=configs/tiny.py", "--machine=custom",
+                          "--devices=3", "--device_gib=1", "--host_gib=1", "--history=100"], cwd=ROOT, timeout=120)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1] == ("experiments.plan: 3 devices as 1 stage(s) x tp=3: mesh.tp=3 does "
                                                  "not divide num_attention_heads=4")
@@ -238,9 +237,9 @@ def test_plan_refuses_layouts_no_engine_could_run():
 
 def test_plan_compile_on_too_few_devices_is_one_line_before_any_table():
     env = {**os.environ, "XLA_FLAGS": xla_flags_with_devices(os.environ.get("XLA_FLAGS", ""), 2)}
-    p = subprocess.run([sys.executable, "-m", "experiments.plan", "--config=configs/tiny.py", "--machine=custom",
-                        "--devices=4", "--device_gib=1", "--host_gib=1", "--history=100", "--compile"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120, env=env)
+    p = python_runner.run(["-m", "experiments.plan", "--config=configs/tiny.py", "--machine=custom",
+                          "--devices=4", "--device_gib=1", "--host_gib=1", "--history=100", "--compile"], cwd=ROOT,
+                          timeout=120, env=env)
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert p.stderr.strip().splitlines()[-1].startswith("experiments.plan: mesh 1 x 4 needs 4 devices, 2 are visible")
     assert "max by dev" not in p.stdout
@@ -256,9 +255,8 @@ def test_plan_compile_on_too_few_devices_is_one_line_before_any_table():
 def test_plan_refuses_what_no_engine_could_be(args, message):
     """As experiments.capacity does: a history that is no token count, zero sessions, an MTP depth past 3, an
     offload cache the engine refuses and an override the planner would not read are each one line naming it."""
-    p = subprocess.run([sys.executable, "-m", "experiments.plan", "--config=configs/tiny.py", "--machine=custom",
-                        "--devices=2", "--device_gib=1", "--host_gib=1", *args], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    p = python_runner.run(["-m", "experiments.plan", "--config=configs/tiny.py", "--machine=custom",
+                          "--devices=2", "--device_gib=1", "--host_gib=1", *args], cwd=ROOT, timeout=300)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert message in p.stderr, p.stderr[-2000:]
 
@@ -268,18 +266,16 @@ def test_default_config_found_from_any_directory_and_a_missing_one_named(tmp_pat
     configs/ (it raised a two-traceback OSError from main); a --config that does not load is one flag error naming
     the path, the working directory it was read from and where the shipped configs are; a usage error one line."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    p = subprocess.run([sys.executable, "-m", "experiments.plan", "--history=1000", "--sessions=1"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300, env=env)
+    p = python_runner.run(["-m", "experiments.plan", "--history=1000", "--sessions=1"], cwd=tmp_path,
+                          timeout=300, env=env)
     assert p.returncode == 0 and "history" in p.stdout, p.stderr[-2000:]
-    p = subprocess.run([sys.executable, "-m", "experiments.plan", "--config=configs/tiny.py"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300, env=env)
+    p = python_runner.run(["-m", "experiments.plan", "--config=configs/tiny.py"], cwd=tmp_path, timeout=300, env=env)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert (f"--config=configs/tiny.py: cannot load it ([Errno 2] No such file or directory: 'configs/tiny.py'); "
             f"a relative path is read from the working directory, {tmp_path}; the shipped configs are in "
             f"{ROOT / 'configs'}") in p.stderr, p.stderr[-2000:]
     # a usage error is its one line too, not below the module's docstring and every flag's help (70 lines)
-    p = subprocess.run([sys.executable, "-m", "experiments.plan", "--history=abc"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300, env=env)
+    p = python_runner.run(["-m", "experiments.plan", "--history=abc"], cwd=tmp_path, timeout=300, env=env)
     assert p.returncode == 1 and p.stderr.splitlines() == [
         "experiments.plan: --history=abc: give history lengths in tokens, whole numbers >= 1, comma-separated",
         "Pass --helpshort or --helpfull to see help on flags."], p.stderr[-2000:]

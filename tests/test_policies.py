@@ -592,12 +592,12 @@ def test_lfu_round_equals_the_engines_fill(seed, rounds):
 
 
 def _sweep(*args):
-    import subprocess
-    import sys
     from pathlib import Path
 
-    return subprocess.run([sys.executable, "-m", "experiments.policy_sweep", *args],
-                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    import python_runner
+
+    return python_runner.run(["-m", "experiments.policy_sweep", *args],
+                             cwd=Path(__file__).resolve().parents[1], timeout=600)
 
 
 def test_policy_sweep_refuses_what_it_would_ignore_before_recording():
