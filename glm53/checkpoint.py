@@ -670,8 +670,9 @@ def read_native_config(directory: str) -> tuple[ModelConfig, Any, str, CacheConf
 
 
 def read_native(directory: str, dtype=None, check_config=None, mesh=None, microbatches: int = 1):
-    """Read a directory written by ``write_native``: (config, params, dtype, cache config, tokenizer, placement). The
-    parameter tree is checked against the config's. ``check_config(config)``, when given, runs before any parameter
+    """Read a directory written by ``write_native``: (config, params, dtype, cache config, tokenizer, placement,
+    digest). The parameter tree is checked against the config's. ``digest``: the params digest, checked against the
+    save's, when the params are as saved (None when the save has none, or they were cast to another dtype). ``check_config(config)``, when given, runs before any parameter
     is read. ``mesh`` (a ``jax.sharding.Mesh``): orbax restores each parameter straight onto its devices
     (``glm53.sharding.Placement``, returned, None without a mesh) instead of onto this process's first device."""
     import orbax.checkpoint as ocp
@@ -721,6 +722,7 @@ def read_native(directory: str, dtype=None, check_config=None, mesh=None, microb
     # glm53.json recorded at save tells them apart (saves older than it have none).
     with open(os.path.join(directory, NATIVE_META)) as f:
         saved_digest = json.load(f).get("params_digest")
+    digest = None
     if saved_digest is not None:
         digest = placed.params_digest(params) if placed is not None else params_digest(params)
         if digest != saved_digest:
@@ -730,4 +732,5 @@ def read_native(directory: str, dtype=None, check_config=None, mesh=None, microb
         final = param_shapes(cfg, dtype, expert_weights)
         params = (placed.cast(params, final) if placed is not None
                   else jax.tree_util.tree_map(lambda p, s: p.astype(s.dtype), params, final))
-    return cfg, params, dtype, cache_config, tokenizer, placed
+        digest = None  # the saved weights' digest, not the cast ones'
+    return cfg, params, dtype, cache_config, tokenizer, placed, digest

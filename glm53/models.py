@@ -77,8 +77,14 @@ class Model:
         return self._digest
 
     def set_params_digest(self, digest: str) -> None:
-        """The digest of the current parameters, computed where they were placed (``glm53.sharding.shard_model``)."""
+        """The digest of the current parameters, computed where they were placed (``glm53.sharding.shard_model``) or
+        read (``load``)."""
         self._digest = digest
+
+    @property
+    def has_params_digest(self) -> bool:
+        """Whether ``params_digest()`` is known without computing it."""
+        return self._digest is not None
 
     # ---- validation shared by every entry point ----
     def check_tokens(self, ids, what: str = "prompt") -> np.ndarray:
@@ -229,11 +235,13 @@ def load(directory: str, *, dtype=None, mesh=None) -> Model:
     """Read a directory written by ``Model.save`` (``mesh``: as in ``from_config``; orbax restores each parameter
     straight onto its devices)."""
     mesh, microbatches = sharding.resolve_mesh(mesh)
-    cfg, params, dtype, cache_config, tokenizer, placed = checkpoint.read_native(
+    cfg, params, dtype, cache_config, tokenizer, placed, digest = checkpoint.read_native(
         directory, dtype, check_config=lambda cfg: sharding.check_layout(cfg, mesh), mesh=mesh,
         microbatches=microbatches)
     try:
         model = Model(cfg, params, dtype, cache_config=cache_config, tokenizer=tokenizer)
     except ConfigError as e:
         raise checkpoint.CheckpointError(f"{directory}: its cache config cannot work with its model: {e}") from e
+    if digest is not None:  # computed to check the save: not again (with stages it reads every stage's weights)
+        model.set_params_digest(digest)
     return sharding.shard_model(model, mesh, placed=placed)

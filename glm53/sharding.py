@@ -331,8 +331,10 @@ def shard_model(model, mesh: Mesh | MeshConfig | Mapping[str, Any] | None, micro
         model.steps = pipeline.PipelineSteps(pipe, model.module)
         model.pipeline = pipe
         # Now, once: with several processes a stage's weights lie in one process (Model.params_digest's own
-        # reading of every tensor needs them all in each); sessions' saves carry the digest.
-        model.set_params_digest(placed.params_digest(model.params))
+        # reading of every tensor needs them all in each); sessions' saves carry the digest. Known already when
+        # the weights were loaded from a save that recorded it.
+        if not model.has_params_digest:
+            model.set_params_digest(placed.params_digest(model.params))
     model.mesh = mesh
     return model
 
