@@ -41,11 +41,11 @@ def _run(module, *args, env=None):
 def test_offload_ab(tmp_path):
     out = tmp_path / "ab.json"
     _run("experiments.offload_ab", "--config.run.max_new_tokens=20", "--workloads=local99", f"--out={out}",
-         env={"JAX_GLM53_PROVENANCE_CHECK": "set"})
+         env={"XLA_GLM53_PROVENANCE_CHECK": "set"})
     report = json.loads(out.read_text())
     # what the run's XLA / JAX environment was travels with its command (an A/B under other XLA flags is another
     # experiment)
-    assert report["environment"]["JAX_GLM53_PROVENANCE_CHECK"] == "set"
+    assert report["environment"]["XLA_GLM53_PROVENANCE_CHECK"] == "set"
     assert all(k.startswith(("XLA_", "JAX_", "TF_CPP_")) for k in report["environment"])
     (pair,) = report["workloads"]["local99"]
     assert pair["tokens_identical"] and pair["logits_identical"]
