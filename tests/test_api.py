@@ -398,10 +398,11 @@ def test_a_checkpoint_that_cannot_fit_is_refused_before_its_first_tensor(ckpt, m
         raise AssertionError("a tensor was read")
 
     monkeypatch.setattr(memory, "free_bytes", lambda device: 1024)
+    device = jax.local_devices()[0]  # cpu:0 here, gpu:0 in the GPU runs
     with monkeypatch.context() as m:
         m.setattr(glm53.checkpoint, "read_hf", no_read)
-        with pytest.raises(ConfigError, match=rf"loading {ckpt}: .*M parameters need .* MiB on cpu:0 \(float32, "
-                                              r"experts model\), which has 0\.0 MiB free"):
+        with pytest.raises(ConfigError, match=rf"loading {ckpt}: .*M parameters need .* MiB on {device.platform}:"
+                                              rf"{device.id} \(float32, experts model\), which has 0\.0 MiB free"):
             glm53.from_pretrained(str(ckpt), dtype="float32")
     monkeypatch.setattr(memory, "free_bytes", lambda device: None)
     model = glm53.from_pretrained(str(ckpt), dtype="float32")
