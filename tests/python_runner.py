@@ -8,13 +8,14 @@ A forked child starts with those modules imported and pays nothing for them.
 
 What the child keeps of a real ``python ARGS``: a process of its own with the given argv, working directory and
 environment, stdout and stderr captured, ``sys.path`` as the interpreter sets it (first the working directory for
-``-m``, the script's directory for a script, ``''`` for ``-c``; then the run's ``PYTHONPATH``), the exit status the interpreter gives (``SystemExit``'s code;
-1 and a traceback on stderr for an uncaught exception), and atexit handlers run at exit. What it cannot keep: JAX reads
-its ``JAX_*`` settings when it is imported, so a call whose environment differs from the server's in a ``JAX_``,
-``TF_``, ``PYTHON`` or ``LD_`` variable other than ``PYTHONPATH``, or whose ``PYTHONPATH`` holds a
-``sitecustomize``, runs a real interpreter instead, as does any call while ``GLM53_REAL_PROCESSES`` is set. ``XLA_FLAGS`` may differ (a run's own device count, say): XLA reads it when a backend
-starts, in the child. The server never starts a JAX backend (a fork would copy its threads' state), which ``serve``
-checks before answering.
+``-m``, the script's directory for a script, ``''`` for ``-c``; then the run's ``PYTHONPATH``), the exit status the
+interpreter gives (``SystemExit``'s code; 1 and a traceback on stderr for an uncaught exception), and atexit handlers
+run at exit. What it cannot keep: JAX reads its ``JAX_*`` settings when it is imported, so a call whose environment
+differs from the server's in a ``JAX_``, ``TF_``, ``PYTHON`` or ``LD_`` variable other than ``PYTHONPATH``, or whose
+``PYTHONPATH`` holds a ``sitecustomize``, runs a real interpreter instead, as does any call while
+``GLM53_REAL_PROCESSES`` is set. ``XLA_*`` variables may differ (``XLA_FLAGS`` with a run's own device count, say): XLA
+reads them when a backend starts, in the child. The server never starts a JAX backend (a fork would copy its threads'
+state), which ``serve`` checks before answering.
 
     p = python_runner.run(["-m", "experiments.plan", "--config=configs/tiny.py"], cwd=ROOT, timeout=300)
 
@@ -101,16 +102,18 @@ def _stop():
 atexit.register(_stop)
 
 
-def run(args, cwd=None, env=None, timeout=None):
+def run(args, cwd=None, env=None, timeout=None, fresh=False):
     """``subprocess.run([sys.executable, *args], cwd=cwd, env=env, timeout=timeout, capture_output=True, text=True)``,
-    forked from the server where the environment allows (the module docstring says when it does not)."""
+    forked from the server where the environment allows (the module docstring says when it does not). ``fresh``: a
+    real interpreter always, for a program that sets ``JAX_*`` variables itself before importing JAX (in a fork JAX
+    is imported already, with the server's)."""
     args = [str(a) for a in args]
     env = dict(os.environ if env is None else env)
     cwd = os.path.abspath(cwd or os.getcwd())
     with _lock:
         if _server is None or _server.poll() is not None:
             _start()
-        if not _forkable(env):
+        if fresh or not _forkable(env):
             return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
                                   timeout=timeout)
         with tempfile.TemporaryDirectory(prefix="glm53-run-") as d:
@@ -180,7 +183,7 @@ def _child(request):
         else:
             print(e.code, file=sys.stderr)
             code = 1
-    except BaseException as e:  # noqa: B036 - the interpreter's own behaviour for anything uncaught, KeyboardInterrupt too
+    except BaseException as e:  # noqa: B036 - as the interpreter does with anything uncaught, KeyboardInterrupt too
         traceback.print_exception(type(e), e, e.__traceback__.tb_next)  # from the run's first frame, not this one's
         code = 1
     try:

@@ -442,7 +442,7 @@ def test_hf_prefill(tmp_path):
     out = tmp_path / "hf.json"
     p = python_runner.run(["-m", "experiments.hf_prefill", "--config=configs/tiny.py",
                           "--prompt_lens=64", "--chunk=32", "--warmup_tokens=64", "--device=cpu", f"--out={out}"],
-                          cwd=ROOT, timeout=600)
+                          cwd=ROOT, timeout=600, fresh=True)  # it sets JAX_PLATFORMS=cpu before importing JAX
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["torch_device"] == "cpu" and report["model"]["params"] > 0
