@@ -20,7 +20,8 @@ state), which ``serve`` checks before answering.
     p = python_runner.run(["-m", "experiments.plan", "--config=configs/tiny.py"], cwd=ROOT, timeout=300)
 
 returns a ``subprocess.CompletedProcess`` (text stdout and stderr) like ``subprocess.run(..., capture_output=True,
-text=True)``, and raises ``subprocess.TimeoutExpired`` the same way (the child killed first).
+text=True)``, and raises ``subprocess.TimeoutExpired`` the same way (the child killed first; what it had written as
+bytes).
 """
 
 import atexit
@@ -125,7 +126,9 @@ def run(args, cwd=None, env=None, timeout=None, fresh=False):
             if returncode is None:
                 os.kill(pid, signal.SIGKILL)
                 _readline()
-                raise subprocess.TimeoutExpired([sys.executable, *args], timeout, _read(out), _read(err))
+                # bytes, as subprocess.run gives them in a TimeoutExpired even with text=True
+                raise subprocess.TimeoutExpired([sys.executable, *args], timeout, _read(out).encode(),
+                                                _read(err).encode())
             return subprocess.CompletedProcess([sys.executable, *args], int(returncode), _read(out), _read(err))
 
 
