@@ -672,9 +672,10 @@ def read_native_config(directory: str) -> tuple[ModelConfig, Any, str, CacheConf
 def read_native(directory: str, dtype=None, check_config=None, mesh=None, microbatches: int = 1):
     """Read a directory written by ``write_native``: (config, params, dtype, cache config, tokenizer, placement,
     digest). The parameter tree is checked against the config's. ``digest``: the params digest, checked against the
-    save's, when the params are as saved (None when the save has none, or they were cast to another dtype). ``check_config(config)``, when given, runs before any parameter
-    is read. ``mesh`` (a ``jax.sharding.Mesh``): orbax restores each parameter straight onto its devices
-    (``glm53.sharding.Placement``, returned, None without a mesh) instead of onto this process's first device."""
+    save's, when the params are as saved (None when the save has none, or they were cast to another dtype).
+    ``check_config(config)``, when given, runs before any parameter is read. ``mesh`` (a ``jax.sharding.Mesh``):
+    orbax restores each parameter straight onto its devices (``glm53.sharding.Placement``, returned, None without a
+    mesh) instead of onto this process's first device."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(directory)
