@@ -19,8 +19,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # engine_common, and glm53 where it is not installed
 
 from glm53 import distributed  # noqa: E402
+from multiprocess_compile import share_compilations  # noqa: E402
 
 distributed.initialize()
+share_compilations()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
