@@ -7,8 +7,9 @@ values; every other part of the key is equal), so process 1 never found process 
 program again in every run, warm cache or not (15 of a warm two-process pipeline run's 40 s), and process 0 waited
 for it at the first collective of each. For the same reason ``jax_share_binary_between_hosts`` (process 0 compiles,
 the others receive the binary) deadlocked: process 1 waited for a key process 0 never wrote, until gloo's 30 s
-timeout. On GPUs and TPUs the fingerprint is the same in every process (JAX's multi-host caching relies on it), so
-this concerns the CPU runs of the tests only and lives here, not in glm53.
+timeout. On GPUs JAX means the key to be the same in every process (it strips the device assignment from it there
+for that reason; not checked here: no machine of several GPUs was lent), so this concerns the CPU runs of the tests
+only and lives here, not in glm53.
 
 ``share_compilations()`` keys CPU programs by their devices' ids and processes instead (what the fingerprint stands
 for on a CPU: the compile options hold the device assignment too) and has process 0 compile each program that spans
