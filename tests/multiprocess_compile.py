@@ -43,16 +43,15 @@ def share_compilations() -> bool:
         else:
             original(hash_obj, accelerators)
 
-    def write_from_this_process_too(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+    def write_from_this_process_too(key, compile_time_secs, module_name, backend, executable, host_callbacks):
         # In a process other than 0 this is a program of its own devices only: one spanning processes is compiled
         # by process 0 and sent (jax_share_binary_between_hosts, below), or, with host callbacks, never written.
         # So no two processes write one key.
         if (jax.process_index() == 0 or host_callbacks
                 or compile_time_secs < jax.config.jax_persistent_cache_min_compile_time_secs):
-            return write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+            return write(key, compile_time_secs, module_name, backend, executable, host_callbacks)
         try:  # as JAX's own write: a failed write costs a later compile, not this run
-            compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
-                                                      int(compile_time_secs))
+            compilation_cache.put_executable_and_time(key, module_name, executable, backend, int(compile_time_secs))
         except Exception as e:  # noqa: BLE001
             warnings.warn(f"persistent cache entry for {module_name!r} not written: {type(e).__name__}: {e}")
 
