@@ -1,6 +1,16 @@
 import os
+import sys
 
 import pytest
+
+# Where PYTHONDONTWRITEBYTECODE is set (this project's machines set it), Python caches no compiled modules, and every
+# process of the run compiled its sources again: each pytest worker rewrote the assertions of every test module and of
+# hypothesis (pytest rewrites an entry-point plugin's whole package), 3.5 of the 11-12 s a process took to collect
+# the suite, and each fresh interpreter the tests start (notebook kernels, the multi-process tests' processes)
+# compiled glm53 again. The run caches them as Python does by default, in __pycache__ folders (git ignores them); the
+# workers and the processes tests start inherit this.
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    sys.dont_write_bytecode = False
 
 # Tests run on the CPU; 16 host devices exist for the sharding tests (set before jax is imported). The tests' models are
 # tiny, so compiling them costs far more than running them: LLVM's cheaper optimisation level halves the suite's
@@ -10,14 +20,33 @@ import pytest
 # flags, and XLA's CPU fast-math stays off.
 def _xla_knows(flag: str) -> bool:
     """Whether this jaxlib's XLA accepts ``flag`` (it aborts on a flag it does not know, and the fusion-emitter switch
-    is newer than the oldest jax setup.cfg allows): asked once, of a throwaway process, by the run's first process;
-    the workers and the processes tests start inherit the result in XLA_FLAGS."""
+    is newer than the oldest jax setup.cfg allows): asked of a throwaway process by the run's first process, whose
+    workers and the processes tests start inherit the result in XLA_FLAGS. A yes is kept in the temp directory per
+    interpreter and jaxlib version: the question took 1.5 s of every run's start, before any worker started. A no is
+    asked again next run, so that one failed probe (a machine out of memory) does not drop the flags for good."""
+    import importlib.metadata
+    import json
     import subprocess
-    import sys
+    import tempfile
+    known_path = os.path.join(tempfile.gettempdir(), f"glm53-test-xla-flags-{os.getuid()}.json")
+    key = f"{sys.executable} jaxlib {importlib.metadata.version('jaxlib')}: {flag}"
+    try:
+        with open(known_path) as f:
+            known = json.load(f)
+    except (OSError, ValueError):
+        known = {}
+    if known.get(key) is True:
+        return True
     probe = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; jnp.zeros(1).block_until_ready()"],
                            env={**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}, capture_output=True,
                            timeout=300)
-    return probe.returncode == 0
+    if probe.returncode != 0:
+        return False
+    partial = f"{known_path}.{os.getpid()}"
+    with open(partial, "w") as f:
+        json.dump({**known, key: True}, f)
+    os.replace(partial, known_path)  # whole or not at all, whichever run writes last
+    return True
 
 
 if "XLA_FLAGS" not in os.environ:
@@ -85,3 +114,24 @@ def _sigint_handler_restored():
         signal.signal(signal.SIGINT, before)
         if getattr(after, "__module__", "").startswith("glm53"):
             pytest.fail(f"an engine call left its SIGINT handler {after!r} installed (it found {before!r})")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """An xdist worker ends as soon as the controller has its results, the last thing it waits for. Its tail after
+    the last test took 5-9 s of every run's end: JAX's exit handler freeing every compiled program and the client
+    (1.8-4.9 s in a whole run's worker), five garbage collections of pytest's, then the interpreter freeing its
+    millions of objects. The worker's ``workerfinished`` message is written before unconfigure, and the controller
+    then takes the closed connection for a normal end. The other exit handlers still run (the test python server's
+    stop among them: its forked children must not outlive the run); a worker's exit status is not read."""
+    if not hasattr(config, "workerinput"):
+        return
+    import atexit
+
+    jax_api = sys.modules.get("jax._src.api")
+    if jax_api is not None and hasattr(jax_api, "clean_up"):
+        atexit.unregister(jax_api.clean_up)
+    atexit._run_exitfuncs()  # noqa: SLF001
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
