@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -27,7 +28,6 @@ def _xla_knows(flag: str) -> bool:
     import importlib.metadata
     import json
     import subprocess
-    import tempfile
     known_path = os.path.join(tempfile.gettempdir(), f"glm53-test-xla-flags-{os.getuid()}.json")
     key = f"{sys.executable} jaxlib {importlib.metadata.version('jaxlib')}: {flag}"
     try:
@@ -75,8 +75,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # Compiled executables persist in a cache shared by the test processes (xdist workers, subprocess tests): tests of
 # the same tiny configs then compile each step once per run instead of once per process. Keys include the whole
 # computation, so a stale entry can never be used for different code.
-import tempfile
-
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"glm53-test-jax-cache-{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
