@@ -11,13 +11,14 @@ metadata (Flax module paths and the ``jax.named_scope``s of ``glm53.offload``: `
 ``span`` is the device timeline from the first to the last decode kernel per step; ``idle`` is the time in it when
 nothing ran, charged to the kernel that ended each gap (``idle_before_*``): launch gaps and waits on the host, which
 kernel sums alone would hide. The trace runs without the Python tracer, whose overhead would create gaps itself.
+``--trace_dir=DIR`` keeps each mode's trace (``DIR/<mode>``) for TensorBoard or Perfetto; by default it is removed
+once read.
 Figures are device time, not a speed benchmark: use ``experiments.offload_ab`` for tokens/s.
 """
 
 import collections
 import json
 import os
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ import numpy as np
 from absl import app, flags
 
 import glm53
-from experiments import cli, workloads
+from experiments import cli, trace_util, workloads
 from experiments.trace_util import (by_op, compiled_decode_hlo, device_events, find_xplane, host_events, host_time,
                                     kernel_op_name, kernel_scope, op_names_from_hlo, trace_options)
 from glm53.provenance import provenance
@@ -37,6 +38,7 @@ flags.DEFINE_string("workload", "local99", f"selection: {workloads.WORKLOADS}; d
                     "the offload step's fixed cost from its misses")
 flags.DEFINE_list("modes", ["resident", "offload"], "cache modes to profile")
 flags.DEFINE_integer("top", 40, "kernels listed per mode")
+flags.DEFINE_string("trace_dir", "", trace_util.TRACE_DIR_HELP + " (a subfolder per mode)")
 
 DECODE_MODULE = "jit_decode"  # glm53.steps names each compiled step jit_<step>
 
@@ -214,8 +216,9 @@ def step_sequence(steps: list, names_of: dict) -> list:
 def main(_):
     c = FLAGS.config
     cli.check_checkpoint(c, reads_checkpoint=False)
-    try:  # an unknown workload fails here, before any compile
+    try:  # an unknown workload or a used trace folder fails here, before any compile
         workloads.selection(FLAGS.workload, 8, 64, 0)
+        trace_util.check_trace_dir(FLAGS.trace_dir)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     model, prompts, cc, K = workloads.setup(c)
@@ -240,25 +243,26 @@ def main(_):
         # be due (glm53.engine._Run._copy_pages). Each has its own kernel names.
         hlos = {p: compiled_decode_hlo(model, e, lanes, B, sel, p) for p in sorted({copy_pages, 0})}
         del warm, e
-        logdir = tempfile.mkdtemp()
-        # No Python tracer and the lightest host tracer (trace_util.trace_options): the trace's own host overhead
-        # would otherwise slow dispatch enough to leave the device idle between kernels that run back to back.
-        with jax.profiler.trace(logdir, profiler_options=trace_options()):
-            res = run()
+        with trace_util.trace_folder(FLAGS.trace_dir, mode) as logdir:
+            # No Python tracer and the lightest host tracer (trace_util.trace_options): the trace's own host
+            # overhead would otherwise slow dispatch enough to leave the device idle between kernels that run back
+            # to back.
+            with jax.profiler.trace(logdir, profiler_options=trace_options()):
+                res = run()
+            path = find_xplane(logdir)
+            events, host = device_events(path), host_events(path)
         tokens[mode] = res.tokens
-        path = find_xplane(logdir)
         if FLAGS.out:
             for p, hlo in hlos.items():
                 suffix = "_copy_free" if p == 0 and copy_pages else ""
                 with open(os.path.join(os.path.dirname(FLAGS.out) or ".", f"decode_hlo_{mode}{suffix}.txt"), "w") as f:
                     f.write(hlo)
-        events = device_events(path)
         summary = summarise(events, {p: op_names_from_hlo(h) for p, h in hlos.items()}, new - 1)
         # The host's side of the same steps: what a step call spends its time on (dispatch, PJRT's execute, XLA's
         # thunks and command buffers, the driver's launches), to tell a slow call's cause from the device's.
         decode = [e for e in events if str(e[3].get("hlo_module", "")).startswith(DECODE_MODULE)]
         if decode:
-            summary["host"] = host_time(host_events(path), min(e[1] for e in decode),
+            summary["host"] = host_time(host, min(e[1] for e in decode),
                                         max(e[1] + e[2] for e in decode), new - 1)
         summary["step_call_ms_while_profiled"] = res.decode_step_call_ms
         summary["decode_tokens_per_s_while_profiled"] = res.decode_tokens_per_s

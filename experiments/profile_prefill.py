@@ -14,6 +14,8 @@ its last N chunks, at the longest history, after an untraced prefix), and every 
 (``jit_chunk``) is summed per chunk step and attributed to a part of the model (``experiments.trace_util.PARTS``:
 indexer scores, top-k, attention gather, attention math, attention projections, MoE, dense MLP, LM head, cache
 writes, MTP rows, norms/residual, other, unattributed) through the compiled HLO's op_name metadata.
+``--trace_dir=DIR`` keeps each length's trace (``DIR/prompt_<length>``) for TensorBoard or Perfetto; by default it is
+removed once read.
 
 FLOPs per token are counted from the config (2 per multiply-add): the weight matmuls of every main layer (attention
 projections and the absorbed MLA matmuls, the indexer's projections in full-indexer layers, the dense MLP, the MoE
@@ -32,16 +34,15 @@ import gc
 import json
 import math
 import os
-import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags
+from absl import app, flags
 
-from experiments import cli
 import glm53
+from experiments import cli, trace_util
 from experiments.trace_util import (PARTS, device_events, find_xplane, kernel_op_name, op_names_from_hlo, part_of,
                                     trace_options)
 from glm53.engine import compile_seconds
@@ -56,6 +57,7 @@ flags.DEFINE_float("peak_flops", 989e12, "accelerator peak FLOP/s for the MFU (H
 flags.DEFINE_bool("profile", True, "trace a second prefill and split the chunk step's device time by part")
 flags.DEFINE_integer("profile_chunks", 0, "chunks traced: the prompt's last N (0: every chunk of the prompt)")
 flags.DEFINE_integer("top", 30, "kernels listed per prompt length")
+flags.DEFINE_string("trace_dir", "", trace_util.TRACE_DIR_HELP + " (a subfolder per prompt length)")
 flags.DEFINE_integer("project_to", 1 << 20, "prompt length the prefill time is projected to (0: none)")
 
 CHUNK_MODULE = "jit_chunk"  # glm53.steps names each compiled step jit_<step>
@@ -257,19 +259,19 @@ def profile_length(model, engine: glm53.Engine, prompt: list, C: int, n_chunks: 
     op_names = op_names_from_hlo(hlo, infer=True)
     sid = engine.open(prompt[:split]) if split else None
     jax.block_until_ready(engine.cache)
-    logdir = tempfile.mkdtemp()
-    t = time.perf_counter()
-    with jax.profiler.trace(logdir, profiler_options=trace_options()):
-        if sid is None:
-            sid = engine.open(prompt)
-        else:
-            engine.append(sid, prompt[split:])
-        jax.block_until_ready(engine.cache)
-    wall = time.perf_counter() - t
+    with trace_util.trace_folder(FLAGS.trace_dir, f"prompt_{P}") as logdir:
+        t = time.perf_counter()
+        with jax.profiler.trace(logdir, profiler_options=trace_options()):
+            if sid is None:
+                sid = engine.open(prompt)
+            else:
+                engine.append(sid, prompt[split:])
+            jax.block_until_ready(engine.cache)
+        wall = time.perf_counter() - t
+        events = device_events(find_xplane(logdir))
     engine.close(sid)
     traced = -(-(P - split) // C)
-    summary = summarise_chunks(device_events(find_xplane(logdir)), op_names, traced,
-                               first_moe_layer=cfg.first_k_dense_replace, top=FLAGS.top)
+    summary = summarise_chunks(events, op_names, traced, first_moe_layer=cfg.first_k_dense_replace, top=FLAGS.top)
     summary["positions_profiled"] = [split, P]
     summary["wall_s_while_traced"] = wall
     flops = prefill_flops(cfg, split, P)
@@ -320,6 +322,10 @@ def projection(runs: list, target: int) -> dict | None:
 def main(_):
     c = FLAGS.config
     cli.check_checkpoint(c, reads_checkpoint=False)
+    try:
+        trace_util.check_trace_dir(FLAGS.trace_dir)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     lens = [int(x) for x in FLAGS.prompt_lens] or [int(c.run.prompt_len)]
     cc = glm53.CacheConfig.from_config_dict(c.cache)
     results = {"config": c.to_dict(), **provenance(), "peak_flops": FLAGS.peak_flops, "prompt_lens": lens,

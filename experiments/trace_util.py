@@ -3,9 +3,10 @@
 ``experiments.profile_decode`` and ``experiments.profile_prefill``).
 
     options = trace_options()                       # no Python tracer, the lightest host tracer
-    with jax.profiler.trace(logdir, profiler_options=options):
-        ...
-    events = device_events(find_xplane(logdir))     # (name, start_ns, duration_ns, stats)
+    with trace_folder(FLAGS.trace_dir, "offload") as logdir:   # kept there, or a temporary folder removed after
+        with jax.profiler.trace(logdir, profiler_options=options):
+            ...
+        events = device_events(find_xplane(logdir))     # (name, start_ns, duration_ns, stats)
     op_names = op_names_from_hlo(compiled.as_text())
     scope, op_name = kernel_scope(name, stats["hlo_op"], stats["hlo_module"], op_names)
 
@@ -19,9 +20,11 @@ name (``fusion_12`` for the instruction ``fusion.12``) finds its metadata then.
 from __future__ import annotations
 
 import collections
+import contextlib
 import glob
 import os
 import re
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +49,32 @@ def trace_options():
     options.python_tracer_level = 0
     options.host_tracer_level = 1
     return options
+
+
+TRACE_DIR_HELP = ("keep the profiler traces in this folder, one subfolder per run (open with TensorBoard's profile "
+                  "plugin or Perfetto: the *.trace.json.gz); default: each trace is read, then removed")
+
+
+def check_trace_dir(trace_dir: str) -> None:
+    """Refuses, before any work, a ``--trace_dir`` that already holds a trace: find_xplane could not tell this run's
+    from an earlier one's."""
+    if trace_dir and glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
+        raise ValueError(f"--trace_dir={trace_dir} already holds a profiler trace: give an empty or new folder")
+
+
+@contextlib.contextmanager
+def trace_folder(trace_dir: str, name: str):
+    """The folder a ``jax.profiler.trace`` writes into: ``trace_dir/name``, kept, where ``trace_dir`` is given;
+    otherwise a temporary folder, removed when the block ends. Each trace is tens of MB on a GPU, and the profiling
+    entry points used to leave every one in the temp directory, unnamed."""
+    if trace_dir:
+        path = os.path.join(trace_dir, name)
+        os.makedirs(path, exist_ok=True)
+        yield path
+        print(f"profiler trace kept in {path}", flush=True)
+    else:
+        with tempfile.TemporaryDirectory(prefix="glm53-trace-") as path:
+            yield path
 
 
 def find_xplane(logdir: str) -> str:

@@ -159,6 +159,7 @@ def _child(request):
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None  # a fresh interpreter picks its temp directory from this environment (TMPDIR), not ours
     signal.signal(signal.SIGINT, signal.default_int_handler)
     args = request["args"]
     code = 0

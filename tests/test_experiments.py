@@ -74,8 +74,13 @@ def test_offload_ab(tmp_path):
 
 
 def test_profile_decode(tmp_path):
-    out = tmp_path / "profile.json"
-    _run("experiments.profile_decode", "--config.run.max_new_tokens=6", "--workload=drift0.001", f"--out={out}")
+    out, tmp = tmp_path / "profile.json", tmp_path / "tmp"
+    tmp.mkdir()
+    _run("experiments.profile_decode", "--config.run.max_new_tokens=6", "--workload=drift0.001", f"--out={out}",
+         env={"TMPDIR": str(tmp)})
+    # without --trace_dir each mode's profiler trace is read, then removed (every run used to leave its traces in
+    # the temp directory)
+    assert not list(tmp.rglob("*.xplane.pb")), list(tmp.rglob("*"))
     report = json.loads(out.read_text())
     assert report["tokens_identical"]
     off, res = report["modes"]["offload"], report["modes"]["resident"]
@@ -415,8 +420,17 @@ def test_sessions_1m_refuses_what_host_ram_cannot_hold(tmp_path):
 
 
 def test_profile_prefill(tmp_path):
-    out = tmp_path / "pp.json"
-    _run("experiments.profile_prefill", "--config.cache.mode=offload", "--prompt_lens=64,128", f"--out={out}")
+    out, traces = tmp_path / "pp.json", tmp_path / "traces"
+    _run("experiments.profile_prefill", "--config.cache.mode=offload", "--prompt_lens=64,128", f"--out={out}",
+         f"--trace_dir={traces}")
+    # --trace_dir keeps each length's trace, for TensorBoard or Perfetto
+    for n in (64, 128):
+        assert len(list((traces / f"prompt_{n}").rglob("*.xplane.pb"))) == 1, n
+        assert list((traces / f"prompt_{n}").rglob("*.trace.json.gz")), n
+    # a folder that holds a trace already is refused before any work: this run's could not be told from that one's
+    p = python_runner.run(["-m", "experiments.profile_prefill", *tiny("experiments.profile_prefill"),
+                           "--prompt_lens=64", f"--trace_dir={traces}"], cwd=ROOT, timeout=300)
+    assert p.returncode != 0 and f"--trace_dir={traces} already holds a profiler trace" in p.stderr, p.stderr[-2000:]
     report = json.loads(out.read_text())
     assert [r["prompt_len"] for r in report["runs"]] == [64, 128] and report["peak_flops"] == 989e12
     for r in report["runs"]:

@@ -13,8 +13,8 @@ import python_runner
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SCRIPT = """
-import os, sys
-print(sys.argv[1:], sys.path, os.getcwd(), os.environ.get("GLM53_RUNNER_PROBE"))
+import os, sys, tempfile
+print(sys.argv[1:], sys.path, os.getcwd(), os.environ.get("GLM53_RUNNER_PROBE"), tempfile.gettempdir())
 import jax
 print(jax.device_count() > 0, flush=True)
 print("to stderr", file=sys.stderr)
@@ -30,7 +30,8 @@ sys.exit(int(sys.argv[1]) if sys.argv[1:] and sys.argv[1].isdigit() else "a mess
     ["-c", SCRIPT, "3"], ["-c", SCRIPT, "raise"], ["-c", SCRIPT, "message"]])
 def test_a_forked_run_gives_what_a_fresh_interpreter_gives(args, tmp_path):
     # a PYTHONPATH of the run's own (a relative entry and an empty one: both are the working directory's)
-    env = {**os.environ, "GLM53_RUNNER_PROBE": "set",
+    # and a temp directory of its own (TMPDIR)
+    env = {**os.environ, "GLM53_RUNNER_PROBE": "set", "TMPDIR": str(tmp_path),
            "PYTHONPATH": os.pathsep.join(["tests", "", os.environ.get("PYTHONPATH", "")])}
     real = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     forked = python_runner.run(args, cwd=ROOT, env=env, timeout=300)
