@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import flax.errors
 import flax.linen as nn
 import flax.struct
 import jax
@@ -114,6 +115,21 @@ def _normal(cfg: ModelConfig):
     return nn.initializers.normal(stddev=cfg.initializer_range)
 
 
+def _weight(module: nn.Module, name: str, init_fn, shape: tuple, dtype) -> jax.Array:
+    """``module.param(name, init_fn, shape, dtype)``, but a stored weight's shape is checked against ``shape``
+    directly. Flax checks it by tracing ``init_fn`` (``jax.eval_shape``) at every apply: ~0.7-1 ms per weight each
+    time a step is traced. GLM-5's decode step (1,730 weights) traced in 2.5-3.1 s instead of 3.7-4.6 s on a CPU
+    (``experiments/results/probes/trace_glm5_step.py``), and every other step likewise. The weights themselves are
+    drawn by ``glm53.params.init_params``; ``init_fn`` gives only the shapes and dtypes (``param_shapes``) and
+    whatever a direct ``GLM5.init`` draws. The error for a weight of another shape is Flax's own."""
+    if not module.has_variable("params", name):
+        return module.param(name, init_fn, shape, dtype)
+    value = module.get_variable("params", name)
+    if value.shape != tuple(shape):
+        raise flax.errors.ScopeParamShapeError(name, module.scope.path_text, value.shape, tuple(shape))
+    return value
+
+
 class RMSNorm(nn.Module):
     features: int
     eps: float
@@ -121,7 +137,7 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        w = self.param("weight", nn.initializers.ones, (self.features,), self.dtype)
+        w = _weight(self, "weight", nn.initializers.ones, (self.features,), self.dtype)
         return rms_norm(x, w, self.eps)
 
 
@@ -163,7 +179,7 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        w = self.param("kernel", _normal(self.cfg), (self.features_in, self.features_out), self.dtype)
+        w = _weight(self, "kernel", _normal(self.cfg), (self.features_in, self.features_out), self.dtype)
         return matmul(x, w.astype(x.dtype) if x.dtype != w.dtype else w)
 
 
@@ -179,10 +195,10 @@ class Indexer(nn.Module):
         c = self.cfg
         self.wq_b = Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, c, self.dtype)
         self.wk = Linear(c.hidden_size, c.index_head_dim, c, self.dtype)
-        self.k_norm_weight = self.param("k_norm_weight", nn.initializers.ones, (c.index_head_dim,), self.dtype)
-        self.k_norm_bias = self.param("k_norm_bias", nn.initializers.zeros, (c.index_head_dim,), self.dtype)
+        self.k_norm_weight = _weight(self, "k_norm_weight", nn.initializers.ones, (c.index_head_dim,), self.dtype)
+        self.k_norm_bias = _weight(self, "k_norm_bias", nn.initializers.zeros, (c.index_head_dim,), self.dtype)
         # The reference keeps weights_proj in float32 (_keep_in_fp32_modules) and feeds it float32 activations.
-        self.weights_proj = self.param("weights_proj", _normal(c), (c.hidden_size, c.index_n_heads), F32)
+        self.weights_proj = _weight(self, "weights_proj", _normal(c), (c.hidden_size, c.index_n_heads), F32)
 
     def keys(self, x: Array, step: Step) -> Array:
         """The indexer keys ``[B, T, index_head_dim]`` of the tokens ``x`` (what the cache stores)."""
@@ -230,8 +246,8 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_row_dim, c, self.dtype)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6, self.dtype)
         # Used only as absorbed weights (never applied as a layer), so it is a bare [kv_lora, heads*(nope+v)] param.
-        self.kv_b_proj = self.param("kv_b_proj", _normal(c), (c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim)),
-                                    self.dtype)
+        self.kv_b_proj = _weight(self, "kv_b_proj", _normal(c),
+                                 (c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim)), self.dtype)
         self.o_proj = Linear(h * c.v_head_dim, c.hidden_size, c, self.dtype)
         self.indexer = (Indexer(c, self.layer, self.dtype, self.cache_layer)
                         if c.layer_indexer_type(self.layer) == "full" else None)
@@ -348,11 +364,11 @@ class MoE(nn.Module):
     def __call__(self, x, kernels: str = "auto"):
         c = self.cfg
         E, H, I = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
-        router = self.param("gate", nn.initializers.normal(c.initializer_range), (H, E), F32)
-        bias = self.param("e_score_correction_bias", nn.initializers.zeros, (E,), F32)
-        w_gate = self.param("experts_gate_proj", _normal(c), (E, H, I), self.dtype)
-        w_up = self.param("experts_up_proj", _normal(c), (E, H, I), self.dtype)
-        w_down = self.param("experts_down_proj", _normal(c), (E, I, H), self.dtype)
+        router = _weight(self, "gate", nn.initializers.normal(c.initializer_range), (H, E), F32)
+        bias = _weight(self, "e_score_correction_bias", nn.initializers.zeros, (E,), F32)
+        w_gate = _weight(self, "experts_gate_proj", _normal(c), (E, H, I), self.dtype)
+        w_up = _weight(self, "experts_up_proj", _normal(c), (E, H, I), self.dtype)
+        w_down = _weight(self, "experts_down_proj", _normal(c), (E, I, H), self.dtype)
         # FP8 experts (glm53.params.quantize_experts): e4m3 weights plus one scale per 128 x 128 block, dequantised
         # inside the grouped matmul; the parameters themselves say which (no flag to keep in sync).
         names = {n: f"experts_{n}_proj_scale" for n in ("gate", "up", "down")}
@@ -430,11 +446,11 @@ class GLM5(nn.Module):
 
     def setup(self):
         c = self.cfg
-        self.embed_tokens = self.param("embed_tokens", _normal(c), (c.vocab_size, c.hidden_size), self.dtype)
+        self.embed_tokens = _weight(self, "embed_tokens", _normal(c), (c.vocab_size, c.hidden_size), self.dtype)
         self.layers = [DecoderLayer(c, i, self.dtype) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
-            self.lm_head = self.param("lm_head", _normal(c), (c.hidden_size, c.vocab_size), self.dtype)
+            self.lm_head = _weight(self, "lm_head", _normal(c), (c.hidden_size, c.vocab_size), self.dtype)
         if c.num_nextn_predict_layers:
             self.mtp_layer = MTPModule(c, c.num_hidden_layers, self.dtype)
 
