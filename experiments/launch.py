@@ -16,6 +16,7 @@ On several real hosts, start the entry point once per host with the same three v
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -33,8 +34,46 @@ flags.DEFINE_integer("devices_per_process", 8, "CPU devices per process (XLA's h
 flags.DEFINE_integer("timeout", 1800, "seconds before every process is stopped", lower_bound=1)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel picks outgoing connections' local ports from (Linux: 32768-60999 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 65535  # Linux's range starts here; macOS's and Windows' (49152) above it
+
+
+def _bindable(port: int) -> bool:
+    """Whether nothing holds ``port``, on every IPv4 and (where there is IPv6) every IPv6 address: the coordination
+    service binds ``[::]:port``."""
+    for family, address in ((socket.AF_INET, ""), (socket.AF_INET6, "::")):
+        try:
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 here
+        with s:
+            try:
+                s.bind((address, port))
+            except OSError:
+                return False
+    return True
+
+
+def free_port(rng: random.Random | None = None) -> int:
+    """A free port for the coordinator, below the ephemeral range. A port from that range (what binding port 0
+    gives) was free when asked for, but until process 0's coordination service bound it, any outgoing connection on
+    the machine could take it as its local port: gloo's and gRPC's, of this run's processes or another run's. Then
+    the service could not bind it and process 0 crashed (exit -11; once in the test suite, 2026-12-06, with two
+    multi-process tests running at once). Below the range only a listener can take it, as a check finds."""
+    rng = rng or random.SystemRandom()
+    low, _ = _ephemeral_ports()
+    if low > 2048:
+        for _ in range(200):
+            port = rng.randrange(max(1024, low - 16384), low)
+            if _bindable(port):
+                return port
+    with socket.socket() as s:  # nothing free below the range: an ephemeral port, as before
         s.bind(("localhost", 0))
         return s.getsockname()[1]
 

@@ -165,6 +165,33 @@ def test_pipeline_stages_across_two_processes(tmp_path, config, devices, stages,
     assert two["memory"]["params_bytes"] < one["memory"]["params_bytes"]
 
 
+def test_the_coordinators_port_is_free_and_below_the_ephemeral_range():
+    """A port from the range the kernel hands to outgoing connections (gloo's, gRPC's) was free when the launcher
+    picked it, then taken before process 0's coordination service bound it: process 0 crashed (once, two multi-process
+    tests running at once). The launcher picks below that range and skips a port that a listener holds."""
+    import socket
+
+    from experiments import launch
+
+    class Scripted:  # a random.Random whose randrange gives these ports in turn
+        def __init__(self, ports):
+            self.ports = iter(ports)
+
+        def randrange(self, start, stop):
+            port = next(self.ports)
+            assert start <= port < stop
+            return port
+
+    low, _ = launch._ephemeral_ports()
+    assert all(1024 <= launch.free_port() < low for _ in range(20))
+    taken = launch.free_port()
+    with socket.socket() as s:
+        s.bind(("", taken))
+        s.listen()
+        other = launch.free_port()
+        assert other != taken and launch.free_port(Scripted([taken, other])) == other
+
+
 def test_launch_fails_when_a_process_fails(tmp_path):
     p = subprocess.run([sys.executable, "-m", "experiments.launch", "--processes=2", "--devices_per_process=1", "--",
                         sys.executable, "-c", "import os, sys; sys.exit(int(os.environ['GLM53_PROCESS_ID']) * 3)"],
