@@ -511,18 +511,23 @@ def ab_run(model, c, planned: dict, rec: Recorder) -> None:
     io = R["save_restore"] = {}
     if own_dir:
         save_dir = tempfile.mkdtemp(prefix="sessions_1m_save_")
+    try:
+        if own_dir:
+            t = time.perf_counter()
+            eo.save(root_o, save_dir)
+            io["save_s"] = time.perf_counter() - t
+        io["dir"] = save_dir
+        er = glm53.Engine(model, cc.replace(mode="resident"), max_sessions=n, device_budget_bytes=limit)
         t = time.perf_counter()
-        eo.save(root_o, save_dir)
-        io["save_s"] = time.perf_counter() - t
-    io["dir"] = save_dir
-    er = glm53.Engine(model, cc.replace(mode="resident"), max_sessions=n, device_budget_bytes=limit)
-    t = time.perf_counter()
-    root_r = er.restore(save_dir)
-    jax.block_until_ready(er.cache)
-    io["restore_s"] = time.perf_counter() - t
-    io["host_after_restore"] = host_memory()
-    if own_dir:
-        shutil.rmtree(save_dir, ignore_errors=True)
+        root_r = er.restore(save_dir)
+        jax.block_until_ready(er.cache)
+        io["restore_s"] = time.perf_counter() - t
+        io["host_after_restore"] = host_memory()
+    finally:
+        # A 1M-token save is tens of GB: removed even when the save (a full disk) or the restore (a device out of
+        # memory) fails, where it used to stay in the temp directory.
+        if own_dir:
+            shutil.rmtree(save_dir, ignore_errors=True)
     print(f"restored the {P:,}-token session into a resident engine in {io['restore_s']:.1f} s", flush=True)
     rec.save()
 

@@ -381,11 +381,13 @@ def test_sessions_1m(tmp_path):
 
 def test_sessions_1m_ab(tmp_path):
     """Offload prefills and saves; a resident engine restores; the decodes agree bit for bit."""
-    out = tmp_path / "ab.json"
+    out, tmp = tmp_path / "ab.json", tmp_path / "tmp"
+    tmp.mkdir()
     _run("experiments.sessions_1m", "--config.run.max_new_tokens=5", "--sessions=1", "--ab", "--pairs=1",
-         "--check_tokens=3", f"--out={out}")
+         "--check_tokens=3", f"--out={out}", env={"TMPDIR": str(tmp)})
     report = json.loads(out.read_text())
     assert report["status"] == "done" and report["mode"] == "ab"
+    assert report["save_restore"]["dir"].startswith(str(tmp)) and not list(tmp.glob("sessions_1m_save_*"))
     assert report["check"]["tokens_identical"] and report["check"]["logits_identical"]
     (pair,) = report["pairs"]
     assert pair["tokens_identical"] and pair["offload"]["aggregate_tokens_per_s"] > 0
