@@ -226,6 +226,7 @@ def _read(stored: _Stored, name: str) -> np.ndarray:
 
 @functools.partial(jax.jit, static_argnames=("transpose", "dequantise_to", "dtype"))
 def _arranged(x, raw_scale, *, transpose: bool, dequantise_to, dtype):
+    """``(the tensor made the model's, _finite_rows of it)``."""
     # A tensor as read made the model's in one program (block scales applied, last two axes swapped, cast), so the
     # device holds it as read and as kept, never a transposed or cast copy beside both: the memory check counts the
     # largest weight twice. Dequantising is per element, so the same values before or after the swap.
@@ -233,7 +234,26 @@ def _arranged(x, raw_scale, *, transpose: bool, dequantise_to, dtype):
         x = _dequant_fp8_block(x, raw_scale, dequantise_to)
     if transpose:
         x = jnp.swapaxes(x, -1, -2)
-    return x.astype(dtype)
+    x = x.astype(dtype)
+    return x, _finite_rows(x)
+
+
+def _finite_rows(x) -> jax.Array:
+    """Whether each leading-index slice of ``x`` (a weight, or a stack of experts' weights) holds only finite values,
+    as of the dtype it is kept in (a float32 value past bfloat16's range is inf once cast)."""
+    # Computed inside ``_arranged``, the program that makes the weight: an eager ``isfinite(x).all()`` after it was
+    # two more programs per weight shape (isfinite, then the reduction, each compiled on first use: ~280 programs in
+    # a run of the test suite) and a bool array of the weight's size between them.
+    n = x.shape[0] if x.ndim else 1
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.ones((n,), bool)
+    return jnp.isfinite(x.reshape(n, -1) if x.size else x.reshape(n, 0)).all(axis=1)
+
+
+@jax.jit
+def _all_finite(x) -> jax.Array:
+    # A restored parameter of any sharding: a scalar, readable in every process that holds a part of ``x``.
+    return jnp.isfinite(x).all() if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
 
 
 def _dequant_fp8_block(w: jax.Array, scale_inv: jax.Array, dtype) -> jax.Array:
@@ -416,13 +436,13 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
         if path_ in loaded:
             raise CheckpointError(f"tensor {name} appears twice in the checkpoint")
         try:
-            arr = _arranged(jnp.asarray(t), None if raw_scale is None else jnp.asarray(raw_scale),
-                            transpose=transpose, dequantise_to=dtype, dtype=want.dtype)
+            arr, finite = _arranged(jnp.asarray(t), None if raw_scale is None else jnp.asarray(raw_scale),
+                                    transpose=transpose, dequantise_to=dtype, dtype=want.dtype)
         except Exception as e:
             if raw_scale is None:
                 raise
             raise CheckpointError(f"cannot dequantise tensor {name} with its block scales: {e}") from e
-        _check_stack_finite(arr, names) if names else _check_finite(arr, name)
+        _check_finite(arr, finite, names or [name])
         keep(path_, arr)
 
     def expert(name, stack, e, t, raw_scale):
@@ -461,9 +481,9 @@ def read_hf(path: str, dtype, expert_weights: str = "model", *, mtp: bool = True
             return
         # kept as stored: e4m3 and one f32 scale per 128 x 128 block
         for path_, x, ns in ((stack, w, names), (scale_path(stack), scales, [n + _SCALE_SUFFIX for n in names])):
-            x = _arranged(jnp.asarray(x), None, transpose=True, dequantise_to=None,
-                          dtype=x.dtype if x is w else np.float32)
-            _check_stack_finite(x, ns)
+            x, finite = _arranged(jnp.asarray(x), None, transpose=True, dequantise_to=None,
+                                  dtype=x.dtype if x is w else np.float32)
+            _check_finite(x, finite, ns)
             keep(path_, x)
 
     def check_fused(name, t, want):
@@ -559,20 +579,20 @@ def _read_tokenizer(tok_path: str, cfg: ModelConfig, config_file: str) -> Tokeni
     return tokenizer
 
 
-def _check_stack_finite(stack, names: list[str]) -> None:
-    """``_check_finite`` of a stack of tensors ``names`` (one per leading index), naming the first bad one."""
-    if jnp.issubdtype(stack.dtype, jnp.floating) and not bool(jnp.isfinite(stack).all()):
-        first = int(jnp.argmin(jnp.isfinite(stack).reshape(stack.shape[0], -1).all(axis=1)))
-        _check_finite(stack[first], names[first])
-
-
-def _check_finite(arr, name: str) -> None:
+def _check_finite(arr, finite_rows, names: list[str]) -> None:
     """Corrupted tensor bytes load without complaint and surface much later as non-finite logits: refuse them
-    here, naming the tensor."""
-    if jnp.issubdtype(arr.dtype, jnp.floating) and not bool(jnp.isfinite(arr).all()):
-        bad = int(jnp.size(arr) - jnp.isfinite(arr).sum())
-        raise CheckpointError(f"tensor {name} holds {bad} non-finite values (NaN or inf): the checkpoint file is "
-                              "corrupted or was written from a diverged model")
+    here, naming the tensor. ``finite_rows``: ``_finite_rows(arr)``; ``names``: the tensor's, or a stack's tensors'
+    (one per leading index), of which the first bad one is named."""
+    ok = np.asarray(finite_rows)
+    if not ok.all():
+        row = int(np.argmin(ok))
+        _refuse_non_finite(arr[row], names[row]) if len(names) > 1 else _refuse_non_finite(arr, names[0])
+
+
+def _refuse_non_finite(arr, name: str):
+    bad = int(jnp.size(arr) - jnp.isfinite(arr).sum())
+    raise CheckpointError(f"tensor {name} holds {bad} non-finite values (NaN or inf): the checkpoint file is "
+                          "corrupted or was written from a diverged model")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -717,8 +737,8 @@ def read_native(directory: str, dtype=None, check_config=None, mesh=None, microb
     if placed is not None:
         params = placed.restored(params)
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        if leaf.addressable_shards:  # a pipeline stage of another process: that process checks it
-            _check_finite(leaf, "params" + jax.tree_util.keystr(path))
+        if leaf.addressable_shards and not bool(_all_finite(leaf)):  # no shard here: its process checks it
+            _refuse_non_finite(leaf, "params" + jax.tree_util.keystr(path))
     # A params folder of another save of the same architecture restores without complaint: only the digest
     # glm53.json recorded at save tells them apart (saves older than it have none).
     with open(os.path.join(directory, NATIVE_META)) as f:

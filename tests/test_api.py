@@ -7,6 +7,7 @@ longer than index_topk so the DSA selection is sparse.
 
 import json
 import os
+import re
 import shutil
 import time
 
@@ -639,6 +640,45 @@ def test_non_finite_weights_are_refused_by_name(ckpt):
     _rewrite(ckpt, corrupt)
     with pytest.raises(CheckpointError, match=r"model.layers.1.self_attn.q_b_proj.weight holds 3 non-finite"):
         glm53.from_pretrained(str(ckpt))
+
+
+def test_non_finite_experts_and_native_parameters_are_refused_by_name(ckpt, tmp_path):
+    """An expert's weight is checked inside its layer's stack, which names the expert's own tensor (the second of
+    two bad ones is not named); a value finite as stored but past the model dtype's range is refused once cast; and
+    a native save of a diverged model is refused on load, naming the parameter."""
+    import torch
+
+    expert = "model.layers.1.mlp.experts.{}.up_proj.weight"
+
+    def corrupt(t):
+        for e in (1, 3):
+            w = t[expert.format(e)].clone()
+            w[2, 1] = float("nan")
+            t[expert.format(e)] = w
+
+    _rewrite(ckpt, corrupt)
+    with pytest.raises(CheckpointError, match=rf"tensor {re.escape(expert.format(1))} holds 1 non-finite"):
+        glm53.from_pretrained(str(ckpt), dtype="float32")
+
+    def huge(t):
+        for e in (1, 3):
+            t[expert.format(e)] = t[expert.format(e)].nan_to_num(0.0)
+        w = t["model.layers.0.mlp.down_proj.weight"].clone()
+        w[0, 0] = 3.4e38  # float32's largest values round to inf in bfloat16
+        t["model.layers.0.mlp.down_proj.weight"] = w
+
+    _rewrite(ckpt, huge)
+    assert glm53.from_pretrained(str(ckpt), dtype="float32").config.num_hidden_layers == 2
+    with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.down_proj.weight holds 1 non-finite"):
+        glm53.from_pretrained(str(ckpt), dtype="bfloat16")
+
+    model = glm53.from_config(CFG, seed=0, dtype="float32")
+    q = model.params["layers_0"]["self_attn"]["q_b_proj"]["kernel"]
+    model.params["layers_0"]["self_attn"]["q_b_proj"]["kernel"] = q.at[0, :2].set(jnp.inf)
+    model.save(str(tmp_path / "diverged"))
+    with pytest.raises(CheckpointError, match=r"params\['layers_0'\]\['self_attn'\]\['q_b_proj'\]\['kernel'\] "
+                                              r"holds 2 non-finite"):
+        glm53.load(str(tmp_path / "diverged"))
 
 
 def test_corrupt_native_checkpoint_metadata(model, tmp_path):
