@@ -242,8 +242,8 @@ def _finite_rows(x) -> jax.Array:
     """Whether each leading-index slice of ``x`` (a weight, or a stack of experts' weights) holds only finite values,
     as of the dtype it is kept in (a float32 value past bfloat16's range is inf once cast)."""
     # Computed inside ``_arranged``, the program that makes the weight: an eager ``isfinite(x).all()`` after it was
-    # two more programs per weight shape (isfinite, then the reduction, each compiled on first use: ~280 programs in
-    # a run of the test suite) and a bool array of the weight's size between them.
+    # two more programs per weight shape (isfinite, then the reduction, each compiled on its first use) and a bool
+    # array of the weight's size between them.
     n = x.shape[0] if x.ndim else 1
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return jnp.ones((n,), bool)
@@ -586,7 +586,9 @@ def _check_finite(arr, finite_rows, names: list[str]) -> None:
     ok = np.asarray(finite_rows)
     if not ok.all():
         row = int(np.argmin(ok))
-        _refuse_non_finite(arr[row], names[row]) if len(names) > 1 else _refuse_non_finite(arr, names[0])
+        if len(names) > 1:
+            arr, names = arr[row], [names[row]]
+        _refuse_non_finite(arr, names[0])
 
 
 def _refuse_non_finite(arr, name: str):
