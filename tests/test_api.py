@@ -646,8 +646,6 @@ def test_non_finite_experts_and_native_parameters_are_refused_by_name(ckpt, tmp_
     """An expert's weight is checked inside its layer's stack, which names the expert's own tensor (the second of
     two bad ones is not named); a value finite as stored but past the model dtype's range is refused once cast; and
     a native save of a diverged model is refused on load, naming the parameter."""
-    import torch
-
     expert = "model.layers.1.mlp.experts.{}.up_proj.weight"
 
     def corrupt(t):
