@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# GPU call (GLM53_GIT_REVISION=<commit>, OUT set; carry .whl): the kernel, API, offload-model, offload-state and the
+# engine's MTP and offload tests compiled (JAX_PLATFORMS=cuda, kernels compiled, not interpreted), four workers
+# sharing the GPU (tests/conftest.py turns XLA's GEMM autotuning off for them, so both cache modes compile the same
+# products the same way). Stop 68 ran it on the build whose 10 x 50K A/B ab_series_gpu.sh measured.
+LIMIT=${LIMIT:-560}
+source experiments/results/probes/gpu_setup.sh
+export JAX_PLATFORMS=cuda
+nvidia-smi --query-gpu=name --format=csv,noheader
+timeout 150 python -m pytest -q -p no:cacheprovider -n 4 tests/test_kernels_*.py 2>&1 | tail -1
+el kernel tests
+timeout 190 python -m pytest -q -p no:cacheprovider -n 4 tests/test_api.py tests/test_offload_model.py \
+  tests/test_offload_state.py 2>&1 | tail -1
+el api, offload-model and offload-state tests
+LEFT=$(( LIMIT - $(date +%s) + T0 ))
+[ $LEFT -ge 40 ] && timeout $LEFT python -m pytest -q -p no:cacheprovider -n 4 tests/test_engine.py -k "mtp or offload" \
+  2>&1 | tail -1
+el engine mtp/offload tests
