@@ -47,6 +47,16 @@ def run(main) -> None:
             return main(argv)
         except app.UsageError as e:
             sys.exit(f"{module_name()}: {e}\nPass --helpshort or --helpfull to see help on flags.")
+        except ValueError as e:
+            # glm53's ConfigError (a setting that cannot work, named with why) from wherever main met it: one line,
+            # as the entry points' own checks say theirs, not a traceback through the library. Only a raised one
+            # needs the class, so it is looked up where glm53 was imported instead of importing it here.
+            config = sys.modules.get("glm53.config")
+            if config is None or not isinstance(e, config.ConfigError):
+                raise
+            from glm53 import distributed  # a run of several processes ends at once, so the launcher stops the rest
+
+            distributed.fail(f"{module_name()}: {e}")
 
     app.run(refusing, flags_parser=_parse_flags)
 

@@ -116,6 +116,10 @@ def prefill(torch, model, ids, mode: str, cache_kw: str, chunk: int):
 def main(_):
     c = FLAGS.config
     cli.check_checkpoint(c, reads_checkpoint=False)
+    cli.refuse_unread_overrides(
+        ("model", "run.prompt_len"),
+        "experiments.hf_prefill builds transformers' model from config.model alone, in --dtype, with its own random "
+        "weights, and reads run.prompt_len when --prompt_lens is empty")
     lens = [int(x) for x in FLAGS.prompt_lens] or [int(c.run.prompt_len)]
     bad = sorted(set(FLAGS.modes) - {"whole", "chunked"})
     if bad:

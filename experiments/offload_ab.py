@@ -81,6 +81,12 @@ def summarise(pairs: list) -> dict:
 def main(_):
     c = FLAGS.config
     cli.check_checkpoint(c, reads_checkpoint=False)
+    cli.refuse_unread_overrides(
+        ("model", "seed", "dtype", "mesh", "run.prompt_len", "run.batch", "run.max_new_tokens", "run.seed", "run.mtp",
+         "run.accept_override") + cli.cache_fields_but(c, "max_len", "mode"),
+        "experiments.offload_ab runs both cache modes with a capacity of prompt + new tokens, greedy (it reads "
+        "config.model, seed, dtype, mesh, run.{prompt_len,batch,max_new_tokens,seed,mtp,accept_override} and cache "
+        "but its mode and max_len), and writes --out")
     model, prompts, cc, K = workloads.setup(c)
     new = c.run.max_new_tokens
     modes = {"resident": cc.replace(mode="resident"), "offload": cc.replace(mode="offload")}

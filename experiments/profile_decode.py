@@ -216,6 +216,12 @@ def step_sequence(steps: list, names_of: dict) -> list:
 def main(_):
     c = FLAGS.config
     cli.check_checkpoint(c, reads_checkpoint=False)
+    cli.refuse_unread_overrides(
+        ("model", "seed", "dtype", "mesh", "run.prompt_len", "run.batch", "run.max_new_tokens", "run.seed")
+        + cli.cache_fields_but(c, "max_len", "mode"),
+        "experiments.profile_decode profiles greedy decode without MTP in the --modes given, with a capacity of "
+        "prompt + new tokens (it reads config.model, seed, dtype, mesh, run.{prompt_len,batch,max_new_tokens,seed} "
+        "and cache but its mode and max_len), and writes --out")
     try:  # an unknown workload or a used trace folder fails here, before any compile
         workloads.selection(FLAGS.workload, 8, 64, 0)
         trace_util.check_trace_dir(FLAGS.trace_dir)

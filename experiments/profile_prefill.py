@@ -322,6 +322,11 @@ def projection(runs: list, target: int) -> dict | None:
 def main(_):
     c = FLAGS.config
     cli.check_checkpoint(c, reads_checkpoint=False)
+    cli.refuse_unread_overrides(
+        ("model", "seed", "dtype", "run.prompt_len", "run.seed") + cli.cache_fields_but(c, "max_len"),
+        "experiments.profile_prefill prefills one session on one device, its capacity each prompt's length (it reads "
+        "config.model, seed, dtype, run.{prompt_len,seed} and cache but its max_len; --prompt_lens over "
+        "run.prompt_len)")
     try:
         trace_util.check_trace_dir(FLAGS.trace_dir)
     except ValueError as e:

@@ -35,6 +35,12 @@ flags.DEFINE_integer("mtp", 0, "also compile the MTP verify and draft steps of t
 def main(_):
     c = FLAGS.config
     cli.check_checkpoint(c, reads_checkpoint=False)
+    cli.refuse_unread_overrides(
+        ("model", "seed", "dtype", "mesh", "run.prompt_len", "run.batch", "run.max_new_tokens")
+        + cli.cache_fields_but(c, "max_len", "mode"),
+        "experiments.step_copies compiles the decode steps of the --modes given, for run.batch lanes and a capacity "
+        "of prompt + new tokens, and runs nothing (it reads config.model, seed, dtype, mesh, "
+        "run.{prompt_len,batch,max_new_tokens} and cache but its mode and max_len)")
     model, _, cc, K = workloads.setup(c)
     B = c.run.batch
     results = {"config": c.to_dict(), **provenance(), "lanes": B, "steps": {}}

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm53.cache import Lanes, init_resident
-from glm53.config import CacheConfig, ModelConfig
+from glm53.config import CacheConfig, ConfigError, ModelConfig
 from glm53.model import GLM5, make_step
 from kernels_pallas import grouped_matmul as _gmm
 
@@ -18,13 +18,17 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "f32": jnp.float32, 
 
 
 def resolve_dtype(dtype) -> Any:
+    # A ConfigError (a ValueError): the entry points say it in one line, as they do every setting that cannot work.
     if isinstance(dtype, str):
         if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} unknown; choose one of {sorted(DTYPES)}")
+            raise ConfigError(f"dtype {dtype!r} unknown; choose one of {sorted(DTYPES)}")
         return DTYPES[dtype]
-    dt = jnp.dtype(dtype)
+    try:
+        dt = jnp.dtype(dtype) if dtype is not None else None  # NumPy reads None as float64
+    except TypeError:
+        raise ConfigError(f"dtype {dtype!r} is not a dtype; use float32 or bfloat16") from None
     if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"dtype {dt} unsupported; use float32 or bfloat16")
+        raise ConfigError(f"dtype {dt} unsupported; use float32 or bfloat16")
     return dt.type
 
 

@@ -300,6 +300,17 @@ def test_prompt_errors(model):
         glm53.generate(model, [P1], max_new_tokens=2, temperature=-1.0)
 
 
+def test_model_dtype_errors():
+    """glm53 runs in float32 or bfloat16: anything else is a ConfigError naming it, before a weight is drawn (None
+    was read by NumPy as float64)."""
+    for bad, match in (("float16", r"dtype 'float16' unknown; choose one of \['bf16', 'bfloat16', 'f32', 'float32'\]"),
+                       (np.float16, "dtype float16 unsupported; use float32 or bfloat16"),
+                       (None, "dtype None unsupported; use float32 or bfloat16"),
+                       (3.5, "dtype 3.5 is not a dtype; use float32 or bfloat16")):
+        with pytest.raises(ConfigError, match=match):
+            glm53.from_config(CFG, seed=0, dtype=bad)
+
+
 def test_cache_config_errors(model):
     with pytest.raises(ConfigError, match=r"kv_format 'int4' unknown; choose one of \['bf16', 'f32'"):
         CacheConfig(kv_format="int4")

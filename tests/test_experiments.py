@@ -23,7 +23,8 @@ TINY = ["--config=configs/tiny.py", "--config.run.prompt_len=100", "--config.run
 
 # The fields of TINY an entry point does not read, and so refuses (cli.refuse_unread_overrides)
 UNREAD = {"experiments.throughput": ("run.prompt_len", "run.batch"), "experiments.sessions_ab": ("run.batch",),
-          "experiments.live_history_ab": ("run.batch",), "experiments.sessions_1m": ("run.batch",)}
+          "experiments.live_history_ab": ("run.batch",), "experiments.sessions_1m": ("run.batch",),
+          "experiments.profile_prefill": ("run.batch",)}
 
 
 def tiny(module):
@@ -818,7 +819,12 @@ def test_per_session_tokens_per_s_add_up_to_the_aggregate():
     ("experiments.sessions_ab", "--config.mesh.tp=2", "one device"),
     ("experiments.live_history_ab", "--config.run.temperature=0.7", "greedy"),
     ("experiments.sessions_1m", "--config.cache.mode=resident", "offload"),
-    ("experiments.capacity", "--config.cache.max_len=100", "--history")])
+    ("experiments.capacity", "--config.cache.max_len=100", "--history"),
+    ("experiments.offload_ab", "--config.run.temperature=0.7", "greedy"),
+    ("experiments.profile_decode", "--config.run.mtp=3", "without MTP"),
+    ("experiments.profile_prefill", "--config.mesh.tp=2", "one device"),
+    ("experiments.step_copies", "--config.run.seed=4", "runs nothing"),
+    ("experiments.hf_prefill", "--config.dtype=float32", "in --dtype")])
 def test_experiments_refuse_config_overrides_they_would_ignore(module, flag, reads):
     """An override an entry point does not read would have gone into its results' config as if it had run (a
     throughput run at --config.run.mtp=2 decoded at MTP 0): refused at once, on one line naming the flag."""
@@ -826,6 +832,16 @@ def test_experiments_refuse_config_overrides_they_would_ignore(module, flag, rea
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert last.startswith(f"{module}: {flag}: ") and reads in last, last
+
+
+@pytest.mark.parametrize("module", ["experiments.generate", "experiments.profile_decode"])
+def test_a_dtype_that_cannot_work_is_one_line(module):
+    """glm53's ConfigError raised inside an entry point's main, past its own checks (here the model's dtype, met
+    when the weights are about to be drawn), ends the run on one line naming it, not a traceback through glm53."""
+    p = python_runner.run(["-m", module, "--config=configs/tiny.py", "--config.dtype=float16"], cwd=ROOT, timeout=300)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines()[-1] == (f"{module}: dtype 'float16' unknown; choose one of "
+                                                 "['bf16', 'bfloat16', 'f32', 'float32']"), p.stderr[-2000:]
 
 
 def test_sessions_1m_times_its_decode_without_a_progress_bar(tmp_path):
