@@ -37,10 +37,10 @@ from kernels_pallas.hot_gather import HOST
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_bool("tiny", False, "small sizes for a CPU smoke run")
-flags.DEFINE_integer("steps", 128, "steps per timed loop")
-flags.DEFINE_integer("every", 16, "steps between copybacks")
-flags.DEFINE_integer("matmuls", 12, "matmuls per stand-in step (sets its device time)")
-flags.DEFINE_integer("repeats", 3, "timed loops per variant and case (median reported)")
+flags.DEFINE_integer("steps", 128, "steps per timed loop", lower_bound=1)
+flags.DEFINE_integer("every", 16, "steps between copybacks", lower_bound=1)
+flags.DEFINE_integer("matmuls", 12, "matmuls per stand-in step (sets its device time)", lower_bound=1)
+flags.DEFINE_integer("repeats", 3, "timed loops per variant and case (median reported)", lower_bound=1)
 
 VARIANTS = ("separate", "in_step_first", "in_step_after")
 

@@ -32,12 +32,12 @@ hg = importlib.import_module("kernels_pallas.hot_gather")
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_bool("tiny", False, "small sizes for a CPU smoke run")
-flags.DEFINE_integer("layers", 9, "cache layers filled per step (h200_bench: 8 + the MTP layer)")
-flags.DEFINE_integer("hot_rows", 32768, "hot-cache slots per layer")
+flags.DEFINE_integer("layers", 9, "cache layers filled per step (h200_bench: 8 + the MTP layer)", lower_bound=1)
+flags.DEFINE_integer("hot_rows", 32768, "hot-cache slots per layer", lower_bound=1)
 flags.DEFINE_float("miss_rate", 0.01, "fraction of each round's positions missed")
-flags.DEFINE_integer("iters", 200, "calls per timed loop")
+flags.DEFINE_integer("iters", 200, "calls per timed loop", lower_bound=1)
 flags.DEFINE_list("num_warps", ["2", "4", "8", "16", "32"], "launch shapes to time")
-flags.DEFINE_integer("rows", 1, "query rows per round (MTP depth + 1 in a verify step)")
+flags.DEFINE_integer("rows", 1, "query rows per round (MTP depth + 1 in a verify step)", lower_bound=1)
 flags.DEFINE_float("overlap", 0.9, "with --rows > 1: fraction of each later row's positions also in the first row")
 
 

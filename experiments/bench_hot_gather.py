@@ -31,7 +31,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_bool("tiny", False, "small sizes for a CPU smoke run")
 flags.DEFINE_string("kv_format", "q8g64", "row format")
-flags.DEFINE_integer("iters", 50, "timed calls per case (median reported)")
+flags.DEFINE_integer("iters", 50, "timed calls per case (median reported)", lower_bound=1)
 flags.DEFINE_bool("sweep", False, "also time every (block_rows, num_warps) launch shape at all hits / all misses "
                   "and at each --decode_cases case")
 flags.DEFINE_list("sweep_block_rows", ["4", "8", "16", "32"], "--sweep: rows per program")

@@ -33,6 +33,17 @@ from kernels_pallas.indexer_topk import (
 )
 
 
+def _positive(text: str) -> int:
+    """argparse's type for a count >= 1 (0 timed calls would report the median of nothing as a time)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
 def _median_ms(fn, iters: int, warmup: int = 3) -> float:
     for _ in range(warmup):
         jax.block_until_ready(fn())
@@ -126,7 +137,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes, interpreted")
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--iters", type=_positive, default=20, help="timed calls per kernel (median reported)")
     args = parser.parse_args(argv)
 
     interpret = args.tiny or jax.default_backend() == "cpu"

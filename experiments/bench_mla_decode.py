@@ -28,7 +28,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_bool("tiny", False, "small sizes for a CPU smoke run")
 flags.DEFINE_list("queries", ["1", "10", "40"], "query rows per call")
-flags.DEFINE_integer("iters", 200, "calls per timed loop")
+flags.DEFINE_integer("iters", 200, "calls per timed loop", lower_bound=1)
 flags.DEFINE_list("block_rows", ["32", "64"], "row blocks to time")
 flags.DEFINE_list("num_warps", ["4", "8"], "warps per program to time")
 flags.DEFINE_list("parts", ["64x2", "64x4", "32x1", "32x2", "16x1"],

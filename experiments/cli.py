@@ -171,16 +171,15 @@ def refuse_an_unrunnable_cache(cfg, cc) -> None:
         sys.exit(f"{module_name()}: {e}")
 
 
-def token_counts(flag: str, values: list) -> list[int]:
-    """A list flag of token counts (``--history=50000,1048576``) as ints, each at least 1; a usage error naming the
-    flag otherwise (a word or a zero would otherwise be a traceback or a table of zeros)."""
+def token_counts(flag: str, values: list, what: str = "history lengths in tokens") -> list[int]:
+    """A list flag of counts (``--history=50000,1048576``) as ints, each at least 1; a usage error naming the flag
+    and ``what`` it counts otherwise (a word or a zero would otherwise be a traceback or a table of zeros)."""
     try:
         counts = [int(x) for x in values]
     except ValueError:
         counts = []
     if not counts or min(counts) < 1:
-        raise app.UsageError(f"--{flag}={','.join(values)}: give history lengths in tokens, whole numbers >= 1, "
-                             "comma-separated")
+        raise app.UsageError(f"--{flag}={','.join(values)}: give {what}, whole numbers >= 1, comma-separated")
     return counts
 
 

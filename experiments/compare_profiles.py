@@ -57,8 +57,17 @@ def compare(before: dict, after: dict, mode: str) -> dict:
 def main(argv):
     if len(argv) != 3:
         raise app.UsageError("give two profile_decode reports: BEFORE.json AFTER.json")
-    with open(argv[1]) as f_before, open(argv[2]) as f_after:
-        diff = compare(json.load(f_before), json.load(f_after), FLAGS.mode)
+    reports = []
+    for path in argv[1:]:
+        try:
+            with open(path) as f:
+                reports.append(json.load(f))
+        except (OSError, ValueError) as e:  # missing, unreadable or not JSON: named, not a traceback
+            raise app.UsageError(f"{path}: cannot read a profile_decode report ({e})") from None
+    try:
+        diff = compare(*reports, FLAGS.mode)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     (rb, ra), (bb, ba), (kb, ka) = diff["revisions"], diff["busy_us_per_step"], diff["kernels_per_step"]
     print(f"{FLAGS.mode}: {rb} -> {ra}: busy {bb:,.1f} -> {ba:,.1f} us a step ({ba - bb:+,.1f}), "
           f"kernels {kb:.0f} -> {ka:.0f} ({ka - kb:+.0f}); matched by {diff['matched_by']}")

@@ -48,7 +48,7 @@ _ROOFLINE = flags.DEFINE_bool("roofline", True, "measure the HBM bandwidth and r
 _ROUTING = flags.DEFINE_enum("routing", "auto", ["auto", "probe", "uniform"],
                              "routed experts for the roofline: auto (exact for one token per step, else probe), "
                              "probe (the model's routing, one instrumented decode), uniform (the expectation)")
-_PROBE_TOKENS = flags.DEFINE_integer("probe_tokens", 4, "tokens per session of the routing probe")
+_PROBE_TOKENS = flags.DEFINE_integer("probe_tokens", 4, "tokens per session of the routing probe", lower_bound=1)
 _EXPERT_WEIGHTS = flags.DEFINE_enum("expert_weights", "model", ["model", "fp8"],
                                     "routed experts in the model dtype, or kept in FP8 on the device (block-scaled "
                                     "e4m3, dequantised in the grouped matmul): fewer bytes per decode step")
@@ -65,7 +65,7 @@ _BASELINE_COMPILER_OPTIONS = flags.DEFINE_list(
     "'' for none) in this process, compare tokens and logits and report both speeds: an A/B of XLA options with the "
     "same autotuned GEMMs (two processes pick their own, and their greedy tokens part)")
 _BANDWIDTH_MIB = flags.DEFINE_integer("bandwidth_mib", 0, "array size of the bandwidth benchmark (0: 1 GiB on "
-                                      "accelerators, 64 MiB on a CPU)")
+                                      "accelerators, 64 MiB on a CPU)", lower_bound=0)
 
 
 def parse_options(items) -> dict:

@@ -50,11 +50,11 @@ cli.define_config("configs/h200_bench.py", "experiment config (its model section
 flags.DEFINE_string("out", "", "write the results JSON here (rewritten after every prefill)")
 flags.DEFINE_list("prompt_lens", [], "prompt lengths (default: config.run.prompt_len)")
 flags.DEFINE_list("modes", ["whole", "chunked"], "whole: one forward; chunked: --chunk tokens per forward + cache")
-flags.DEFINE_integer("chunk", 2048, "tokens per forward in chunked mode")
+flags.DEFINE_integer("chunk", 2048, "tokens per forward in chunked mode", lower_bound=1)
 flags.DEFINE_enum("device", "auto", ["auto", "cuda", "cpu"], "auto: CUDA when torch has it, else the CPU")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "parameter and activation dtype")
 flags.DEFINE_enum("attn_implementation", "sdpa", ["sdpa", "eager"], "transformers' attention implementation")
-flags.DEFINE_integer("warmup_tokens", 256, "tokens of the untimed warm-up forward")
+flags.DEFINE_integer("warmup_tokens", 256, "tokens of the untimed warm-up forward", lower_bound=0)
 flags.DEFINE_integer("seed", 0, "weights and prompt seed")
 
 

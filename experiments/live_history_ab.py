@@ -30,12 +30,12 @@ from glm53.provenance import provenance
 FLAGS = flags.FLAGS
 cli.define_config("configs/h200_1m.py", "experiment config")
 flags.DEFINE_string("out", "", "write the results JSON here")
-flags.DEFINE_integer("large_capacity", 1 << 20, "rows per session of the large cache")
+flags.DEFINE_integer("large_capacity", 1 << 20, "rows per session of the large cache", lower_bound=1)
 flags.DEFINE_list("modes", [], "cache modes to compare in (default: the config's cache.mode)")
-flags.DEFINE_integer("sessions", 1, "sessions decoding together (each its own random prompt)")
-flags.DEFINE_integer("pairs", 3, "interleaved small/large pairs per mode")
+flags.DEFINE_integer("sessions", 1, "sessions decoding together (each its own random prompt)", lower_bound=1)
+flags.DEFINE_integer("pairs", 3, "interleaved small/large pairs per mode", lower_bound=1)
 flags.DEFINE_string("workload", "indexer", f"DSA selection: {workloads.WORKLOADS}")
-flags.DEFINE_integer("check_tokens", 8, "tokens of the logits check run (also the warm-up)")
+flags.DEFINE_integer("check_tokens", 8, "tokens of the logits check run (also the warm-up)", lower_bound=1)
 
 
 def main(_):

@@ -25,7 +25,7 @@ a share of the resident step. A PNG (loss and floor against the decode hit rate)
 
 import json
 import numpy as np
-from absl import flags
+from absl import app, flags
 
 import glm53
 import glm53.engine
@@ -38,7 +38,7 @@ from glm53.provenance import provenance
 FLAGS = flags.FLAGS
 cli.define_config("configs/h200_bench.py", "experiment config")
 flags.DEFINE_string("out", "", "write the results JSON here")
-flags.DEFINE_integer("pairs", 1, "interleaved resident/offload pairs per workload")
+flags.DEFINE_integer("pairs", 1, "interleaved resident/offload pairs per workload", lower_bound=1)
 flags.DEFINE_list("workloads", ["indexer", "local99"],
                   "indexer (the model's own selection), local99, drift<c>, window<s>, uniform (experiments.workloads)")
 
@@ -87,6 +87,16 @@ def main(_):
         "experiments.offload_ab runs both cache modes with a capacity of prompt + new tokens, greedy (it reads "
         "config.model, seed, dtype, mesh, run.{prompt_len,batch,max_new_tokens,seed,mtp,accept_override} and cache "
         "but its mode and max_len), and writes --out")
+    workloads.check_names("workloads", FLAGS.workloads)
+    run = c.run
+    try:  # before the model: generate refused these only after the weights, the prefill and a warm-up
+        glm53.engine.check_sampling(run.mtp, 0.0, 1.0, run.seed, None if run.accept_override < 0
+                                    else run.accept_override, has_mtp=cli.model_config(c).num_nextn_predict_layers > 0)
+    except ValueError as e:
+        raise app.UsageError(f"--config.run: {e}") from None
+    if run.prompt_len < 1 or run.max_new_tokens < 1 or run.batch < 1:
+        raise app.UsageError(f"--config.run.prompt_len={run.prompt_len}, max_new_tokens={run.max_new_tokens} and "
+                             f"batch={run.batch} must all be >= 1")
     model, prompts, cc, K = workloads.setup(c)
     new = c.run.max_new_tokens
     modes = {"resident": cc.replace(mode="resident"), "offload": cc.replace(mode="offload")}

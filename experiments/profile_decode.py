@@ -37,7 +37,7 @@ flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_string("workload", "local99", f"selection: {workloads.WORKLOADS}; drift0.001 (99.95% hits) isolates "
                     "the offload step's fixed cost from its misses")
 flags.DEFINE_list("modes", ["resident", "offload"], "cache modes to profile")
-flags.DEFINE_integer("top", 40, "kernels listed per mode")
+flags.DEFINE_integer("top", 40, "kernels listed per mode", lower_bound=0)
 flags.DEFINE_string("trace_dir", "", trace_util.TRACE_DIR_HELP + " (a subfolder per mode)")
 
 DECODE_MODULE = "jit_decode"  # glm53.steps names each compiled step jit_<step>

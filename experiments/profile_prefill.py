@@ -55,10 +55,11 @@ flags.DEFINE_string("out", "", "write the results JSON here (rewritten after eve
 flags.DEFINE_list("prompt_lens", [], "prompt lengths to prefill (default: config.run.prompt_len)")
 flags.DEFINE_float("peak_flops", 989e12, "accelerator peak FLOP/s for the MFU (H200 dense bf16: 989e12)")
 flags.DEFINE_bool("profile", True, "trace a second prefill and split the chunk step's device time by part")
-flags.DEFINE_integer("profile_chunks", 0, "chunks traced: the prompt's last N (0: every chunk of the prompt)")
-flags.DEFINE_integer("top", 30, "kernels listed per prompt length")
+flags.DEFINE_integer("profile_chunks", 0, "chunks traced: the prompt's last N (0: every chunk of the prompt)",
+                     lower_bound=0)
+flags.DEFINE_integer("top", 30, "kernels listed per prompt length", lower_bound=0)
 flags.DEFINE_string("trace_dir", "", trace_util.TRACE_DIR_HELP + " (a subfolder per prompt length)")
-flags.DEFINE_integer("project_to", 1 << 20, "prompt length the prefill time is projected to (0: none)")
+flags.DEFINE_integer("project_to", 1 << 20, "prompt length the prefill time is projected to (0: none)", lower_bound=0)
 
 CHUNK_MODULE = "jit_chunk"  # glm53.steps names each compiled step jit_<step>
 

@@ -74,12 +74,15 @@ flags.DEFINE_string("out", "", "results JSON (rewritten at every milestone: a ru
 flags.DEFINE_integer("sessions", 8, "sessions of the history decoding together")
 flags.DEFINE_enum("workload", "local99", ["local99", "model"],
                   "DSA selection in decode: local99's override (experiments.workloads) or the model's own indexer")
-flags.DEFINE_integer("suffix", 16, "tokens each session appends to the shared history so the sessions diverge")
-flags.DEFINE_integer("prefill_piece", 16384, "tokens per timed prefill piece (rounded down to whole chunks)")
+flags.DEFINE_integer("suffix", 16, "tokens each session appends to the shared history so the sessions diverge",
+                     lower_bound=0)
+flags.DEFINE_integer("prefill_piece", 16384, "tokens per timed prefill piece (rounded down to whole chunks)",
+                     lower_bound=1)
 flags.DEFINE_float("host_margin_gib", 8.0, "host RAM to leave free beyond the pool (and, --ab, the save's copies)")
 flags.DEFINE_bool("ab", False, "decode A/B: offload vs resident at the same history (save / restore)")
-flags.DEFINE_integer("pairs", 2, "--ab: interleaved resident/offload pairs")
-flags.DEFINE_integer("check_tokens", 8, "tokens of the untimed decode warm-up (--ab: also the logits check)")
+flags.DEFINE_integer("pairs", 2, "--ab: interleaved resident/offload pairs", lower_bound=1)
+flags.DEFINE_integer("check_tokens", 8, "tokens of the untimed decode warm-up (--ab: also the logits check)",
+                     lower_bound=1)
 flags.DEFINE_string("save_history", "", "save the prefilled session here (Engine.save), for later --load_history runs")
 flags.DEFINE_string("load_history", "", "restore the history from this save instead of prefilling it (same config: "
                     "model, seed, kv_format and config.run.prompt_len)")

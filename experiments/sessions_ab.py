@@ -59,10 +59,10 @@ from kernels_pallas import kv_formats
 FLAGS = flags.FLAGS
 cli.define_config("configs/h200_bench.py", "experiment config")
 flags.DEFINE_string("out", "", "write the results JSON here")
-flags.DEFINE_integer("sessions", 10, "sessions decoding together")
-flags.DEFINE_integer("pairs", 2, "interleaved resident/offload pairs per setting")
+flags.DEFINE_integer("sessions", 10, "sessions decoding together", lower_bound=1)
+flags.DEFINE_integer("pairs", 2, "interleaved resident/offload pairs per setting", lower_bound=1)
 flags.DEFINE_integer("max_pairs", 0, "after --pairs, keep adding pairs while the loss's 95% interval is wider than "
-                     "--half_width_pct, up to this many (0: --pairs only)")
+                     "--half_width_pct, up to this many (0: --pairs only)", lower_bound=0)
 flags.DEFINE_float("half_width_pct", 0.25, "the 95% interval half width (percentage points) --max_pairs aims for")
 flags.DEFINE_float("budget_s", 0.0, "no pairs beyond --pairs once this many seconds have passed since the start, so a "
                    "run fits a machine's time limit (0: none), each setting stopping at an equal share of what is "
@@ -72,13 +72,14 @@ flags.DEFINE_float("target_pct", 1.0, "the loss target each setting's interval i
 flags.DEFINE_list("mtp", ["0", "3"], "MTP depths")
 flags.DEFINE_list("workload", ["local99"], f"DSA selections, each session its own; several: each depth is run "
                   f"with each: {workloads.WORKLOADS}")
-flags.DEFINE_integer("suffix", 16, "tokens each session appends to the shared history so the sessions diverge")
+flags.DEFINE_integer("suffix", 16, "tokens each session appends to the shared history so the sessions diverge",
+                     lower_bound=0)
 flags.DEFINE_integer("warmup_runs", 1, "untimed runs of each mode per setting before its pairs (each as long as a timed "
                      "one), so the pairs start from hot caches at their plateau rather than climbing it: at 10 x 50K "
                      "the offload hits rose from 99.0% to 99.6% over 59a7e32's first five MTP 0 pairs; up to two more "
-                     "while a round compiled anything (the report's warmup_runs: how many ran)")
-flags.DEFINE_integer("check_tokens", 8, "tokens of the logits check run per depth (also the warm-up)")
-flags.DEFINE_integer("append", 4096, "large append measured after the decode settings (0: skip)")
+                     "while a round compiled anything (the report's warmup_runs: how many ran)", lower_bound=0)
+flags.DEFINE_integer("check_tokens", 8, "tokens of the logits check run per depth (also the warm-up)", lower_bound=1)
+flags.DEFINE_integer("append", 4096, "large append measured after the decode settings (0: skip)", lower_bound=0)
 flags.DEFINE_string("prefill_once", "", "prefill the history in the resident engine only, save it to this directory "
                     "and restore it into the offload engine (a 1M-token prefill takes minutes; the restored session "
                     "continues exactly as the saved one, so both engines decode the same history)")
@@ -139,7 +140,14 @@ def main(_):
         "experiments.sessions_ab reads config.model, seed, dtype, run.{prompt_len,max_new_tokens,seed} and cache but "
         "its mode (both run) and max_len (from the run's lengths); sessions come from --sessions, MTP from --mtp "
         "(drafts forced), the output from --out, decoding is greedy, and it runs on one device")
-    depths = [int(d) for d in FLAGS.mtp]
+    try:
+        depths = [int(d) for d in FLAGS.mtp]
+    except ValueError:
+        depths = []
+    if not depths or not all(0 <= d <= glm53.engine.MAX_MTP_DEPTH for d in depths):
+        raise app.UsageError(f"--mtp={','.join(FLAGS.mtp)}: give MTP depths, whole numbers in [0, "
+                             f"{glm53.engine.MAX_MTP_DEPTH}], comma-separated")
+    workloads.check_names("workload", FLAGS.workload)
     S, new = FLAGS.sessions, c.run.max_new_tokens
     max_len = c.run.prompt_len + FLAGS.suffix + max(new, FLAGS.append + FLAGS.check_tokens) + max(depths) + 64
     positions = cli.model_config(c).max_position_embeddings

@@ -65,22 +65,25 @@ flags.DEFINE_string("out", "", "results JSON (rewritten after every point); the 
 flags.DEFINE_list("sessions", ["1", "4", "16", "64"], "concurrent sessions per point")
 flags.DEFINE_list("histories", ["8192", "50000"], "history lengths (tokens of the shared prompt)")
 flags.DEFINE_list("modes", ["resident", "offload"], "cache modes")
-flags.DEFINE_integer("new_tokens", 64, "timed tokens per session per point")
+flags.DEFINE_integer("new_tokens", 64, "timed tokens per session per point", lower_bound=2)
 flags.DEFINE_integer("warmup_tokens", 4, "untimed tokens per session before each point (compiles its bucket; at "
-                     "least 3: the first steps take uncommitted inputs, later ones the previous step's outputs)")
-flags.DEFINE_integer("suffix", 16, "distinct tokens each session appends to the shared history")
+                     "least 3: the first steps take uncommitted inputs, later ones the previous step's outputs)",
+                     lower_bound=1)
+flags.DEFINE_integer("suffix", 16, "distinct tokens each session appends to the shared history", lower_bound=0)
 flags.DEFINE_enum("workload", "local99", ["local99", "indexer"], "DSA selection: local99 override or the indexer's")
 flags.DEFINE_enum("routing", "probe", ["probe", "uniform"],
                   "routed experts for the roofline: the model's routing (one instrumented decode per history) or the "
                   "uniform-routing expectation")
 flags.DEFINE_integer("probe_tokens", 6, "--routing=probe: tokens per session of the instrumented decode (the first "
-                     "may come from the stored hidden state: one step fewer)")
-flags.DEFINE_integer("mtp", 0, "MTP depth (> 0: every draft accepted, forced, as in sessions_ab)")
+                     "may come from the stored hidden state: one step fewer)", lower_bound=1)
+flags.DEFINE_integer("mtp", 0, "MTP depth (> 0: every draft accepted, forced, as in sessions_ab)",
+                     lower_bound=0, upper_bound=3)
 flags.DEFINE_float("device_gib", 0.0, "device memory to plan for (0: the device's bytes_limit; none on a CPU)")
 flags.DEFINE_float("host_gib", 0.0, "pinned host memory to plan for (0: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB or 64 GiB "
                    "on GPUs; none on a CPU)")
 flags.DEFINE_float("margin_gib", 6.0, "device memory kept free for activations and programs when planning")
-flags.DEFINE_integer("bandwidth_mib", 0, "array size of the HBM bandwidth benchmark (0: 1 GiB, 64 MiB on a CPU)")
+flags.DEFINE_integer("bandwidth_mib", 0, "array size of the HBM bandwidth benchmark (0: 1 GiB, 64 MiB on a CPU)",
+                     lower_bound=0)
 flags.DEFINE_list("plot_only", [], "merge these result JSONs (later files win), compare tokens, plot; no run")
 
 GiB = 1 << 30
@@ -464,8 +467,8 @@ def main(_):
         "experiments.throughput reads config.model, seed, dtype, run.seed and cache but its mode (--modes) and "
         "max_len (from --histories); sessions come from --sessions, tokens from --new_tokens, MTP from --mtp, the "
         "output from --out, and it runs on one device")
-    sessions = sorted({int(s) for s in FLAGS.sessions})
-    histories = sorted({int(h) for h in FLAGS.histories})
+    sessions = sorted(set(cli.token_counts("sessions", FLAGS.sessions, "session counts")))
+    histories = sorted(set(cli.token_counts("histories", FLAGS.histories)))
     modes = list(FLAGS.modes)
     bad = sorted(set(modes) - set(glm53.config.CACHE_MODES))
     if bad or not sessions or min(sessions) < 1 or not histories or FLAGS.new_tokens < 2:

@@ -75,6 +75,20 @@ def _state_factory(workload: str):
     raise ValueError(f"unknown workload {workload!r}: {WORKLOADS}")
 
 
+def check_names(flag: str, names) -> None:
+    """A usage error naming ``--flag`` for an empty list or a workload name ``selection`` would refuse, for the entry
+    points to call before they build a model (its weights, prefill and warm-up came before the refusal)."""
+    from absl import app
+
+    if not names:
+        raise app.UsageError(f"--{flag}: give at least one workload: {WORKLOADS}")
+    for name in names:
+        try:
+            _state_factory(name)
+        except ValueError as e:
+            raise app.UsageError(f"--{flag}: {e}") from None
+
+
 class Selections:
     """The overrides of one workload for a series of runs: ``selections(seed)`` is ``selection(workload, K,
     history, seed, sessions)``, but every override of the series keeps its device state in the same buffers: each

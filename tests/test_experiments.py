@@ -878,3 +878,32 @@ def test_live_history_ab_refuses_a_large_capacity_it_cannot_build_before_prefill
                           cwd=ROOT, timeout=300)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert message in p.stderr and "prefill" not in p.stdout + p.stderr.replace(message, ""), p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["experiments.sessions_ab", "--config=configs/tiny.py", "--append=0", "--mtp=0,7"],
+     "experiments.sessions_ab: --mtp=0,7: give MTP depths, whole numbers in [0, 3], comma-separated"),
+    (["experiments.sessions_ab", "--config=configs/tiny.py", "--append=0", "--workload=zipfx"],
+     "experiments.sessions_ab: --workload: unknown workload 'zipfx': "),
+    (["experiments.sessions_ab", "--config=configs/tiny.py", "--pairs=0"], "flag --pairs=0: 0 is not a positive integer"),
+    (["experiments.offload_ab", "--config=configs/tiny.py", "--workloads=bogus"],
+     "experiments.offload_ab: --workloads: unknown workload 'bogus': "),
+    (["experiments.offload_ab", "--config=configs/tiny.py", "--config.run.mtp=7"],
+     "experiments.offload_ab: --config.run: mtp must be an int depth in [0, 3], got 7"),
+    (["experiments.throughput", "--config=configs/tiny.py", "--histories=abc"],
+     "experiments.throughput: --histories=abc: give history lengths in tokens, whole numbers >= 1, comma-separated"),
+    (["experiments.live_history_ab", "--config=configs/tiny.py", "--large_capacity=2048", "--pairs=0"],
+     "flag --pairs=0: 0 is not a positive integer"),
+    (["experiments.generate", "--config=configs/tiny.py", "--bandwidth_mib=-5"],
+     "flag --bandwidth_mib=-5: -5 is not a non-negative integer"),
+    (["experiments.bench_fill_round", "--tiny", "--rows=0"], "flag --rows=0: 0 is not a positive integer"),
+    (["experiments.bench_kernels", "--tiny", "--iters=0"], "argument --iters: '0' is not a whole number >= 1"),
+    (["experiments.compare_profiles", "/nonexistent/before.json", "/nonexistent/after.json"],
+     "experiments.compare_profiles: /nonexistent/before.json: cannot read a profile_decode report ([Errno 2]")])
+def test_entry_points_refuse_bad_flags_in_one_line(args, message):
+    """A count of zero, a word for a number, an unknown workload or MTP depth, a missing report: one line naming the
+    flag, before anything is built (these were tracebacks, a ZeroDivisionError after the whole run, or timings of
+    nothing)."""
+    p = python_runner.run(["-m", *args], cwd=ROOT, timeout=300)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert message in p.stderr, p.stderr[-2000:]
