@@ -242,11 +242,13 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _check_on_token(on_token) -> None:
+def check_on_token(on_token, arguments: str = "sid, index, token") -> None:
+    """Refuse an ``on_token`` that cannot be called with three arguments (named ``arguments`` in the message),
+    before anything runs: it is first called after the prefill."""
     if on_token is None:
         return
     if not callable(on_token):
-        raise TypeError(f"on_token must be callable as on_token(sid, index, token), got {on_token!r}")
+        raise TypeError(f"on_token must be callable as on_token({arguments}), got {on_token!r}")
     try:
         signature = inspect.signature(on_token)
     except (TypeError, ValueError):  # some builtins have none: called as they are
@@ -254,7 +256,27 @@ def _check_on_token(on_token) -> None:
     try:
         signature.bind(0, 0, 0)
     except TypeError as e:
-        raise TypeError(f"on_token must accept (sid, index, token): {e}") from None
+        raise TypeError(f"on_token must accept ({arguments}): {e}") from None
+
+
+def stop_token_ids(stop_tokens, cfg) -> list[int]:
+    """The sorted distinct ids of ``stop_tokens`` (None: the model's eos ids; an int; a list, tuple, set or 1-D
+    array of ints), each checked to lie in the vocabulary."""
+    if stop_tokens is None:
+        eos = cfg.eos_token_id
+        stop_tokens = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+    elif isinstance(stop_tokens, (int, np.integer)) and not isinstance(stop_tokens, bool):
+        stop_tokens = (stop_tokens,)
+    elif isinstance(stop_tokens, np.ndarray) and stop_tokens.ndim == 1:
+        stop_tokens = list(stop_tokens)
+    if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, (list, tuple, set, frozenset)) or any(
+            isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in stop_tokens):
+        raise TypeError(f"stop_tokens must be token ids (an int, or a list of ints), got {stop_tokens!r}")
+    ids = sorted({int(t) for t in stop_tokens})
+    for t in ids:
+        if not 0 <= t < cfg.vocab_size:
+            raise ValueError(f"stop token {t} is outside the vocabulary [0, {cfg.vocab_size})")
+    return ids
 
 
 def _budget(name: str, value) -> int | None:
@@ -966,7 +988,7 @@ class Engine:
         reqs = self._check_generate(requests, mtp, temperature, top_p, seed, accept_override)
         if not isinstance(return_logits, (bool, np.bool_)):  # a truthy "no" kept every step's logits (a host copy each)
             raise TypeError(f"return_logits must be True or False, got {return_logits!r}")
-        _check_on_token(on_token)
+        check_on_token(on_token)
         progress_lib.check(progress)
         if trace is not None and not self.offload:
             raise ConfigError("trace: record with an offload engine (mode='offload'): the selections are the same "
@@ -1029,20 +1051,7 @@ class Engine:
         return out
 
     def _stop_ids(self, stop_tokens) -> jax.Array:
-        if stop_tokens is None:
-            eos = self.cfg.eos_token_id
-            stop_tokens = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
-        elif isinstance(stop_tokens, (int, np.integer)) and not isinstance(stop_tokens, bool):
-            stop_tokens = (stop_tokens,)
-        elif isinstance(stop_tokens, np.ndarray) and stop_tokens.ndim == 1:
-            stop_tokens = list(stop_tokens)
-        if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, (list, tuple, set, frozenset)) or any(
-                isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in stop_tokens):
-            raise TypeError(f"stop_tokens must be token ids (an int, or a list of ints), got {stop_tokens!r}")
-        ids = sorted({int(t) for t in stop_tokens})
-        for t in ids:
-            if not 0 <= t < self.cfg.vocab_size:
-                raise ValueError(f"stop token {t} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        ids = stop_token_ids(stop_tokens, self.cfg)
         # -1 never matches a token; a fixed length keeps one compiled shape per step.
         padded = np.full(max(8, _next_pow2(len(ids))), -1, np.int32)
         padded[: len(ids)] = ids

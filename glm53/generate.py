@@ -12,7 +12,7 @@ import numpy as np
 
 from glm53 import progress as progress_lib
 from glm53.config import CacheConfig
-from glm53.engine import Engine, check_sampling, compile_seconds
+from glm53.engine import Engine, check_on_token, check_sampling, compile_seconds, stop_token_ids
 
 
 @dataclasses.dataclass
@@ -108,6 +108,9 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     check_sampling(mtp, temperature, top_p, seed, accept_override, has_mtp=bool(model.config.num_nextn_predict_layers))
+    # Before the prefill: the engine checks these at its generate, which comes after it (a long prefill wasted).
+    check_on_token(on_token, "prompt_index, step, token")
+    stop_token_ids(stop_tokens, model.config)
     progress_lib.check(progress)
     if isinstance(cache, str):
         cache_config = model.cache_config.replace(mode=cache)

@@ -152,6 +152,26 @@ def test_on_token_called_for_every_token_in_order(model, batched):
     assert len(calls) == 2 * NEW
 
 
+def test_generate_refuses_bad_callbacks_and_stop_tokens_before_the_prefill(model, monkeypatch):
+    """The engine checks on_token and stop_tokens at its generate, which comes after the prefill: the front door
+    checks them first (an uncallable on_token failed at the first token, its prefill wasted), naming its own
+    callback's arguments."""
+    import sys
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was built before the arguments were checked")
+
+    monkeypatch.setattr(sys.modules["glm53.generate"], "Engine", no_engine)
+    with pytest.raises(TypeError, match=r"on_token must be callable as on_token\(prompt_index, step, token\), got 5"):
+        glm53.generate(model, [P1], max_new_tokens=2, on_token=5)
+    with pytest.raises(TypeError, match=r"on_token must accept \(prompt_index, step, token\)"):
+        glm53.generate(model, [P1], max_new_tokens=2, on_token=lambda i, t: None)
+    with pytest.raises(ValueError, match=f"stop token {VOCAB} is outside the vocabulary"):
+        glm53.generate(model, [P1], max_new_tokens=2, stop_tokens=[1, VOCAB])
+    with pytest.raises(TypeError, match="stop_tokens must be token ids"):
+        glm53.generate(model, [P1], max_new_tokens=2, stop_tokens="a")
+
+
 @pytest.mark.parametrize("kv_format", ["bf16", "q8g64", "fp8g128"])
 def test_kv_formats_run_end_to_end(model, alone, kv_format):
     cc = CacheConfig(kv_format=kv_format)
