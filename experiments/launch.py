@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -95,6 +96,9 @@ def launch(command: list[str], processes: int, devices_per_process: int, timeout
         raise app.UsageError("give the command after --, e.g. -- python -m experiments.generate ...")
     if processes < 1:  # none started would report success for a run that never ran
         raise app.UsageError(f"--processes={processes}: at least one process")
+    if shutil.which(command[0]) is None:  # before any process starts: Popen's FileNotFoundError came as a traceback
+        raise app.UsageError(f"cannot run {command[0]!r}: no such program (the command after -- runs as it is, e.g. "
+                             "-- python -m experiments.generate ...)")
     coordinator = f"localhost:{free_port()}"
     procs, pumps = [], []
     for i in range(processes):

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # says it once
 logging.getLogger("traitlets").setLevel(logging.WARNING)
 
-_TIMEOUT = flags.DEFINE_integer("cell_timeout_s", 600, "seconds a notebook cell may run")
+_TIMEOUT = flags.DEFINE_integer("cell_timeout_s", 600, "seconds a notebook cell may run", lower_bound=1)
 
 
 def as_a_terminal_leaves_it(text: str) -> str:

@@ -217,6 +217,14 @@ def test_launch_refuses_to_start_no_process():
         assert flag.split("=")[0].lstrip("-") in p.stderr, p.stderr[-2000:]
 
 
+def test_launch_names_a_command_it_cannot_run_before_starting_any():
+    """A command that is no program (a module name without ``python -m``) was Popen's FileNotFoundError traceback."""
+    p = subprocess.run([sys.executable, "-m", "experiments.launch", "--processes=2", "--", "experiments.generate"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "Traceback" not in p.stderr and "exit codes" not in p.stdout, p.stderr[-2000:]
+    assert "experiments.launch: cannot run 'experiments.generate': no such program" in p.stderr, p.stderr[-2000:]
+
+
 FAILS_AFTER_JOINING = """
 import os, sys
 sys.path.insert(0, os.getcwd())

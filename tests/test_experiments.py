@@ -898,6 +898,8 @@ def test_live_history_ab_refuses_a_large_capacity_it_cannot_build_before_prefill
      "flag --bandwidth_mib=-5: -5 is not a non-negative integer"),
     (["experiments.bench_fill_round", "--tiny", "--rows=0"], "flag --rows=0: 0 is not a positive integer"),
     (["experiments.bench_kernels", "--tiny", "--iters=0"], "argument --iters: '0' is not a whole number >= 1"),
+    (["experiments.run_notebooks", "--cell_timeout_s=0", "00_quickstart"],  # 0 ran without a limit, and saved
+     "flag --cell_timeout_s=0: 0 is not a positive integer"),
     (["experiments.compare_profiles", "/nonexistent/before.json", "/nonexistent/after.json"],
      "experiments.compare_profiles: /nonexistent/before.json: cannot read a profile_decode report ([Errno 2]")])
 def test_entry_points_refuse_bad_flags_in_one_line(args, message):
