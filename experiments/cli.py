@@ -122,6 +122,35 @@ def checkpoint_problem(config, given: dict, *, reads_checkpoint: bool) -> str | 
     return None
 
 
+def check_run_settings(config) -> None:
+    """``config.run``'s batch, lengths, sampling and MTP depth against each other and the model's config (its
+    positions, its MTP module), before any weight exists: a ``glm53.ConfigError`` naming the flag (``run`` says it in
+    one line). For the entry points that run ``config.run`` as it is."""
+    import glm53
+    from glm53.engine import check_sampling
+
+    run = config.run
+    if run.batch < 1:
+        raise glm53.ConfigError(f"--config.run.batch={run.batch}: the run needs at least one prompt")
+    if run.prompt_len < 1 or run.max_new_tokens < 1:
+        raise glm53.ConfigError(f"--config.run.prompt_len={run.prompt_len} and --config.run.max_new_tokens="
+                                f"{run.max_new_tokens} must both be >= 1")
+    try:
+        check_sampling(run.mtp, run.temperature, run.top_p, run.seed,
+                       None if run.accept_override < 0 else run.accept_override, has_mtp=True)
+    except ValueError as e:
+        raise glm53.ConfigError(f"--config.run: {e}") from None
+    cfg = model_config(config)
+    if run.mtp and not cfg.num_nextn_predict_layers:
+        raise glm53.ConfigError(f"--config.run.mtp={run.mtp} needs an MTP module, and this model has none "
+                                "(num_nextn_predict_layers=0)")
+    need = run.prompt_len + run.max_new_tokens + run.mtp
+    if need > cfg.max_position_embeddings:
+        raise glm53.ConfigError(f"--config.run.prompt_len={run.prompt_len} + --config.run.max_new_tokens="
+                                f"{run.max_new_tokens} (+ mtp {run.mtp}) needs {need} positions, but the model has "
+                                f"max_position_embeddings={cfg.max_position_embeddings}")
+
+
 def model_config(config) -> glm53.ModelConfig:
     """The model's config as the entry point will find it, read without any weight: a checkpoint's own
     (``config.checkpoint``: an HF directory's config.json or a glm53 save's) when one is set, else ``config.model``."""

@@ -39,7 +39,6 @@ from absl import flags
 from experiments import cli
 import glm53
 from glm53 import distributed, offload, roofline
-from glm53.engine import check_sampling
 from glm53.provenance import provenance
 
 _CONFIG = cli.define_config("configs/tiny.py", "experiment config (configs/*.py); the default, a tiny random model, "
@@ -116,26 +115,9 @@ def check_run(config, given: dict | None = None) -> None:
     problem = cli.checkpoint_problem(config, given or {}, reads_checkpoint=True)
     if problem:
         raise glm53.ConfigError(problem)
-    run = config.run
-    if run.batch < 1:
-        raise glm53.ConfigError(f"--config.run.batch={run.batch}: the run needs at least one prompt")
-    if run.prompt_len < 1 or run.max_new_tokens < 1:
-        raise glm53.ConfigError(f"--config.run.prompt_len={run.prompt_len} and --config.run.max_new_tokens="
-                                f"{run.max_new_tokens} must both be >= 1")
-    try:
-        check_sampling(run.mtp, run.temperature, run.top_p, run.seed,
-                       None if run.accept_override < 0 else run.accept_override, has_mtp=True)
-    except ValueError as e:
-        raise glm53.ConfigError(f"--config.run: {e}") from None
-    cfg = cli.model_config(config)
-    if run.mtp and not cfg.num_nextn_predict_layers:
-        raise glm53.ConfigError(f"--config.run.mtp={run.mtp} needs an MTP module, and this model has none "
-                                "(num_nextn_predict_layers=0)")
+    cli.check_run_settings(config)
+    run, cfg = config.run, cli.model_config(config)
     need = run.prompt_len + run.max_new_tokens + run.mtp
-    if need > cfg.max_position_embeddings:
-        raise glm53.ConfigError(f"--config.run.prompt_len={run.prompt_len} + --config.run.max_new_tokens="
-                                f"{run.max_new_tokens} (+ mtp {run.mtp}) needs {need} positions, but the model has "
-                                f"max_position_embeddings={cfg.max_position_embeddings}")
     cache = glm53.CacheConfig.from_config_dict(config.cache)
     if cache.max_len and cache.max_len < need:
         raise glm53.ConfigError(f"--config.cache.max_len={cache.max_len} rows cannot hold the {need} positions the "

@@ -47,6 +47,7 @@ def main(_):
         "experiments.live_history_ab reads config.model, seed, dtype, run.{prompt_len,max_new_tokens,seed} and cache "
         "but its max_len (the two capacities: the run's own and --large_capacity); sessions come from --sessions, "
         "the output from --out, decoding is greedy without MTP, and it runs on one device")
+    workloads.check_names("workload", [FLAGS.workload])
     cc = glm53.CacheConfig.from_config_dict(c.cache)
     S, new, history = FLAGS.sessions, c.run.max_new_tokens, c.run.prompt_len
     small = history + max(new, FLAGS.check_tokens) + 64
@@ -61,7 +62,6 @@ def main(_):
                              f"--config.model.max_position_embeddings={FLAGS.large_capacity}")
     model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
     K = min(model.config.index_topk, small)
-    workloads.selection(FLAGS.workload, K, history, 0, S)  # a bad name fails before any prefill
     rng = np.random.default_rng(c.run.seed)
     prompts = [rng.integers(0, model.config.vocab_size, history).tolist() for _ in range(S)]
     results = {"config": c.to_dict(), **provenance(), "sessions": S, "history": history, "workload": FLAGS.workload,

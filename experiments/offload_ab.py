@@ -25,7 +25,7 @@ a share of the resident step. A PNG (loss and floor against the decode hit rate)
 
 import json
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 import glm53
 import glm53.engine
@@ -88,15 +88,7 @@ def main(_):
         "config.model, seed, dtype, mesh, run.{prompt_len,batch,max_new_tokens,seed,mtp,accept_override} and cache "
         "but its mode and max_len), and writes --out")
     workloads.check_names("workloads", FLAGS.workloads)
-    run = c.run
-    try:  # before the model: generate refused these only after the weights, the prefill and a warm-up
-        glm53.engine.check_sampling(run.mtp, 0.0, 1.0, run.seed, None if run.accept_override < 0
-                                    else run.accept_override, has_mtp=cli.model_config(c).num_nextn_predict_layers > 0)
-    except ValueError as e:
-        raise app.UsageError(f"--config.run: {e}") from None
-    if run.prompt_len < 1 or run.max_new_tokens < 1 or run.batch < 1:
-        raise app.UsageError(f"--config.run.prompt_len={run.prompt_len}, max_new_tokens={run.max_new_tokens} and "
-                             f"batch={run.batch} must all be >= 1")
+    cli.check_run_settings(c)  # before the model: generate refused these only after the weights, prefill and warm-up
     model, prompts, cc, K = workloads.setup(c)
     new = c.run.max_new_tokens
     modes = {"resident": cc.replace(mode="resident"), "offload": cc.replace(mode="offload")}

@@ -222,8 +222,8 @@ def main(_):
         "experiments.profile_decode profiles greedy decode without MTP in the --modes given, with a capacity of "
         "prompt + new tokens (it reads config.model, seed, dtype, mesh, run.{prompt_len,batch,max_new_tokens,seed} "
         "and cache but its mode and max_len), and writes --out")
-    try:  # an unknown workload or a used trace folder fails here, before any compile
-        workloads.selection(FLAGS.workload, 8, 64, 0)
+    workloads.check_names("workload", [FLAGS.workload])  # before any compile, as a used trace folder below
+    try:
         trace_util.check_trace_dir(FLAGS.trace_dir)
     except ValueError as e:
         raise app.UsageError(str(e)) from None

@@ -161,8 +161,6 @@ def main(_):
     model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
     K = min(model.config.index_topk, max_len)
     history = c.run.prompt_len
-    for w in FLAGS.workload:
-        workloads.selection(w, K, history, 0, S)  # a bad name fails here, before any prefill
     results = {"config": c.to_dict(), **provenance(), "sessions": S, "workloads": FLAGS.workload,
                "histories": ("one prefill (resident), saved and restored into the offload engine" if FLAGS.prefill_once
                              else "one prefill per engine") + ", forks with their own host pages, a distinct "

@@ -30,7 +30,7 @@ cli.define_config("configs/h200_bench.py", "experiment config")
 flags.DEFINE_string("out", "", "write the results JSON here")
 flags.DEFINE_list("modes", ["resident", "offload"], "cache modes")
 flags.DEFINE_integer("mtp", 0, "also compile the MTP verify and draft steps of this depth (0: plain decode only)",
-                     lower_bound=0, upper_bound=3)
+                     lower_bound=0, upper_bound=glm53.engine.MAX_MTP_DEPTH)
 
 
 def main(_):

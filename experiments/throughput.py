@@ -77,7 +77,7 @@ flags.DEFINE_enum("routing", "probe", ["probe", "uniform"],
 flags.DEFINE_integer("probe_tokens", 6, "--routing=probe: tokens per session of the instrumented decode (the first "
                      "may come from the stored hidden state: one step fewer)", lower_bound=1)
 flags.DEFINE_integer("mtp", 0, "MTP depth (> 0: every draft accepted, forced, as in sessions_ab)",
-                     lower_bound=0, upper_bound=3)
+                     lower_bound=0, upper_bound=glm53.engine.MAX_MTP_DEPTH)
 flags.DEFINE_float("device_gib", 0.0, "device memory to plan for (0: the device's bytes_limit; none on a CPU)")
 flags.DEFINE_float("host_gib", 0.0, "pinned host memory to plan for (0: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB or 64 GiB "
                    "on GPUs; none on a CPU)")
