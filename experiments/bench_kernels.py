@@ -60,13 +60,14 @@ def _random_planes(fmt_name: str, S: int, N: int, seed: int):
     fmt = kv_formats.get_format(fmt_name)
     keys = jax.random.split(jax.random.key(seed), 3)
     planes = {}
-    for key, (name, (shape, dtype)) in zip(keys, fmt.plane_shapes(S, N).items()):
+    for key, (name, (shape, dtype)) in zip(keys, fmt.plane_shapes(S, N, values=True).items()):
         if name == "latent" and dtype == jnp.int8:
-            planes[name] = jax.random.randint(key, shape, -127, 128, jnp.int32).astype(dtype)
+            values = jax.random.randint(key, shape, -127, 128, jnp.int32).astype(dtype)
         elif name == "scale":
-            planes[name] = jax.random.uniform(key, shape, jnp.float32, 1e-3, 1.0).astype(dtype)
+            values = jax.random.uniform(key, shape, jnp.float32, 1e-3, 1.0).astype(dtype)
         else:
-            planes[name] = jax.random.normal(key, shape, jnp.float32).astype(dtype)
+            values = jax.random.normal(key, shape, jnp.float32).astype(dtype)
+        planes[name] = kv_formats.to_stored(values)  # as the caches hold them
     return planes
 
 

@@ -20,10 +20,12 @@ Layout (S session slots, L cache layers = main layers + MTP layer, N rows per sl
     sessions.hidden       f32[S, Hd]   final-normed hidden state at position lengths - 1 (the MTP module's input
                                        and the logits of the next token), exactly the model dtype's values
     index_keys            [Lf, S + pad, N, D] DSA indexer keys of the layers with a "full" indexer, in the model
-                                       dtype or (``CacheConfig.index_keys="fp8"``) float8_e4m3fn ...
+                                       dtype or (``CacheConfig.index_keys="fp8"``) float8_e4m3fn, stored as bits
+                                       (bf16 as uint16, e4m3 as uint8: ``kv_formats.stored_dtype``) ...
     index_key_scale       f32[Lf, S + pad, N] ... with one scale per key (None for model-dtype keys); ``pad`` key
                                        slots (none unless fp8 keys need them, ``index_key_shapes``) are never read
-    resident history      {plane: [L * S + pad, N, W]} MLA rows as kv_format planes (kernels_pallas.kv_formats):
+    resident history      {plane: [L * S + pad, N, W]} MLA rows as kv_format planes (kernels_pallas.kv_formats,
+                                       stored as bits like the keys):
                                        the N rows of layer l, slot s are plane l * S + s; ``pad`` planes (none
                                        unless a 1-byte plane needs them, ``addressable_planes``) are never used
 
@@ -110,6 +112,11 @@ class CacheBase:
         return len(self.key_slot_of_layer)
 
     @property
+    def index_key_dtype(self) -> np.dtype:
+        """The dtype of the indexer keys' values (``index_keys`` holds their bits)."""
+        return index_key_values(self.index_keys.dtype)
+
+    @property
     def fmt(self) -> kv_formats.KVFormat:
         return kv_formats.get_format(self.kv_format)
 
@@ -121,11 +128,11 @@ class CacheBase:
         slot = step.lanes.write_slot(self.index_key_slots)  # inactive lanes past the padding slots too: dropped
         where = (ks, slot[:, None], step.write_positions)
         if self.index_key_scale is None:
-            return self.replace(index_keys=self.index_keys.at[where].set(keys.astype(self.index_keys.dtype),
-                                                                         mode="drop"))
+            bits = kv_formats.to_stored(keys.astype(self.index_key_dtype))
+            return self.replace(index_keys=self.index_keys.at[where].set(bits, mode="drop"))
         # Quantised once, where the key is written: every later read (any mode, any step) sees the same bytes.
         k8, scale = indexer_topk.quantize_index_keys(keys)
-        return self.replace(index_keys=self.index_keys.at[where].set(k8, mode="drop"),
+        return self.replace(index_keys=self.index_keys.at[where].set(kv_formats.to_stored(k8), mode="drop"),
                             index_key_scale=self.index_key_scale.at[where].set(scale, mode="drop"))
 
     def index_keys_for(self, layer: int, step) -> tuple[Array, Array | None, Array]:
@@ -313,20 +320,31 @@ def init_sessions(cfg: ModelConfig, slots: int) -> Sessions:
                     hidden=jnp.zeros((slots, cfg.hidden_size), jnp.float32))
 
 
+# The keys' values by the dtype storing them (``kv_formats.stored_dtype``): the model's dtype is float32 or bfloat16
+# (glm53.params), fp8 keys are e4m3, so each stored dtype stores one kind of value.
+_INDEX_KEY_VALUES = {np.dtype(np.uint16): np.dtype(jnp.bfloat16), np.dtype(np.uint8): np.dtype(jnp.float8_e4m3fn)}
+
+
+def index_key_values(stored) -> np.dtype:
+    """The dtype of the indexer keys' values that a cache stores as ``stored``."""
+    return _INDEX_KEY_VALUES.get(np.dtype(stored), np.dtype(stored))
+
+
 def index_key_shapes(cfg: ModelConfig, cc: CacheConfig, slots: int, capacity: int, dtype) -> dict:
     """``{"index_keys": (shape, dtype), "index_key_scale": (shape, dtype) or None}``: ``[Lf, S + pad, N, D]`` keys
-    and ``[Lf, S + pad, N]`` scales. The indexer kernel reads the keys in place as planes ``[Lf * (S + pad), N,
-    D]``; fp8 keys of 2**31..2**32 one-byte elements (e.g. 5 layers x 4 slots x 1M positions x 128) are addressed
-    with 32-bit offsets that wrap negative (``kernels_pallas.hot_gather``, "Addressing"), so ``pad`` key slots,
-    never written or read, take them past 2**32 bytes, as ``addressable_planes`` does for the history. Slots, not
-    positions: padding positions could be selected by a lane with fewer live positions than top-k."""
+    (their bits: ``kv_formats.stored_dtype`` of the model dtype or of e4m3) and ``[Lf, S + pad, N]`` scales. The
+    indexer kernel reads the keys in place as planes ``[Lf * (S + pad), N, D]``; fp8 keys of 2**31..2**32 one-byte
+    elements (e.g. 5 layers x 4 slots x 1M positions x 128) are addressed with 32-bit offsets that wrap negative
+    (``kernels_pallas.hot_gather``, "Addressing"), so ``pad`` key slots, never written or read, take them past 2**32
+    bytes, as ``addressable_planes`` does for the history. Slots, not positions: padding positions could be selected
+    by a lane with fewer live positions than top-k."""
     Lf, D = len(cfg.full_indexer_layers), cfg.index_head_dim
     key_dtype = jnp.dtype(jnp.float8_e4m3fn) if cc.index_keys == "fp8" else jnp.dtype(dtype)
     allocated = slots
     if Lf and triton_misaddressed((Lf * slots, capacity, D), key_dtype):
         allocated = -(-padded_rows(Lf * slots, (capacity, D), key_dtype) // Lf)
     shape = (Lf, allocated, capacity)
-    return {"index_keys": ((*shape, D), key_dtype),
+    return {"index_keys": ((*shape, D), kv_formats.stored_dtype(key_dtype)),
             "index_key_scale": (shape, jnp.dtype(jnp.float32)) if cc.index_keys == "fp8" else None}
 
 

@@ -1093,8 +1093,11 @@ class Engine:
                                f"MTP rows) but the engine counted {s.processed} ({s.mtp_processed}): refusing to save "
                                "an inconsistent session")
         n = s.processed
-        arrays = {"rows": {k: np.asarray(v[:, :n]) for k, v in data["rows"].items()},
-                  "index_keys": np.asarray(data["index_keys"][:, :n]),
+        # The planes' values, not the bits the cache stores them as (kv_formats.stored_dtype): a save reads the same
+        # whatever the storage.
+        values = kv_formats.get_format(self.cache_config.kv_format).value_dtypes
+        arrays = {"rows": {k: np.asarray(v[:, :n]).view(values[k]) for k, v in data["rows"].items()},
+                  "index_keys": np.asarray(data["index_keys"][:, :n]).view(self.cache.index_key_dtype),
                   **({} if data["index_key_scale"] is None
                      else {"index_key_scale": np.asarray(data["index_key_scale"][:, :n])}),
                   "hidden": np.asarray(data["hidden"])}
@@ -1150,13 +1153,19 @@ class Engine:
         except (KeyError, TypeError) as e:
             raise session_io.SessionFileError(f"{directory}: the save lacks the array {e}: it is corrupted") from e
         L = self.cfg.num_cache_layers
-        planes = kv_formats.get_format(self.cache_config.kv_format).plane_shapes(L, n)
+        planes = kv_formats.get_format(self.cache_config.kv_format).plane_shapes(L, n, values=True)
         for name, (shape, dt) in planes.items():
             got = rows_saved.get(name)
             if got is None or tuple(got.shape) != shape or got.dtype != dt:
                 raise session_io.SessionFileError(
                     f"{directory}: row plane {name!r} is {None if got is None else (got.dtype, got.shape)}, expected "
                     f"{dt}{shape}: the save is corrupted")
+        keys_want = (self.cache.index_key_dtype, (len(self.cfg.full_indexer_layers), n, self.cfg.index_head_dim))
+        if not isinstance(keys_saved, np.ndarray) or (keys_saved.dtype, keys_saved.shape) != keys_want:
+            raise session_io.SessionFileError(
+                f"{directory}: the indexer keys are {getattr(keys_saved, 'dtype', None)}"
+                f"{list(getattr(keys_saved, 'shape', []))}, expected {keys_want[0]}{list(keys_want[1])}: the save is "
+                "corrupted")
         self.model.check_tokens(tokens, f"the tokens saved in {directory}")
         self._check_rows(len(tokens), f"restore of a session of {len(tokens)} tokens")
         self._admit(1, self._pages_needed(None, n), f"restore of a session of {len(tokens)} tokens")
@@ -1166,8 +1175,9 @@ class Engine:
             if self._assign_pages(s, n):
                 self._push_pages(s)
             N = self.capacity
-            rows = {k: jnp.asarray(np.pad(v, ((0, 0), (0, N - n), (0, 0)))) for k, v in rows_saved.items()}
-            keys = jnp.asarray(np.pad(keys_saved, ((0, 0), (0, N - n), (0, 0))))
+            rows = {k: jnp.asarray(np.pad(v, ((0, 0), (0, N - n), (0, 0))).view(kv_formats.stored_dtype(v.dtype)))
+                    for k, v in rows_saved.items()}
+            keys = jnp.asarray(np.pad(keys_saved, ((0, 0), (0, N - n), (0, 0))).view(self.cache.index_keys.dtype))
             scale = None if scale_saved is None else jnp.asarray(np.pad(scale_saved, ((0, 0), (0, N - n)),
                                                                          constant_values=1.0))
             self._run("write_slot", self.cache, jnp.int32(s.slot), rows, keys, scale, jnp.asarray(hidden),

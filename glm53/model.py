@@ -220,7 +220,7 @@ class Indexer(nn.Module):
         weights = jnp.dot(x.astype(F32), self.weights_proj) * (c.index_n_heads ** -0.5)
         scores = ops.indexer_scores(q, weights, key_planes, key_plane, step.positions, key_scales,
                                     softmax_scale=c.index_head_dim ** -0.5, precision=cache.indexer_precision,
-                                    impl=step.kernels)
+                                    key_dtype=cache.index_key_dtype, impl=step.kernels)
         k_sel = min(c.index_topk, cache.capacity)
         topk = ops.topk_positions(scores, k_sel, step.positions, impl=step.kernels)
         if step.selection is not None:

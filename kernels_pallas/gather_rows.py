@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 from kernels_pallas import kv_formats
 from kernels_pallas.hot_gather import check_addressable
 from kernels_pallas.index_math import take_rows
-from kernels_pallas.kv_formats import KVFormat
+from kernels_pallas.kv_formats import KVFormat, from_stored
 
 
 def _is_pow2(n: int) -> bool:
@@ -42,9 +42,9 @@ def _gather_rows_kernel(plane_ref, pos_ref, latent_ref, *refs, fmt: KVFormat, bl
     Refs (ANY = whole array in place; outputs have the lane dim squeezed):
       plane_ref:      [S] int32, ANY (lane s reads plane plane_ref[s])
       pos_ref:        [S, M] int32, ANY
-      latent_ref:     [P, N, 512] latent dtype, ANY
-      scale_ref:      [P, N, G] scale dtype, ANY (quantised formats only)
-      rope_ref:       [P, N, 64] rope dtype, ANY
+      latent_ref:     [P, N, 512] latent dtype as stored (kv_formats.stored_dtype), ANY
+      scale_ref:      [P, N, G] scale dtype as stored, ANY (quantised formats only)
+      rope_ref:       [P, N, 64] rope dtype as stored, ANY
       latent_out_ref: [block_rows, 512] out dtype
       rope_out_ref:   [block_rows, 64] out dtype
     """
@@ -66,14 +66,14 @@ def _gather_rows_kernel(plane_ref, pos_ref, latent_ref, *refs, fmt: KVFormat, bl
         # hence bit-identical, without reshapes or value slicing in the kernel.
         gs = fmt.group_size
         for g in range(fmt.scales_per_row):
-            q = latent_ref[s, rows, pl.ds(g * gs, gs)]  # [block_rows, gs]
-            scale = scale_ref[s, rows, g]  # [block_rows]
+            q = from_stored(latent_ref[s, rows, pl.ds(g * gs, gs)], fmt.latent_dtype)  # [block_rows, gs]
+            scale = from_stored(scale_ref[s, rows, g], fmt.scale_dtype)  # [block_rows]
             x = q.astype(jnp.float32) * scale.astype(jnp.float32)[:, None]
             latent_out_ref[:, pl.ds(g * gs, gs)] = x.astype(latent_out_ref.dtype)
     else:
-        latent = latent_ref[s, rows, :]  # [block_rows, 512]
+        latent = from_stored(latent_ref[s, rows, :], fmt.latent_dtype)  # [block_rows, 512]
         latent_out_ref[...] = latent.astype(latent_out_ref.dtype)
-    rope = rope_ref[s, rows, :]  # [block_rows, 64]
+    rope = from_stored(rope_ref[s, rows, :], fmt.rope_dtype)  # [block_rows, 64]
     rope_out_ref[...] = rope.astype(rope_out_ref.dtype)
 
 

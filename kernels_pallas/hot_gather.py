@@ -51,7 +51,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import kv_formats
 from kernels_pallas.index_math import take_rows
-from kernels_pallas.kv_formats import KVFormat
+from kernels_pallas.kv_formats import KVFormat, from_stored
 
 RING, HOT, HOST = 0, 1, 2
 # Launch shape: 4 rows per program and one warp, i.e. 512 programs for a 2,048-row round, which keeps the most host
@@ -102,12 +102,11 @@ def _load3(srcs, masks, row, cols, dtype):
     """The rows ``row`` at columns ``cols`` from whichever of the three sources each entry's mask selects."""
     value = None
     for src_ref, m in zip(srcs, masks):
-        # Masked-off lanes issue no memory access; their row index is pinned to 0 so addresses stay in range. Their
-        # value is never used (the select below takes each entry from its own source), so fp8 planes, for which the
-        # Triton lowering has no constant to fill them with, load without one.
-        fp8 = jnp.issubdtype(src_ref.dtype, jnp.floating) and jnp.finfo(src_ref.dtype).bits == 8
-        part = plgpu.load(src_ref.at[jnp.where(m, row, 0)[:, None], cols], mask=m[:, None],
-                          other=None if fp8 else 0)
+        # Masked-off lanes issue no memory access; their row index is pinned to 0 so addresses stay in range, and
+        # their value is never used (the select below takes each entry from its own source). Planes are stored as
+        # integers or f32 (kv_formats.stored_dtype), so the fill value 0 lowers for every format: fp8 planes, for
+        # which the Triton lowering has no constant, are uint8 here.
+        part = plgpu.load(src_ref.at[jnp.where(m, row, 0)[:, None], cols], mask=m[:, None], other=0)
         value = part if value is None else jnp.where(m[:, None], part, value)
     return value.astype(dtype)
 
@@ -125,6 +124,8 @@ def _hot_gather_kernel(source_ref, row_ref, *refs, fmt: KVFormat, names: tuple, 
       then per plane: ring_ref [R_total, W_p], hot_ref [H_total, W_p], host_ref [N_host, W_p] (ANY)
       outputs: latent_out [block_rows, 512], rope_out [block_rows, 64], then per plane packed_out [block_rows, W_p]
       (written at host entries only)
+    Planes hold their format's values as stored (``kv_formats.stored_dtype``): bitcast back before the arithmetic,
+    moved as they are.
     """
     n = len(names)
     srcs = {name: refs[3 * i: 3 * i + 3] for i, name in enumerate(names)}
@@ -140,7 +141,7 @@ def _hot_gather_kernel(source_ref, row_ref, *refs, fmt: KVFormat, names: tuple, 
     latent = _load3(srcs["latent"], masks, row, cols["latent"], packed_out["latent"].dtype)  # [block, 512]
     rope = _load3(srcs["rope"], masks, row, cols["rope"], packed_out["rope"].dtype)
     if fmt.quantised:
-        scale = _load3(srcs["scale"], masks, row, cols["scale"], packed_out["scale"].dtype)  # [block, G]
+        scale = _load3(srcs["scale"], masks, row, cols["scale"], packed_out["scale"].dtype)  # [block, G], as stored
         # Each latent column's group scale, broadcast from the [block, G] tile just loaded: the same
         # q.astype(f32) * scale.astype(f32) as kv_formats.unpack, hence bit-identical. The scale used to be loaded
         # a second time at latent width (column c reading scale c // group_size): 512 scalar loads a row, which
@@ -148,7 +149,8 @@ def _hot_gather_kernel(source_ref, row_ref, *refs, fmt: KVFormat, names: tuple, 
         # A decode step's layer as the engine lays it out took 31.4 us against 35.4 (H200, bench_hot_gather
         # --insitu, hot_gather_8f038d6*.json).
         per_group = (block_rows, fmt.scales_per_row, fmt.group_size)
-        scale_per_col = jnp.broadcast_to(scale[:, :fmt.scales_per_row, None], per_group).reshape(
+        scale_values = from_stored(scale, fmt.scale_dtype)
+        scale_per_col = jnp.broadcast_to(scale_values[:, :fmt.scales_per_row, None], per_group).reshape(
             block_rows, kv_formats.LATENT_DIM)  # [block, 512]
     # Packed rows only for misses: the fill installs nothing else (hits are in the hot cache already, ring rows
     # reach the host through the copyback). Storing every entry's 656 packed bytes beside its 1,152 dequantised ones
@@ -156,13 +158,14 @@ def _hot_gather_kernel(source_ref, row_ref, *refs, fmt: KVFormat, names: tuple, 
     miss = masks[HOST][:, None]
     _store_where(packed_out["latent"], latent, miss)
     _store_where(packed_out["rope"], rope, miss)
-    rope_out[...] = rope.astype(rope_out.dtype)
+    rope_out[...] = from_stored(rope, fmt.rope_dtype).astype(rope_out.dtype)
+    latent_values = from_stored(latent, fmt.latent_dtype)
     if fmt.quantised:
         _store_where(packed_out["scale"], scale, miss)
-        x = latent.astype(jnp.float32) * scale_per_col.astype(jnp.float32)
+        x = latent_values.astype(jnp.float32) * scale_per_col.astype(jnp.float32)
         latent_out[...] = x.astype(latent_out.dtype)
     else:
-        latent_out[...] = latent.astype(latent_out.dtype)
+        latent_out[...] = latent_values.astype(latent_out.dtype)
 
 
 def _validate(source, row, ring, hot, host, block_rows, fmt: KVFormat, *, compiled: bool):

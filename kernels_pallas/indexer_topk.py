@@ -52,6 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.hot_gather import triton_misaddressed
+from kernels_pallas.kv_formats import from_stored, stored_dtype
 
 _RADIX_BITS = 4
 _RADIX = 1 << _RADIX_BITS  # 16 candidate thresholds per pass.
@@ -102,7 +103,13 @@ def dequantize_index_keys(keys: jax.Array, scale: jax.Array) -> jax.Array:
     return keys.astype(jnp.float32) * scale[..., None]
 
 
-def _prepare_queries(q, weights, keys, precision: str):
+def _key_values(keys: jax.Array, key_dtype) -> jax.Array:
+    """The keys' values: ``keys`` themselves, or the ``key_dtype`` values whose bits they store (a cache stores
+    bf16 and fp8 keys as unsigned integers: kernels_pallas.kv_formats, "stored")."""
+    return keys if keys.dtype == key_dtype else from_stored(keys, key_dtype)
+
+
+def _prepare_queries(q, weights, key_dtype, precision: str):
     """Cast the queries for ``precision`` (outside the kernels, so kernel and reference see the same values) and
     choose the dtype of the kernels' dot.
 
@@ -117,11 +124,11 @@ def _prepare_queries(q, weights, keys, precision: str):
     """
     if precision not in PRECISIONS:
         raise ValueError(f"indexer precision must be one of {PRECISIONS}, got {precision!r}")
-    fp8_keys = keys.dtype == jnp.float8_e4m3fn
+    fp8_keys = key_dtype == jnp.float8_e4m3fn
     weights = weights.astype(jnp.float32)
     if precision == "fp8":
         if not fp8_keys:
-            raise ValueError(f"indexer precision 'fp8' needs fp8 index keys, got {keys.dtype} keys")
+            raise ValueError(f"indexer precision 'fp8' needs fp8 index keys, got {key_dtype} keys")
         q8, q_scale = quantize_index_keys(q)
         # The barrier keeps the e4m3 rounding: XLA's GPU pipeline otherwise folds convert(convert(q, f8), bf16)
         # into convert(q, bf16) (excess precision is allowed by default), and kernel and reference, folded
@@ -130,7 +137,7 @@ def _prepare_queries(q, weights, keys, precision: str):
         return lax.optimization_barrier(q8).astype(jnp.bfloat16), weights * q_scale, jnp.bfloat16
     if precision == "bf16":
         return q.astype(jnp.bfloat16), weights, jnp.bfloat16
-    narrow = q.dtype == jnp.bfloat16 and (keys.dtype == jnp.bfloat16 or fp8_keys)
+    narrow = q.dtype == jnp.bfloat16 and (key_dtype == jnp.bfloat16 or fp8_keys)
     return q, weights, (jnp.bfloat16 if narrow else jnp.float32)
 
 
@@ -143,11 +150,12 @@ def _indexer_scores_decode_kernel(
     w_ref,  # [T, Hi] f32
     qpos_ref,  # [T] int32
     plane_ref,  # [S] int32, ANY: the key plane of each lane
-    k_ref,  # [P, N, D] key dtype, ANY: every plane's keys, read in place
+    k_ref,  # [P, N, D] key_dtype values or their bits, ANY: every plane's keys, read in place
     *rest,  # (ks_ref [P, N] f32, ANY: fp8 key scales)?, o_ref [T, block_keys] f32
     softmax_scale: float,
     block_keys: int,
     dot_dtype,
+    key_dtype,
 ):
     ks_ref, o_ref = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
     # program_id is read outside pl.when: the interpreter cannot evaluate it inside a branch.
@@ -164,7 +172,7 @@ def _indexer_scores_decode_kernel(
         # from the whole keys array: a blocked spec needs its block index before the kernel runs, and a gathered
         # [S, N, D] operand would copy every lane's keys per layer and step.
         plane = plane_ref[lane]
-        keys = k_ref[plane, pl.ds(start, block_keys), :].astype(dot_dtype)  # [block_keys, D]
+        keys = _key_values(k_ref[plane, pl.ds(start, block_keys), :], key_dtype).astype(dot_dtype)  # [block_keys, D]
         n = start + lax.broadcasted_iota(jnp.int32, (block_keys,), 0)
         key_scale = None if ks_ref is None else ks_ref[plane, pl.ds(start, block_keys)]
         # One [Hi, D] x [D, block_keys] dot per query token: T is small here (1, or a few MTP drafts) and a
@@ -194,6 +202,7 @@ def _indexer_scores_chunk_kernel(
     softmax_scale: float,
     block_keys: int,
     dot_dtype,
+    key_dtype,
 ):
     ks_ref, o_ref = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
     lane, j = pl.program_id(0), pl.program_id(2)
@@ -204,7 +213,7 @@ def _indexer_scores_chunk_kernel(
     @pl.when(live)
     def _():
         plane = plane_ref[lane]
-        keys = k_ref[plane, pl.ds(start, block_keys), :].astype(dot_dtype)  # [block_keys, D]
+        keys = _key_values(k_ref[plane, pl.ds(start, block_keys), :], key_dtype).astype(dot_dtype)  # [block_keys, D]
 
         # A chunk of queries against a block of keys, one head at a time, accumulating the weighted ReLU: the
         # per-head [T, heads, N] tensor never exists (at a 1M-token history it would be ~134 GB per chunk).
@@ -225,7 +234,7 @@ def _indexer_scores_chunk_kernel(
         o_ref[...] = jnp.full(o_ref.shape, -jnp.inf, jnp.float32)
 
 
-def _validate_scores(q, weights, keys, key_plane, query_positions, key_scale):
+def _validate_scores(q, weights, keys, key_plane, query_positions, key_scale, key_dtype):
     if q.ndim != 4 or keys.ndim != 3:
         raise ValueError(f"expected q[S,T,Hi,D] and keys[P,N,D], got {q.shape} and {keys.shape}")
     S, T, Hi, D = q.shape
@@ -239,10 +248,13 @@ def _validate_scores(q, weights, keys, key_plane, query_positions, key_scale):
         raise ValueError(f"key_plane must be an integer array, got {key_plane.dtype}")
     if not jnp.issubdtype(query_positions.dtype, jnp.integer):  # the kernels truncate, the reference would not
         raise ValueError(f"query_positions must be an integer array, got {query_positions.dtype}")
-    fp8 = keys.dtype == jnp.float8_e4m3fn
+    if keys.dtype not in (key_dtype, stored_dtype(key_dtype)):
+        raise ValueError(f"keys of {keys.dtype} are neither {key_dtype} values nor their bits "
+                         f"({stored_dtype(key_dtype)})")
+    fp8 = key_dtype == jnp.float8_e4m3fn
     if fp8 != (key_scale is not None):
         raise ValueError("fp8 keys need their key_scale [P, N] (and only fp8 keys have one); got "
-                         f"{keys.dtype} keys and key_scale {None if key_scale is None else key_scale.shape}")
+                         f"{key_dtype} keys and key_scale {None if key_scale is None else key_scale.shape}")
     if key_scale is not None and key_scale.shape != keys.shape[:2]:
         raise ValueError(f"key_scale must be [P, N] = {keys.shape[:2]}, got {key_scale.shape}")
 
@@ -251,7 +263,7 @@ def _pad_axis1(x, n: int):
     return x if x.shape[1] == n else jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "precision", "block_keys", "interpret"))
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "precision", "block_keys", "interpret", "key_dtype"))
 def indexer_scores(
     q: jax.Array,
     weights: jax.Array,
@@ -264,6 +276,7 @@ def indexer_scores(
     precision: str = "highest",
     block_keys: int = 128,
     interpret: bool = False,
+    key_dtype=None,
 ) -> jax.Array:
     """DSA indexer scores f32[S, T, N].
 
@@ -287,12 +300,15 @@ def indexer_scores(
       query_positions: int32[S, T] absolute position of each query token; keys past it score -inf (all of them
         for a negative position).
       key_scale: f32[P, N], fp8 keys' scales; None for keys in the model dtype.
+      key_dtype: the dtype of the keys' values when ``keys`` holds their bits (``kv_formats.stored_dtype``, as the
+        caches store bf16 and fp8 keys); None: ``keys`` are the values.
       softmax_scale: scale applied to the logits before the relu.
       precision: "highest" | "bf16" | "fp8" (``PRECISIONS``).
       block_keys: keys per program (power of two).
       interpret: run the Pallas interpreter (CPU tests).
     """
-    _validate_scores(q, weights, keys, key_plane, query_positions, key_scale)
+    key_dtype = keys.dtype if key_dtype is None else np.dtype(key_dtype)
+    _validate_scores(q, weights, keys, key_plane, query_positions, key_scale, key_dtype)
     S, T, Hi, D = q.shape
     N = keys.shape[1]
     if not _is_pow2(block_keys):
@@ -311,11 +327,11 @@ def indexer_scores(
                          "the keys in the model dtype")
     if S * N == 0:  # a grid of zero programs does not lower
         return jnp.zeros((S, T, N), jnp.float32)
-    q, weights, dot_dtype = _prepare_queries(q, weights, keys, precision)
+    q, weights, dot_dtype = _prepare_queries(q, weights, key_dtype, precision)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     scale_ops = [] if key_scale is None else [key_scale.astype(jnp.float32)]
     scale_specs = [any_spec] * len(scale_ops)
-    common = dict(softmax_scale=float(softmax_scale), block_keys=block_keys, dot_dtype=dot_dtype)
+    common = dict(softmax_scale=float(softmax_scale), block_keys=block_keys, dot_dtype=dot_dtype, key_dtype=key_dtype)
     # Padded query rows (position 0, zero weights) are sliced off.
     if T <= MAX_DECODE_QUERIES:
         Tp = _next_pow2(T)
@@ -362,7 +378,7 @@ def indexer_scores(
     return out[:, :T]
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "precision", "block_keys", "interpret"))
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "precision", "block_keys", "interpret", "key_dtype"))
 def indexer_scores_reference(
     q: jax.Array,
     weights: jax.Array,
@@ -375,14 +391,17 @@ def indexer_scores_reference(
     precision: str = "highest",
     block_keys: int = 128,
     interpret: bool = False,
+    key_dtype=None,
 ) -> jax.Array:
     """Pure-jnp ``indexer_scores`` (same signature; block_keys/interpret unused). One head at a time, so memory
     stays at the [S, T, N] result (never the per-head tensor)."""
     del block_keys, interpret
-    _validate_scores(q, weights, keys, key_plane, query_positions, key_scale)
-    q, weights, dot_dtype = _prepare_queries(q, weights, keys, precision)
+    key_dtype = keys.dtype if key_dtype is None else np.dtype(key_dtype)
+    _validate_scores(q, weights, keys, key_plane, query_positions, key_scale, key_dtype)
+    q, weights, dot_dtype = _prepare_queries(q, weights, key_dtype, precision)
     plane = key_plane.astype(jnp.int32)
-    k = jnp.take(keys, plane, axis=0).astype(dot_dtype).astype(jnp.float32)  # [S, N, D]
+    # Each lane's plane taken first, then its bits read as values: only the lanes' planes, never all of them.
+    k = _key_values(jnp.take(keys, plane, axis=0), key_dtype).astype(dot_dtype).astype(jnp.float32)  # [S, N, D]
     qf = q.astype(dot_dtype).astype(jnp.float32)
 
     def head(h, acc):

@@ -25,6 +25,17 @@ every non-zero dequantised product ``q * scale`` is a *normal* float32: XLA:CPU
 flushes subnormals to zero and GPUs may or may not, so staying normal keeps all
 backends bit-identical. An all-zero group therefore gets ``scale = min_scale``
 (any positive scale reproduces zeros exactly).
+
+Planes are *stored* as their bits: a plane whose values are a float narrower than
+32 bits (bf16, e4m3fn) is an unsigned-integer array of the same width
+(``stored_dtype``), which ``pack`` fills and every reader bitcasts back
+(``from_stored``) before its arithmetic. XLA:CPU has no arithmetic below float32
+and rewrites any op on such an array, a one-row update included, as convert to f32,
+op, convert back over the *whole* array, so a bf16 plane cost every decode step a
+pass over the whole cache (26 ms a step for one session slot of the tiny model,
+2.3 s for 64). Integer arrays it updates in place, and on GPUs the bitcast is free
+(in the Pallas kernels a register reinterpretation). The value dtypes of the table
+stay what the format means; saves hold the values (``glm53.engine``).
 """
 
 from __future__ import annotations
@@ -73,13 +84,20 @@ class KVFormat:
             n += self.scales_per_row * np.dtype(self.scale_dtype).itemsize
         return n
 
-    def plane_shapes(self, *lead: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        """Shapes and dtypes of the planes holding ``lead`` rows (e.g. lead = (S, N))."""
-        shapes = {"latent": ((*lead, LATENT_DIM), np.dtype(self.latent_dtype))}
+    @property
+    def value_dtypes(self) -> dict[str, np.dtype]:
+        """What each plane's elements mean: ``{plane: dtype}`` (the table above)."""
+        dtypes = {"latent": np.dtype(self.latent_dtype)}
         if self.scale_dtype is not None:
-            shapes["scale"] = ((*lead, self.scales_per_row), np.dtype(self.scale_dtype))
-        shapes["rope"] = ((*lead, ROPE_DIM), np.dtype(self.rope_dtype))
-        return shapes
+            dtypes["scale"] = np.dtype(self.scale_dtype)
+        dtypes["rope"] = np.dtype(self.rope_dtype)
+        return dtypes
+
+    def plane_shapes(self, *lead: int, values: bool = False) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Shapes and dtypes of the planes holding ``lead`` rows (e.g. lead = (S, N)): the dtypes they are stored in
+        (``stored_dtype``), or with ``values`` the dtypes their elements mean."""
+        widths = {"latent": LATENT_DIM, "scale": self.scales_per_row, "rope": ROPE_DIM}
+        return {n: ((*lead, widths[n]), dt if values else stored_dtype(dt)) for n, dt in self.value_dtypes.items()}
 
 
 KV_FORMATS: dict[str, KVFormat] = {
@@ -106,6 +124,29 @@ KV_FORMATS: dict[str, KVFormat] = {
         min_scale=2.0**-117,
     ),
 }
+
+
+def stored_dtype(dtype) -> np.dtype:
+    """The dtype an array of ``dtype`` values is stored in: a float narrower than 32 bits as the unsigned integer of
+    its width (its bits unchanged; module doc), any other dtype as itself."""
+    dtype = np.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return np.dtype(f"uint{8 * dtype.itemsize}")
+    return dtype
+
+
+def to_stored(x: jax.Array) -> jax.Array:
+    """``x``'s bits in ``stored_dtype(x.dtype)`` (unchanged if that is its dtype)."""
+    dt = stored_dtype(x.dtype)
+    return x if dt == x.dtype else jax.lax.bitcast_convert_type(x, dt)
+
+
+def from_stored(x: jax.Array, dtype) -> jax.Array:
+    """The ``dtype`` values whose bits ``x`` stores (``to_stored``'s inverse; in Pallas kernels too)."""
+    dtype = np.dtype(dtype)
+    if x.dtype != stored_dtype(dtype):
+        raise ValueError(f"{x.dtype} does not store {dtype} values (their stored dtype is {stored_dtype(dtype)})")
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
 
 
 def get_format(fmt: str | KVFormat) -> KVFormat:
@@ -163,8 +204,13 @@ def compute_scales(fmt: KVFormat, latent: jax.Array) -> jax.Array:
 
 
 def pack(fmt: str | KVFormat, latent: jax.Array, rope: jax.Array) -> dict[str, jax.Array]:
-    """Encodes rows ``latent[..., 512]``, ``rope[..., 64]`` (any leading dims) into planes."""
-    fmt = get_format(fmt)
+    """Encodes rows ``latent[..., 512]``, ``rope[..., 64]`` (any leading dims) into planes, as stored
+    (``stored_dtype``)."""
+    return {n: to_stored(v) for n, v in _encode(get_format(fmt), latent, rope).items()}
+
+
+def _encode(fmt: KVFormat, latent: jax.Array, rope: jax.Array) -> dict[str, jax.Array]:
+    """The planes' values (``KVFormat.value_dtypes``)."""
     if latent.shape[-1] != LATENT_DIM or rope.shape[-1] != ROPE_DIM:
         raise ValueError(
             f"pack expects latent[..., {LATENT_DIM}] and rope[..., {ROPE_DIM}], got " f"{latent.shape} and {rope.shape}"
@@ -187,22 +233,23 @@ def pack(fmt: str | KVFormat, latent: jax.Array, rope: jax.Array) -> dict[str, j
 
 
 def dequantise_latent(fmt: KVFormat, q: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
-    """``q.astype(f32) * scale.astype(f32)`` per group, cast to ``dtype``.
+    """``q.astype(f32) * scale.astype(f32)`` per group, cast to ``dtype``; ``q`` and ``scale`` as stored.
 
     This is the arithmetic the Pallas gather kernel repeats group by group.
     """
+    q = from_stored(q, fmt.latent_dtype)
     if not fmt.quantised:
         return q.astype(dtype)
     qf = q.astype(jnp.float32).reshape(*q.shape[:-1], fmt.scales_per_row, fmt.group_size)
-    x = qf * scale.astype(jnp.float32)[..., None]
+    x = qf * from_stored(scale, fmt.scale_dtype).astype(jnp.float32)[..., None]
     return x.reshape(q.shape).astype(dtype)
 
 
 def unpack(fmt: str | KVFormat, planes: dict[str, jax.Array], dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
-    """Decodes planes back to ``(latent[..., 512], rope[..., 64])`` in ``dtype``."""
+    """Decodes planes (as stored) back to ``(latent[..., 512], rope[..., 64])`` in ``dtype``."""
     fmt = get_format(fmt)
     latent = dequantise_latent(fmt, planes["latent"], planes.get("scale"), dtype)
-    return latent, planes["rope"].astype(dtype)
+    return latent, from_stored(planes["rope"], fmt.rope_dtype).astype(dtype)
 
 
 def error_bound(fmt: str | KVFormat, latent: jax.Array) -> jax.Array:

@@ -21,6 +21,7 @@ import importlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # The package re-exports functions named like these modules, so fetch the modules themselves.
 _gather = importlib.import_module("kernels_pallas.gather_rows")
@@ -78,16 +79,17 @@ def gather_rows(planes: dict, plane_of_lane, positions, *, kv_format: str, out_d
 
 
 def indexer_scores(q, weights, keys, key_plane, query_positions, key_scale=None, *, softmax_scale: float,
-                   precision: str, impl: str):
+                   precision: str, impl: str, key_dtype=None):
     """DSA indexer scores ``f32[S, T, N]`` of lane s's queries against key plane ``key_plane[s]`` of ``keys``
-    (``[P, N, D]``; fp8 keys with ``key_scale [P, N]``) at ``precision``."""
+    (``[P, N, D]``; fp8 keys with ``key_scale [P, N]``; the bits of ``key_dtype`` values if given) at
+    ``precision``."""
     use_pallas, interpret = resolve(impl)
     if not use_pallas or interpret:
         keys = _to_device({"keys": keys})["keys"]
     fn = _indexer.indexer_scores if use_pallas else _indexer.indexer_scores_reference
     kw = dict(interpret=interpret) if use_pallas else {}
     return fn(q, weights, keys, key_plane, query_positions, key_scale, softmax_scale=softmax_scale,
-              precision=precision, **kw)
+              precision=precision, key_dtype=None if key_dtype is None else np.dtype(key_dtype), **kw)
 
 
 def topk_positions(scores, k: int, query_positions, *, impl: str):

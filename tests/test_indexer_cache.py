@@ -52,7 +52,9 @@ def test_fp8_keys_are_what_the_cache_holds_and_what_admission_counts(model):
     engine = glm53.Engine(model, cc, max_sessions=2)
     kv = engine.cache
     Lf = len(CFG.full_indexer_layers)
-    assert kv.index_keys.dtype == np.dtype("float8_e4m3fn") and kv.index_keys.shape[-1] == CFG.index_head_dim
+    # e4m3 keys, stored as their bits (kernels_pallas.kv_formats.stored_dtype)
+    assert kv.index_key_dtype == np.dtype("float8_e4m3fn") and kv.index_keys.dtype == np.dtype("uint8")
+    assert kv.index_keys.shape[-1] == CFG.index_head_dim
     assert kv.index_key_scale.shape == kv.index_keys.shape[:3] and kv.index_key_scale.shape[0] == Lf
     want = memory.cache_bytes(CFG, cc, engine.alloc_slots, engine.capacity, engine.alloc_pages, model.dtype)
     got = kv.nbytes()

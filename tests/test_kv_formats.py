@@ -39,15 +39,65 @@ def test_unknown_format():
 
 
 def test_plane_dtypes():
-    q8 = kvf.get_format("q8g64").plane_shapes(2)
-    assert q8 == {
+    """Values as the format means them; stored with floats narrower than 32 bits as their bits (unsigned ints)."""
+    q8 = kvf.get_format("q8g64")
+    assert q8.plane_shapes(2, values=True) == {
         "latent": ((2, 512), np.dtype(np.int8)),
         "scale": ((2, 8), np.dtype(jnp.bfloat16)),
         "rope": ((2, 64), np.dtype(jnp.bfloat16)),
     }
-    fp8 = kvf.get_format("fp8g128").plane_shapes(2)
-    assert fp8["latent"][1] == np.dtype(jnp.float8_e4m3fn)
-    assert fp8["scale"] == ((2, 4), np.dtype(np.float32))
+    assert q8.plane_shapes(2) == {
+        "latent": ((2, 512), np.dtype(np.int8)),
+        "scale": ((2, 8), np.dtype(np.uint16)),
+        "rope": ((2, 64), np.dtype(np.uint16)),
+    }
+    fp8 = kvf.get_format("fp8g128")
+    assert fp8.plane_shapes(2, values=True)["latent"][1] == np.dtype(jnp.float8_e4m3fn)
+    assert fp8.plane_shapes(2)["latent"][1] == np.dtype(np.uint8)
+    assert fp8.plane_shapes(2)["scale"] == ((2, 4), np.dtype(np.float32))
+    assert kvf.get_format("f32").plane_shapes(2) == kvf.get_format("f32").plane_shapes(2, values=True)
+    for name in kvf.KV_FORMATS:
+        fmt = kvf.get_format(name)
+        stored, values = fmt.plane_shapes(3), fmt.plane_shapes(3, values=True)
+        assert {n: v[1] for n, v in values.items()} == fmt.value_dtypes
+        assert all(stored[n][0] == values[n][0] and stored[n][1].itemsize == values[n][1].itemsize for n in stored)
+
+
+@pytest.mark.parametrize("dtype,stored", [(jnp.bfloat16, np.uint16), (jnp.float16, np.uint16),
+                                          (jnp.float8_e4m3fn, np.uint8), (np.float32, np.float32),
+                                          (np.int8, np.int8), (np.int32, np.int32)])
+def test_stored_bits_round_trip(dtype, stored):
+    x = jnp.asarray(np.array([0.0, -0.0, 1.5, -448.0, 3e-3, np.inf if dtype != jnp.float8_e4m3fn else 1.0,
+                              np.nan])).astype(dtype) if jnp.issubdtype(dtype, jnp.floating) \
+        else jnp.arange(-3, 4, dtype=dtype)
+    assert kvf.stored_dtype(dtype) == np.dtype(stored)
+    bits = kvf.to_stored(x)
+    assert bits.dtype == np.dtype(stored)
+    np.testing.assert_array_equal(np.asarray(bits).view(np.uint8), np.asarray(x).view(np.uint8))
+    back = kvf.from_stored(bits, dtype)
+    assert back.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(back).view(np.uint8), np.asarray(x).view(np.uint8))
+    if np.dtype(stored) != np.dtype(dtype):
+        with pytest.raises(ValueError, match="does not store"):
+            kvf.from_stored(x, dtype)  # the values themselves, not their bits
+
+
+def test_a_one_row_write_into_stored_bf16_planes_is_in_place():
+    """Why planes are stored as bits: XLA:CPU updates a uint16 array in place, where a bf16 one it converts whole
+    to f32 and back. The compiled write of one row into a stored plane has no f32 array of the plane's size."""
+    fmt = kvf.get_format("bf16")
+    shape, dt = fmt.plane_shapes(64, 512)["rope"]
+    row = jnp.ones((1, 64), jnp.float32)
+
+    def write(plane, row, i):
+        return plane.at[i].set(kvf.pack(fmt, jnp.zeros((1, 512)), row)["rope"][0])
+
+    text = jax.jit(write, donate_argnums=0).lower(jax.ShapeDtypeStruct(shape, dt), row, 3).compile().as_text()
+    assert "f32[64,512,64]" not in text, "the write converts the whole plane"
+    values = jax.ShapeDtypeStruct(fmt.plane_shapes(64, 512, values=True)["rope"][0], jnp.bfloat16)
+    converting = jax.jit(lambda p, r, i: p.at[i].set(r[0].astype(p.dtype)), donate_argnums=0)
+    if jax.default_backend() == "cpu":  # the behaviour this storage avoids, so the check above can fail
+        assert "f32[64,512,64]" in converting.lower(values, row, 3).compile().as_text()
 
 
 def _data(seed, shape=(3, 512), scale=1.0):
@@ -76,8 +126,9 @@ def _check_quantised(name, lat, rope):
     fmt = kvf.get_format(name)
     planes, l2, r2, bound, rbound = _round_trip(name, lat, rope)
     lat, l2, bound = np.asarray(lat), np.asarray(l2), np.asarray(bound)
-    assert planes["latent"].dtype == fmt.latent_dtype
-    assert planes["scale"].dtype == fmt.scale_dtype
+    assert planes["latent"].dtype == kvf.stored_dtype(fmt.latent_dtype)
+    assert planes["scale"].dtype == kvf.stored_dtype(fmt.scale_dtype)
+    planes = {n: kvf.from_stored(v, fmt.value_dtypes[n]) for n, v in planes.items()}
     assert planes["scale"].shape == (*lat.shape[:-1], fmt.scales_per_row)
     err = np.abs(l2 - lat)
     bad = np.argwhere(~(err <= bound))

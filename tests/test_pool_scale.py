@@ -200,11 +200,11 @@ def test_lowering_addresses_the_target_pool_in_64_bits(triton_modules):
                     _planes(LAYERS * 4 * 32768), pool)
     (module,) = triton_modules
     # a latent and a rope load per source (ring, hot, host) and the stores of the output blocks: only the host
-    # pool's loads are 64-bit
-    latent, rope = _offset_types(module, "i8", 512), _offset_types(module, "bf16", 64)
+    # pool's loads are 64-bit (the bf16 rope and scale planes are stored as their bits: i16 pointers)
+    latent, rope = _offset_types(module, "i8", 512), _offset_types(module, "i16", 64)
     assert len(latent) >= 3 and latent.count("i64") == 1 and set(latent) == {"i32", "i64"}
     assert len(rope) >= 3 and rope.count("i64") == 1 and set(rope) == {"i32", "i64"}
-    assert set(_offset_types(module, "bf16", 8)) == {"i32"}  # scale: 151M x 8 elements < 2**31
+    assert set(_offset_types(module, "i16", 8)) == {"i32"}  # scale: 151M x 8 elements < 2**31
 
     # the copyback writes the same pool: 64-bit offsets on its side
     triton_modules.clear()
@@ -364,11 +364,11 @@ def test_lowering_of_the_padded_hot_cache_at_the_target(triton_modules):
                                    block_rows=hg.DEFAULT_BLOCK_ROWS, num_warps=hg.DEFAULT_NUM_WARPS)
     _lower_for_cuda(hot_gather, S((E,), jnp.int32), S((E,), jnp.int32), ring, hot, pool)
     (module,) = triton_modules
-    latent, rope = _offset_types(module, "i8", 512), _offset_types(module, "bf16", 64)
+    latent, rope = _offset_types(module, "i8", 512), _offset_types(module, "i16", 64)
     # ring: 32-bit; hot and host: 64-bit (rope: the host pool's only)
     assert latent.count("i64") == 2 and "i32" in latent
     assert rope.count("i64") == 1 and "i32" in rope
-    assert set(_offset_types(module, "bf16", 8)) == {"i32"}
+    assert set(_offset_types(module, "i16", 8)) == {"i32"}
 
     triton_modules.clear()
     B, F = 4, 4 * 2048
@@ -379,7 +379,7 @@ def test_lowering_of_the_padded_hot_cache_at_the_target(triton_modules):
                     S((B,), jnp.int32))
     (module,) = triton_modules
     assert "i64" in _offset_types(module, "i8", 512)  # the stores into the padded latent plane
-    assert set(_offset_types(module, "bf16", 64)) == {"i32"}
+    assert set(_offset_types(module, "i16", 64)) == {"i32"}
 
     unpadded = {n: S((LAYERS * SESSIONS * cc.hot_rows, v.shape[1]), v.dtype) for n, v in hot.items()}
     with pytest.raises(ValueError, match="negative 32-bit offsets"):

@@ -152,6 +152,31 @@ def test_incompatible_and_corrupted_saves(model, tmp_path):
     assert r.sessions == [] and r.memory_report()["host"]["used_pages"] == 0  # nothing changed
 
 
+def test_saves_hold_values_and_refuse_keys_of_another_dtype(model, tmp_path):
+    """The cache stores bf16 planes as their bits (kernels_pallas.kv_formats.stored_dtype); a save holds the values
+    (what saves held before), and keys saved in another dtype are refused, not reinterpreted."""
+    from kernels_pallas import kv_formats
+
+    e = engine(model, "offload")
+    s = e.open(ids(40, seed=66))
+    d = str(tmp_path / "sess")
+    e.save(s, d)
+    meta, arrays = session_io.read(d)
+    n = meta["processed"]
+    want = kv_formats.get_format(CC.kv_format).plane_shapes(e.cfg.num_cache_layers, n, values=True)
+    assert {k: (v.shape, v.dtype) for k, v in arrays["rows"].items()} == want
+    assert {v.dtype for v in arrays["rows"].values()} & {np.dtype(np.uint16), np.dtype(np.uint8)} == set()
+    assert arrays["index_keys"].dtype == e.cache.index_key_dtype
+    arrays["index_keys"] = arrays["index_keys"].astype(np.float16)
+    other = str(tmp_path / "other")
+    session_io.write(other, arrays, meta)
+    r = engine(model, "offload")
+    with pytest.raises(SessionFileError, match="the indexer keys are float16.*expected float32"):
+        r.restore(other)
+    assert r.sessions == []
+    assert r.generate({r.restore(d): 3})  # the save as written restores
+
+
 def test_saves_refuse_what_they_cannot_keep(model, tmp_path):
     """A save edited on disk, or one whose record cannot be a session's, is refused whole (no session, no slot, no
     page taken); a save never goes into a directory holding anything but saves; a session at the slot's full length

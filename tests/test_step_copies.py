@@ -19,7 +19,9 @@ kernel, and the offload decode step had six, of ``host_len``, ``lengths`` and ``
 the profile's HLO did (``experiments.profile_decode`` writes it beside its JSON).
 
 The steps are compiled with this backend's kernels (references on a CPU, the Pallas kernels compiled on a GPU) and
-their HLO searched for a copy whose result has the type of a cache buffer."""
+their HLO searched for a copy whose result has the type of a cache buffer, and for a float32 array as large as a
+cache buffer of bf16 values (XLA:CPU's way of computing on bf16: convert the whole buffer, which the caches avoid by
+storing such values as their bits, ``kernels_pallas.kv_formats``)."""
 
 import re
 
@@ -33,8 +35,8 @@ from glm53.config import CacheConfig
 from engine_common import MESH_CFG as CFG
 from experiments.trace_util import copied_cache_params
 
-_HLO_DTYPE = {"int8": "s8", "int16": "s16", "int32": "s32", "uint32": "u32", "float32": "f32", "bfloat16": "bf16",
-              "float8_e4m3fn": "f8e4m3fn", "bool": "pred"}
+_HLO_DTYPE = {"int8": "s8", "int16": "s16", "int32": "s32", "uint32": "u32", "uint16": "u16", "uint8": "u8",
+              "float32": "f32", "bfloat16": "bf16", "float8_e4m3fn": "f8e4m3fn", "bool": "pred"}
 
 
 def _buffer_types(cache) -> dict:
@@ -46,6 +48,24 @@ def _buffer_types(cache) -> dict:
             continue
         out[f"{_HLO_DTYPE[str(leaf.dtype)]}[{','.join(map(str, leaf.shape))}]"] = name
     return out
+
+
+def _widened(compiled_text: str, cache, params) -> list:
+    """Cache buffers of bf16 or fp8 values (stored as their bits: kernels_pallas.kv_formats) that the step converts
+    whole to float32: XLA:CPU computes on bf16 and fp8 arrays that way (convert, compute, convert back), which made
+    every one-row write into a bf16 buffer cost the whole cache. Found by shape: a buffer whose shape a weight has
+    too (the embedding's [256, 64] is the offload ring's rope plane's) is left out."""
+    weights = {",".join(map(str, w.shape)) for w in jax.tree_util.tree_leaves(params)}
+    narrow = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(cache):
+        shape = ",".join(map(str, leaf.shape))
+        if np.prod(leaf.shape) >= 256 and leaf.dtype in (jnp.uint16, jnp.uint8, jnp.bfloat16, jnp.float8_e4m3fn) \
+                and shape not in weights:
+            narrow[shape] = jax.tree_util.keystr(path)
+    assert narrow, "this cache stores no bf16 or fp8 buffer: the check would pass whatever the step does"
+    return sorted({f"{narrow[m.group(1)]} (f32[{m.group(1)}])"
+                   for m in re.finditer(r"= f32\[([0-9,]+)\]\{[^}]*\} convert\(", compiled_text)
+                   if m.group(1) in narrow})
 
 
 def _copied(compiled_text: str, types: dict) -> list:
@@ -88,8 +108,10 @@ def test_steps_copy_no_cache_buffer(mode):
     }
     types = _buffer_types(e.cache)
     assert any("ring" in n or "history" in n for n in types.values()), types
-    copies = {}
+    copies, widened = {}, {}
     for name, (args, kw) in calls.items():
         step = model.steps.for_cache(name.split("_")[0], e.cache)
-        copies[name] = _copied(step.lower(*args, **kw).compile().as_text(), types)
+        text = step.lower(*args, **kw).compile().as_text()
+        copies[name], widened[name] = _copied(text, types), _widened(text, e.cache, model.params)
     assert copies == {name: [] for name in calls}, copies
+    assert widened == {name: [] for name in calls}, widened

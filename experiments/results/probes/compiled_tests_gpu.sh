@@ -13,6 +13,11 @@ el kernel tests
 timeout 190 python -m pytest -q -p no:cacheprovider -n 4 tests/test_api.py tests/test_offload_model.py \
   tests/test_offload_state.py 2>&1 | tail -1
 el api, offload-model and offload-state tests
+# Stop 71 stored bf16 and fp8 planes and keys as their bits (kernels_pallas.kv_formats): the formats, the steps'
+# in-place writes, the indexer-key cache and saves, and the Triton lowering of the narrow planes at the target size.
+timeout 150 python -m pytest -q -p no:cacheprovider -n 4 tests/test_kv_formats.py tests/test_step_copies.py \
+  tests/test_indexer_cache.py tests/test_session_io.py tests/test_pool_scale.py 2>&1 | tail -1
+el formats, step-copy, indexer-cache, session-io and pool-scale tests
 LEFT=$(( LIMIT - $(date +%s) + T0 ))
 [ $LEFT -ge 40 ] && timeout $LEFT python -m pytest -q -p no:cacheprovider -n 4 tests/test_engine.py -k "mtp or offload" \
   2>&1 | tail -1
