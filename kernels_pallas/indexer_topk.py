@@ -248,6 +248,9 @@ def _validate_scores(q, weights, keys, key_plane, query_positions, key_scale, ke
         raise ValueError(f"key_plane must be an integer array, got {key_plane.dtype}")
     if not jnp.issubdtype(query_positions.dtype, jnp.integer):  # the kernels truncate, the reference would not
         raise ValueError(f"query_positions must be an integer array, got {query_positions.dtype}")
+    if not jnp.issubdtype(key_dtype, jnp.floating):  # integer "keys" would be scored as numbers
+        raise ValueError(f"indexer keys of {keys.dtype} are not float values: bits of bf16 or fp8 keys "
+                         "(kernels_pallas.kv_formats.stored_dtype) need the key_dtype they store")
     if keys.dtype not in (key_dtype, stored_dtype(key_dtype)):
         raise ValueError(f"keys of {keys.dtype} are neither {key_dtype} values nor their bits "
                          f"({stored_dtype(key_dtype)})")

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 from kernels_pallas import indexer_scores, indexer_scores_reference, topk_positions, topk_positions_reference
+from kernels_pallas.kv_formats import to_stored
 from kernels_pallas.indexer_topk import (BLOCK_TOTALS, CHUNK_QUERIES, FP8_MAX, dequantize_index_keys,
                                          quantize_index_keys, selectable_positions)
 
@@ -210,6 +211,29 @@ def test_fp8_keys_scores(T, precision):
                                      **_SCORE_KW)
     tol = {"highest": 1e-4, "bf16": 2e-2, "fp8": 2e-1}[precision]
     _check_scores(want, exact, qpos, rtol=tol, atol=tol * float(jnp.abs(exact[jnp.isfinite(exact)]).max()))
+
+
+@pytest.mark.parametrize("keys_kind,T", [("bf16", 3), ("fp8", 2), ("fp8", CHUNK_QUERIES + 1)])
+def test_keys_stored_as_bits_score_as_their_values(keys_kind, T):
+    """Keys as the caches hold them, their bits (uint16 / uint8, kv_formats.stored_dtype) with ``key_dtype``: the
+    same scores, bit for bit, as the values themselves, in the kernel and the reference; bits without their
+    dtype, or bits of another width, are refused."""
+    S, Hi, D, N = 2, 4, 32, 128
+    q, w, keys, key_plane, qpos = _indexer_inputs(S, T, Hi, D, N, jnp.bfloat16, seed=12)
+    scale, precision = None, "highest"
+    if keys_kind == "fp8":
+        (keys, scale), precision = quantize_index_keys(keys), "fp8"
+    bits = to_stored(keys)
+    assert bits.dtype == (jnp.uint16 if keys_kind == "bf16" else jnp.uint8)
+    kw = dict(_SCORE_KW, precision=precision)
+    for fn, extra in ((indexer_scores, dict(interpret=INTERPRET)), (indexer_scores_reference, {})):
+        want = np.asarray(fn(q, w, keys, key_plane, qpos, scale, **kw, **extra))
+        got = np.asarray(fn(q, w, bits, key_plane, qpos, scale, key_dtype=keys.dtype, **kw, **extra))
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match=f"indexer keys of {bits.dtype} are not float values"):
+        indexer_scores_reference(q, w, bits, key_plane, qpos, scale, **kw)  # bits read as if values
+    with pytest.raises(ValueError, match="neither"):
+        indexer_scores_reference(q, w, bits.astype(jnp.int32), key_plane, qpos, scale, key_dtype=keys.dtype, **kw)
 
 
 def test_precision_validation():

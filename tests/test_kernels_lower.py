@@ -78,6 +78,16 @@ def _cases():
             S((1, t, 32, 128), jnp.bfloat16), S((1, t, 32), jnp.float32),
             S((L * SLOTS, N, 128), jnp.float8_e4m3fn), S((1,), I32), S((1, t), I32),
             S((L * SLOTS, N), jnp.float32))
+    # keys as the caches store them, their bits (kv_formats.stored_dtype): bf16 in a decode step, fp8 in a chunk
+    yield "indexer_scores_stored_bf16", functools.partial(it.indexer_scores, softmax_scale=128 ** -0.5,
+                                                          key_dtype=jnp.dtype(jnp.bfloat16)), (
+        S((B, 1, 32, 128), jnp.bfloat16), S((B, 1, 32), jnp.float32), S((L * SLOTS, N, 128), jnp.uint16),
+        S((B,), I32), S((B, 1), I32))
+    yield "indexer_scores_stored_fp8_chunk", functools.partial(it.indexer_scores, softmax_scale=128 ** -0.5,
+                                                               precision="fp8",
+                                                               key_dtype=jnp.dtype(jnp.float8_e4m3fn)), (
+        S((1, TC, 32, 128), jnp.bfloat16), S((1, TC, 32), jnp.float32), S((L * SLOTS, N, 128), jnp.uint8),
+        S((1,), I32), S((1, TC), I32), S((L * SLOTS, N), jnp.float32))
     for fmt in kvf.KV_FORMATS:
         yield f"hot_gather_{fmt}", functools.partial(hg.hot_gather, kv_format=fmt, out_dtype=jnp.bfloat16,
                                                           block_rows=hg.DEFAULT_BLOCK_ROWS,
