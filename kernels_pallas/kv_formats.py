@@ -32,8 +32,10 @@ Planes are *stored* as their bits: a plane whose values are a float narrower tha
 (``from_stored``) before its arithmetic. XLA:CPU has no arithmetic below float32
 and rewrites any op on such an array, a one-row update included, as convert to f32,
 op, convert back over the *whole* array, so a bf16 plane cost every decode step a
-pass over the whole cache (26 ms a step for one session slot of the tiny model,
-2.3 s for 64). Integer arrays it updates in place, and on GPUs the bitcast is free
+pass over the whole cache (the tiny model in bf16: 50.7 ms a step with one session
+slot, 2.5 s with 64; 4.2 and 5.0 ms stored as bits:
+experiments/results/probes/cpu_narrow_cache_steps_8e5255c.txt). Integer arrays it
+updates in place, and on GPUs the bitcast is free
 (in the Pallas kernels a register reinterpretation). The value dtypes of the table
 stay what the format means; saves hold the values (``glm53.engine``).
 """
