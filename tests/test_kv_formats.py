@@ -1,7 +1,5 @@
 """KV row formats: sizes, round trips and the documented error bounds."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,10 +11,16 @@ from kernels_pallas import kv_formats as kvf
 QUANTISED = ["q8g64", "fp8g128"]
 
 
-@functools.partial(jax.jit, static_argnames="name")
+_pack = jax.jit(kvf.pack, static_argnums=0)
+_unpack = jax.jit(kvf.unpack, static_argnums=(0, 2))
+
+
 def _round_trip(name, latent, rope):
-    planes = kvf.pack(name, latent, rope)
-    lat, rp = kvf.unpack(name, planes, jnp.float32)
+    # Packed and unpacked in two programs, with the stored bits between them, as the cache holds them. In one program
+    # XLA:GPU (xla_allow_excess_precision, on by default) folds bitcast pairs and then the f32 -> bf16 -> f32 convert
+    # pair, and "unpacks" the unrounded input: the H100 failed test_bf16_equals_cast so at e834a9d.
+    planes = _pack(name, latent, rope)
+    lat, rp = _unpack(name, planes, jnp.float32)
     return planes, lat, rp, kvf.error_bound(name, latent), kvf.rope_error_bound(name, rope)
 
 
