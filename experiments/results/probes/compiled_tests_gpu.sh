@@ -15,7 +15,9 @@ timeout 190 python -m pytest -q -p no:cacheprovider -n 4 tests/test_api.py tests
 el api, offload-model and offload-state tests
 # Stop 71 stored bf16 and fp8 planes and keys as their bits (kernels_pallas.kv_formats): the formats, the steps'
 # in-place writes, the indexer-key cache and saves, and the Triton lowering of the narrow planes at the target size.
-timeout 150 python -m pytest -q -p no:cacheprovider -n 4 tests/test_kv_formats.py tests/test_step_copies.py \
+# First run at e834a9d on an H100 (LIMIT=380): 49 of its 64 tests done when 150 s ran out, one failed (a test's own
+# fault, mended in 73ed40b: compiled_tests_h100_e834a9d.log, compiled_tests_formats_h100_e834a9d.log); hence 240 s.
+timeout 240 python -m pytest -q -p no:cacheprovider -n 4 tests/test_kv_formats.py tests/test_step_copies.py \
   tests/test_indexer_cache.py tests/test_session_io.py tests/test_pool_scale.py 2>&1 | tail -1
 el formats, step-copy, indexer-cache, session-io and pool-scale tests
 LEFT=$(( LIMIT - $(date +%s) + T0 ))
