@@ -303,10 +303,7 @@ def main(_):
         results["settings"][name] = entry
         if FLAGS.out and len(FLAGS.workload) > 1:
             results["plot"] = loss_plot.plot(
-                [{"label": n, "hit_rate": st["summary"]["hit_rate"], "loss_pct": st["summary"]["pooled_loss_pct"],
-                  "loss_min": min(st["summary"]["losses_pct"]), "loss_max": max(st["summary"]["losses_pct"]),
-                  "floor_pct": st["summary"]["floor_pct"]} for n, st in results["settings"].items()],
-                FLAGS.out.rsplit(".", 1)[0] + ".png",
+                loss_plot.sessions_ab_points(results["settings"]), FLAGS.out.rsplit(".", 1)[0] + ".png",
                 f"offload loss vs hit rate ({S} sessions x {history:,}-token histories, "
                 f"{jax.devices()[0].device_kind})")
         if FLAGS.out:  # after every setting, so a run cut short still leaves what it measured

@@ -709,6 +709,35 @@ def test_offload_ab_sweeps_hit_rates_with_a_plot(tmp_path):
     assert pathlib.Path(r["plot"]).exists() and r["plot"].endswith("sweep.png")
 
 
+def test_loss_plot_labels_crowded_points_apart_and_inside_the_axes():
+    """Workloads near 99% hits lie a fraction of a point apart: each label inside the axes, over no other label and
+    no other point's marker (one fixed offset drew two names over each other and past the right edge)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.transforms import Bbox
+
+    from experiments import loss_plot
+
+    xs, ys = [65.5, 76.3, 98.3, 99.15, 99.2], [16.8, 7.4, 0.67, 0.50, 0.55]
+    labels = ["uniform_mtp0", "window512_mtp0", "drift0.05_mtp0", "local99_mtp0", "zipf1.0_mtp0"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    ax.plot(xs, ys, "o")
+    fig.tight_layout()
+    texts = loss_plot.label_points(ax, labels, xs, ys)
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in texts]
+    frame = ax.get_window_extent(renderer)
+    assert [t.get_text() for t in texts] == labels
+    for i, b in enumerate(boxes):
+        assert frame.x0 <= b.x0 and b.x1 <= frame.x1 and frame.y0 <= b.y0 and b.y1 <= frame.y1, labels[i]
+        assert not any(b.overlaps(c) for j, c in enumerate(boxes) if j != i), labels[i]
+        for j, (u, v) in enumerate(ax.transData.transform(list(zip(xs, ys)))):
+            if j != i:
+                assert not b.overlaps(Bbox.from_extents(u - 6, v - 6, u + 6, v + 6)), (labels[i], labels[j])
+    plt.close(fig)
+
+
 @pytest.mark.parametrize("name", ["local99", "drift0.3", "uniform", "window32", "zipf1.0"])
 def test_synthetic_workloads_give_valid_selections(name):
     import numpy as np
