@@ -614,9 +614,15 @@ def probe_routing(engine, requests: Mapping[int, int], *, rollback: bool = True,
     mtp = int(generate_kw.get("mtp", 0))
     names = ("verify", "draft", "decode") if mtp else ("decode",)
     calls: dict[str, list] = {}
-    saved = dict(engine._steps)
+    saved, saved_ring = dict(engine._steps), engine.output_ring
     for name in names:
         engine._steps[name] = probe_steps.for_cache(name, engine.cache)
+    # The probe's steps are the engine's plain jits (engine._steps). An engine on one GPU decodes through its output
+    # rings instead (Engine.output_ring), which the model builds from its own steps: under the interceptor those were
+    # the instrumented ones, and their callbacks cannot be cloned into a ring (pickling failed on an H100 at
+    # 86aeb5b: experiments.throughput fell back to uniform routing). One executable, fresh outputs: the probe's
+    # step calls are not timed.
+    engine.output_ring = 1
     _PROBE_SINK.append(calls)
     try:
         with nn.intercept_methods(_interceptor):
@@ -626,6 +632,7 @@ def probe_routing(engine, requests: Mapping[int, int], *, rollback: bool = True,
         _PROBE_SINK.pop()
         engine._steps.clear()
         engine._steps.update(saved)
+        engine.output_ring = saved_ring
     run = engine.last_run
     if rollback:
         for sid, toks in out.items():

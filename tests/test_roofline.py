@@ -219,9 +219,15 @@ def test_routing_probe_refuses_pipeline_stages_before_running():
     assert e.tokens(sid) == list(range(1, 30)) and e.generate({sid: 2})[sid]
 
 
-def test_routing_probe_on_the_tiny_model():
+@pytest.mark.parametrize("ring", [False, True])
+def test_routing_probe_on_the_tiny_model(ring):
+    """ring: the engine's decode loop through its output rings, as on one GPU (``engine.output_ring_for``). The
+    probe's instrumented steps are plain jits: through a ring the loop built the model's own steps under the probe's
+    interceptor, whose callbacks an executable cannot be cloned with (an H100 run's probe failed so at 86aeb5b)."""
     model = glm53.from_config(TINY, seed=0, dtype="float32")
     e = glm53.Engine(model, glm53.CacheConfig(kv_format="f32", max_len=128), max_sessions=2, kernels="reference")
+    if ring:
+        e.output_ring = glm53.engine._Run.LAG + 1
     rng = np.random.default_rng(0)
     sids = [e.open(rng.integers(0, TINY.vocab_size, 40).tolist()) for _ in range(2)]
     probe = roofline.probe_routing(e, {s: 4 for s in sids})
@@ -243,6 +249,9 @@ def test_routing_probe_on_the_tiny_model():
     # the engine's own steps stayed uninstrumented: nothing is recorded outside a probe
     assert not roofline._PROBE_SINK
     e.generate({s: 2 for s in sids})
+    assert e.output_ring == (glm53.engine._Run.LAG + 1 if ring else 1)  # the engine's own setting, back after it
+    if ring:
+        assert e._rings, "the engine's own decode went through its rings"
 
 
 
