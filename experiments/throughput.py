@@ -23,6 +23,9 @@ tokens per session are timed (``Engine.last_run``: decode tokens after each sess
 sessions are rolled back after every run, so every point starts from the same state. DSA selection: ``local99``
 (``experiments.workloads.local99_sessions``: each session keeps its own K history positions, 1% replaced per step;
 the same seeds in both modes, so their tokens must be equal) or the model's indexer (``--workload=indexer``).
+Each point also records the host's side of its timed steps (``host``: step-call times, the reads' waits for the
+device, the intervals between reads): where the median wait is near zero, the host's loop, not the device's step,
+set the pace (at one session the step is short, and the working set's update is one more call a step).
 
 **Roofline** of each point (``glm53.roofline``): the bytes a step reads (weights once per step, i.e. amortised over
 the batch; routed experts counted as the distinct experts the batch's tokens route to; KV rows gathered and indexer
@@ -335,7 +338,12 @@ def run_mode(model, mode: str, sessions: list, histories: list, results: dict, b
                     "tokens_per_s": r.decode_tokens_per_s, "tokens_per_s_per_session": r.decode_tokens_per_s / S,
                     "step_ms": 1e3 * r.decode_s / max(r.steps, 1), "steps": r.steps,
                     "decode_tokens": r.decode_tokens, "decode_s": r.decode_s, "compile_s": r.compile_s,
-                    "warmup_s": warm_s, "mean_history": mean_history, "tokens_sha256": digest(res["tokens"]),
+                    "warmup_s": warm_s, "mean_history": mean_history,
+                    # whether the host or the device set the pace: a median wait near zero means the host's loop
+                    # (its calls, the working set's update) took as long as the device's step
+                    "host": {"loop_s": r.host_loop_s, "step_call_ms": r.step_call_ms, "step_wait_ms": r.step_wait_ms,
+                             "step_interval_ms": r.step_interval_ms},
+                    "tokens_sha256": digest(res["tokens"]),
                     "first_session_tokens": res["tokens"][0][:16],
                     "routing": routing or {"source": "uniform-routing expectation" + (
                         f" (probe failed: {routing_probe['error']})" if routing_probe else "")},
@@ -359,6 +367,7 @@ def run_mode(model, mode: str, sessions: list, histories: list, results: dict, b
                       f"{rf.get('bytes_per_step', 0) / 1e9:.2f} GB/step"
                       + (f"; hits {point['cache']['hit_rate']:.4f}" if e.offload and point["cache"]["hit_rate"]
                          is not None else "")
+                      + (f"; host waited {r.step_wait_ms['p50']:.2f} ms a step (median)" if r.step_wait_ms else "")
                       + (f"; tokens identical to {other['mode']}: {point['tokens_identical_to'][other['mode']]}"
                          if other is not None else ""), flush=True)
             for s in sids:

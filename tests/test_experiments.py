@@ -615,6 +615,9 @@ def test_throughput(tmp_path):
         assert q["roofline"]["bandwidth_GBps"] == pytest.approx(bw["bandwidth_Bps"] / 1e9)
         assert q["tokens_per_s"] > 0 and q["steps"] == 4 and q["decode_tokens"] == 4 * q["sessions"]
         assert q["compile_s"] == 0  # the warm-up compiled every step of the point
+        h = q["host"]  # whether the host or the device set the pace
+        assert 0 < h["loop_s"] and h["step_call_ms"]["p50"] > 0 and h["step_wait_ms"]["p50"] >= 0
+        assert set(h["step_interval_ms"]) >= {"p50", "p99", "max"}
         r = q["roofline"]
         assert r["ideal_tokens_per_s"] > 0 and r["tokens_per_step"] == q["sessions"]
         b = r["bytes"]
