@@ -342,7 +342,11 @@ def run_mode(model, mode: str, sessions: list, histories: list, results: dict, b
                     # whether the host or the device set the pace: a median wait near zero means the host's loop
                     # (its calls, the working set's update) took as long as the device's step
                     "host": {"loop_s": r.host_loop_s, "step_call_ms": r.step_call_ms, "step_wait_ms": r.step_wait_ms,
-                             "step_interval_ms": r.step_interval_ms},
+                             "step_interval_ms": r.step_interval_ms,
+                             # which calls were slow: (ms, step number), beside the steps that ran the copyback
+                             "slowest_step_calls_ms": sorted(((round(1e3 * t, 3), i + 1)
+                                                              for i, t in enumerate(r.step_call_s)), reverse=True)[:6],
+                             "copy_steps": list(r.copy_steps), "copyback_steps": list(r.copyback_steps)},
                     "tokens_sha256": digest(res["tokens"]),
                     "first_session_tokens": res["tokens"][0][:16],
                     "routing": routing or {"source": "uniform-routing expectation" + (
