@@ -24,8 +24,10 @@ sessions are rolled back after every run, so every point starts from the same st
 (``experiments.workloads.local99_sessions``: each session keeps its own K history positions, 1% replaced per step;
 the same seeds in both modes, so their tokens must be equal) or the model's indexer (``--workload=indexer``).
 Each point also records the host's side of its timed steps (``host``: step-call times, the reads' waits for the
-device, the intervals between reads): where the median wait is near zero, the host's loop, not the device's step,
-set the pace (at one session the step is short, and the working set's update is one more call a step).
+device, the intervals between reads, the slowest calls beside the steps that ran the copyback): where the median
+wait is near zero the host's loop set the pace, elsewhere the device did. Two modes whose median intervals agree but
+whose tokens/s do not differ by a few slow calls, which a short point does not amortise (the H100 curve of de680c4:
+38-84 ms calls at one session).
 
 **Roofline** of each point (``glm53.roofline``): the bytes a step reads (weights once per step, i.e. amortised over
 the batch; routed experts counted as the distinct experts the batch's tokens route to; KV rows gathered and indexer
