@@ -4,6 +4,7 @@ the figures reported for it, the logits check, and the pooled loss over interlea
 import numpy as np
 
 import glm53
+import glm53.engine
 
 
 def run(e: glm53.Engine, sids: list, n: int, depth: int, accept, selection, logits=False) -> dict:
@@ -154,7 +155,7 @@ def figures(res: dict, n_sessions: int) -> dict:
         "step_calls_over_1_25x_median": int(np.sum(np.asarray(calls_ms) > 1.25 * np.median(calls_ms)))
         if calls_ms else 0,
         # which calls are slow: the p99 target is about them (copyback steps against the others, the slowest)
-        "slowest_step_calls_ms": sorted(((t, i + 1) for i, t in enumerate(calls_ms)), reverse=True)[:8],
+        "slowest_step_calls_ms": glm53.engine.slowest_calls_ms(r.step_call_s, 8),
         "copyback_step_call_ms_median": _median_ms([r.step_call_s[i - 1] for i in r.copyback_steps
                                                     if 0 < i <= len(r.step_call_s)]),
         "other_step_call_ms_median": _median_ms([t for i, t in enumerate(r.step_call_s, 1)

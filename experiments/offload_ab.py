@@ -142,8 +142,7 @@ def main(_):
                     for m, x in (("resident", r), ("offload", o))},
                 "decode_step_interval_ms": {"resident": r.decode_step_interval_ms,
                                             "offload": o.decode_step_interval_ms},
-                "offload_slowest_step_calls": sorted(
-                    ((round(1e3 * t, 3), i + 1) for i, t in enumerate(o.decode_step_call_s)), reverse=True)[:6],
+                "offload_slowest_step_calls": glm53.engine.slowest_calls_ms(o.decode_step_call_s, 6),
                 # The steps that also copied ring pages back, against the rest: what a copyback costs the host.
                 "offload_copyback_step_call_ms": [(round(1e3 * o.decode_step_call_s[i - 1], 3), i)
                                                   for i in o.decode_copyback_steps],

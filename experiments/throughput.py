@@ -57,7 +57,7 @@ import numpy as np
 from absl import app, flags
 
 import glm53
-from glm53.engine import compile_seconds
+from glm53.engine import compile_seconds, slowest_calls_ms
 from experiments import cli, workloads
 from glm53 import memory, roofline
 from glm53.memory import device_memory
@@ -346,8 +346,7 @@ def run_mode(model, mode: str, sessions: list, histories: list, results: dict, b
                     "host": {"loop_s": r.host_loop_s, "step_call_ms": r.step_call_ms, "step_wait_ms": r.step_wait_ms,
                              "step_interval_ms": r.step_interval_ms,
                              # which calls were slow: (ms, step number), beside the steps that ran the copyback
-                             "slowest_step_calls_ms": sorted(((round(1e3 * t, 3), i + 1)
-                                                              for i, t in enumerate(r.step_call_s)), reverse=True)[:6],
+                             "slowest_step_calls_ms": slowest_calls_ms(r.step_call_s, 6),
                              "copy_steps": list(r.copy_steps), "copyback_steps": list(r.copyback_steps)},
                     "tokens_sha256": digest(res["tokens"]),
                     "first_session_tokens": res["tokens"][0][:16],

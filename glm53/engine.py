@@ -197,6 +197,12 @@ class RunReport:
         return _percentiles_ms(np.diff(np.asarray(self.step_read_s)))
 
 
+def slowest_calls_ms(seconds, n: int) -> list[tuple[float, int]]:
+    """The ``n`` longest of a run's step calls (durations in seconds, in step order) as (ms rounded to the
+    microsecond, 1-based step number), longest first: which steps a p99 is about."""
+    return sorted(((round(1e3 * t, 3), i + 1) for i, t in enumerate(seconds)), reverse=True)[:n]
+
+
 def _percentiles_ms(seconds) -> dict:
     """p50 / p90 / p99 / max of durations in seconds, as ms ({} when there are none)."""
     if len(seconds) == 0:
