@@ -91,13 +91,13 @@ def free_memory_problem(need: dict, host_pool: int, devices, *, free_of=None, ho
 
 
 def check_weights_fit(cfg: ModelConfig, dtype, expert_weights: str, device, what: str, *, mesh=None,
-                      read_itemsize: int | None = None) -> None:
+                      read_itemsize: int | None = None, drawn: bool = False) -> None:
     """Refuse weights that cannot fit where they are made or read (``weights_need``) before the first one is: an
     8.9B-parameter benchmark config on a laptop, or GLM-5 on one GPU, otherwise ran until the allocator or the
     kernel's OOM killer stopped the process, minutes in and without a word on why."""
     from glm53 import params as params_lib
 
-    needs = weights_need(cfg, dtype, expert_weights, device, mesh=mesh, read_itemsize=read_itemsize)
+    needs = weights_need(cfg, dtype, expert_weights, device, mesh=mesh, read_itemsize=read_itemsize, drawn=drawn)
     # CPU devices are shares of the host's memory: theirs are counted together against it.
     cpus = [(d, need) for d, need in needs if d.platform == "cpu"]
     checks = [(need, free_bytes(d), f"{d.platform}:{d.id}") for d, need in needs if d.platform != "cpu"]
@@ -120,11 +120,11 @@ def check_weights_fit(cfg: ModelConfig, dtype, expert_weights: str, device, what
 
 
 def weights_need(cfg: ModelConfig, dtype, expert_weights: str, device, *, mesh=None,
-                 read_itemsize: int | None = None) -> list:
+                 read_itemsize: int | None = None, drawn: bool = False) -> list:
     """``[(device, bytes)]`` at the peak of making or reading the weights (``loading_bytes``), for ``device`` (where
     they are made or read) and this process's other devices of ``mesh`` (a ``jax.sharding.Mesh``)."""
     shares, extra = loading_bytes(cfg, dtype, expert_weights, None if mesh is None else mesh.shape,
-                                  read_itemsize=read_itemsize)
+                                  read_itemsize=read_itemsize, drawn=drawn)
     if mesh is None:
         return [(device, shares[0] + extra)]
     needs = [(d, shares[s] + (extra if d == device else 0)) for s, row in enumerate(mesh.devices) for d in row
@@ -135,7 +135,7 @@ def weights_need(cfg: ModelConfig, dtype, expert_weights: str, device, *, mesh=N
 
 
 def loading_bytes(cfg: ModelConfig, dtype, expert_weights: str, mesh_shape: Mapping[str, int] | None, *,
-                  read_itemsize: int | None = None) -> tuple[list[int], int]:
+                  read_itemsize: int | None = None, drawn: bool = False) -> tuple[list[int], int]:
     """``(shares, extra)`` at the peak of making or reading the weights: each device of pipeline stage ``s`` of a
     mesh of ``mesh_shape`` holds ``shares[s]`` (its share of its stage's weights; one entry without stages), and the
     device they are made on ``extra`` more. Each weight goes to its devices as soon as it exists
@@ -144,7 +144,8 @@ def loading_bytes(cfg: ModelConfig, dtype, expert_weights: str, mesh_shape: Mapp
     float32 weights into a bfloat16 model) the largest as read beside its copy (``glm53.checkpoint`` makes each
     tensor the model's in one program, so no third copy). On one device the kept copy is the model's: ``extra`` is
     the largest as read, or with FP8 experts the largest expert stack in the model's dtype beside the FP8 model
-    (each stack is quantised as it is made)."""
+    (each stack is quantised as it is made). ``drawn``: random weights, whose draw adds one block's temporaries
+    (``glm53.params.draw_transient_bytes``) on the device they are made on."""
     import jax
 
     from glm53 import params as params_lib
@@ -158,17 +159,18 @@ def loading_bytes(cfg: ModelConfig, dtype, expert_weights: str, mesh_shape: Mapp
 
     shape = dict(mesh_shape or {})
     stages, tp = int(shape.get("stage", 1)), int(shape.get("tp", 1))
+    drawing = params_lib.draw_transient_bytes(kept) if drawn else 0
     if stages * tp == 1:
         if read_itemsize:
             extra = max(as_made(x) for x in kept)
         else:
             extra = max(params_lib.nbytes(x) for x in kept) if expert_weights == "fp8" else 0
-        return [params_lib.nbytes(shapes)], extra
+        return [params_lib.nbytes(shapes)], extra + drawing
     trees = [shapes]
     if stages > 1:
         trees = pipeline.stage_param_trees(cfg, pipeline.stage_layers(cfg, stages, shapes), shapes)
     extra = max(as_made(x) + params_lib.nbytes(x) for x in kept)
-    return [sharding.shard_bytes(t, {"stage": 1, "tp": tp}) for t in trees], extra
+    return [sharding.shard_bytes(t, {"stage": 1, "tp": tp}) for t in trees], extra + drawing
 
 
 def size_text(n: int) -> str:

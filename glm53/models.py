@@ -190,7 +190,8 @@ def from_config(config: ModelConfig | Mapping[str, Any], seed: int = 0, *, dtype
     mesh, microbatches = sharding.resolve_mesh(mesh)
     sharding.check_layout(config, mesh)
     _check_cache(config, cache_config)  # before the parameters: initialising a large model takes a while
-    memory.check_weights_fit(config, dtype, expert_weights, _default_device(), "random weights", mesh=mesh)
+    memory.check_weights_fit(config, dtype, expert_weights, _default_device(), "random weights", mesh=mesh,
+                             drawn=True)
     placed = sharding.placement(config, dtype, expert_weights, mesh, microbatches)
     params = init_params(config, dtype, seed, expert_weights, progress=progress, place=placed)
     model = Model(config, params, dtype, cache_config=cache_config)

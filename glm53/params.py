@@ -118,6 +118,23 @@ _ONES = ("weight", "k_norm_weight")  # RMSNorm / LayerNorm scales
 _ZEROS = ("k_norm_bias", "e_score_correction_bias")
 
 
+# Leaves of more elements are drawn a block of rows at a time. One random.normal of a whole leaf held XLA's
+# temporaries for all of it at once: ~9x the leaf's bfloat16 bytes on the CPU (16 GiB for the 154,880 x 6,144
+# embedding of configs/h200_bench.py), so that benchmark config, whose weights fit a 24 GiB machine, was killed
+# by the kernel's OOM killer minutes into drawing them, and GLM-5's expert stacks (3.2G elements each) would need
+# ~50 GiB beside a GPU's share of weights. A block of 2^24 elements keeps them under ~0.3 GiB, and a leaf of that
+# size or less is drawn whole, as before, so the tests' small models keep their values.
+DRAW_BLOCK_ELEMENTS = 1 << 24
+# What drawing one element holds beside the leaf until its block is written: its float32 value, its random bits
+# and XLA's temporaries (a block of 2^24 elements raised the CPU's peak by 0.31 GiB over its bfloat16 leaf's bytes).
+DRAW_BYTES_PER_ELEMENT = 20
+
+
+def draw_transient_bytes(leaves) -> int:
+    """Memory a random draw of ``leaves`` (shapes) holds beside the leaves it made: one block's temporaries."""
+    return DRAW_BYTES_PER_ELEMENT * min(DRAW_BLOCK_ELEMENTS, max(int(np.prod(x.shape)) for x in leaves))
+
+
 @functools.partial(jax.jit, static_argnames=("shape", "dtype"))
 def _normal_leaf(key, index, scale, *, shape, dtype):
     # One small program per leaf shape, shared by every leaf of that shape, every model and (through the persistent
@@ -127,11 +144,44 @@ def _normal_leaf(key, index, scale, *, shape, dtype):
     return (scale * jax.random.normal(jax.random.fold_in(key, index), shape, jnp.float32)).astype(dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("rows", "block_rows"), donate_argnums=0)
+def _normal_rows(out, key, index, block, start, scale, *, rows, block_rows):
+    # Rows [start, start + block_rows) of ``out`` viewed as ``rows`` rows, drawn from fold_in(fold_in(key, index),
+    # block), written in place (``out`` donated; the views are bitcasts).
+    shape = out.shape
+    flat = out.reshape(rows, -1)
+    k = jax.random.fold_in(jax.random.fold_in(key, index), block)
+    vals = (scale * jax.random.normal(k, (block_rows, flat.shape[1]), jnp.float32)).astype(out.dtype)
+    return jax.lax.dynamic_update_slice(flat, vals, (start, 0)).reshape(shape)
+
+
+def normal_leaf(key, index: int, scale, shape: tuple, dtype, on_block=None) -> jax.Array:
+    """Leaf ``index``'s normal(0, ``scale``) values: drawn whole from ``fold_in(key, index)`` when it has at most
+    ``DRAW_BLOCK_ELEMENTS`` elements; else viewed as rows (the leading axes; each row the trailing axes, at most a
+    block), ``DRAW_BLOCK_ELEMENTS // row`` rows a block, block ``b`` drawn from ``fold_in(fold_in(key, index), b)``
+    into the leaf in place. ``on_block(nbytes)`` after each block is filled (a progress bar)."""
+    n = int(np.prod(shape))
+    if n <= DRAW_BLOCK_ELEMENTS:
+        return _normal_leaf(key, np.int32(index), scale, shape=tuple(shape), dtype=jnp.dtype(dtype))
+    lead = next(k for k in range(1, len(shape) + 1) if np.prod(shape[k:], dtype=np.int64) <= DRAW_BLOCK_ELEMENTS)
+    rows = int(np.prod(shape[:lead], dtype=np.int64))
+    per = max(1, DRAW_BLOCK_ELEMENTS // (n // rows))
+    out = jnp.zeros(shape, dtype)
+    for block, start in enumerate(range(0, rows, per)):
+        m = min(per, rows - start)
+        out = _normal_rows(out, key, np.int32(index), np.int32(block), np.int32(start), scale, rows=rows,
+                           block_rows=m)
+        if on_block is not None:
+            out.block_until_ready()
+            on_block(m * (n // rows) * out.dtype.itemsize)
+    return out
+
+
 def init_params(cfg: ModelConfig, dtype, seed: int = 0, expert_weights: str = "model", *,
                 progress: bool | None = None, place=None) -> Any:
     """Random parameters: normal(0, initializer_range) matrices, unit norm scales, zero biases (as transformers
     initialises GLM-5). Filled leaf by leaf from the shapes, so the model itself is never compiled for this; leaf
-    ``i`` (in sorted path order) draws from ``fold_in(key(seed), i)``. ``expert_weights="fp8"``: the same values,
+    ``i`` (in sorted path order) draws from ``fold_in(key(seed), i)``, a large one block by block (``normal_leaf``). ``expert_weights="fp8"``: the same values,
     each expert stack quantised as soon as it is drawn (``quantize_leaf``). ``progress``: a bar over the bytes
     filled (``glm53.progress``: by default once the fill has run 2 s; an 8.9B-parameter benchmark model takes
     minutes on a CPU, which printed nothing until it was done). ``place(path, array)``: where each leaf goes as
@@ -151,12 +201,19 @@ def init_params(cfg: ModelConfig, dtype, seed: int = 0, expert_weights: str = "m
                           desc="random weights") as bar:
         for i, path in enumerate(sorted(flat)):
             s = flat[path]
+            counted = []  # bytes of this leaf the bar has counted (a large leaf's, block by block)
+
+            def on_block(n):
+                counted.append(n)
+                bar.update(n)
+
             if path[-1] in _ONES:
                 out[path] = jnp.ones(s.shape, s.dtype)
             elif path[-1] in _ZEROS:
                 out[path] = jnp.zeros(s.shape, s.dtype)
             else:
-                out[path] = _normal_leaf(key, np.int32(i), scale, shape=tuple(s.shape), dtype=jnp.dtype(s.dtype))
+                out[path] = normal_leaf(key, i, scale, tuple(s.shape), s.dtype,
+                                        on_block=None if bar.disable else on_block)
             made = [path]
             if quantizes(path, out[path], expert_weights):
                 out[path], out[scale_path(path)] = quantize_leaf(out[path])
@@ -166,7 +223,7 @@ def init_params(cfg: ModelConfig, dtype, seed: int = 0, expert_weights: str = "m
                     out[p] = place(p, out[p])
                 if not bar.disable:  # the bar counts filled bytes, not dispatched ones
                     out[p].block_until_ready()
-            bar.update(_leaf_bytes(s))
+            bar.update(_leaf_bytes(s) - sum(counted))
     return unflatten_dict(out)
 
 

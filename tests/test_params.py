@@ -1,0 +1,115 @@
+"""Random weights (glm53.params): a small leaf is drawn whole, as it always was, and a large one block by block,
+so drawing a benchmark model holds one block's temporaries, not a whole leaf's (~9x its bytes on the CPU)."""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax.traverse_util import flatten_dict
+
+import glm53
+from glm53 import memory
+from glm53 import params as params_lib
+from engine_common import MESH_CFG as CFG
+
+
+def _oracle(key, index, scale, shape, dtype, block=None):
+    # jitted as the draws are: XLA fuses the scaling into the normal's arithmetic (eagerly, the last bit differs)
+    @jax.jit
+    def draw(key):
+        k = jax.random.fold_in(key, index)
+        if block is not None:
+            k = jax.random.fold_in(k, block)
+        return (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+
+    return np.asarray(draw(key))
+
+
+def test_small_leaves_are_drawn_whole_from_their_index():
+    """Leaf i of the sorted paths: scale * normal(fold_in(key(seed), i)) in the model's dtype, norm scales ones,
+    biases zeros: the values every model below a block's size had before large leaves were drawn by blocks."""
+    model = glm53.from_config(CFG, seed=3, dtype="bfloat16")
+    flat = flatten_dict(model.params)
+    scale = np.float32(CFG.initializer_range)
+    assert max(int(np.prod(x.shape)) for x in flat.values()) <= params_lib.DRAW_BLOCK_ELEMENTS
+    drawn = 0
+    for i, path in enumerate(sorted(flat)):
+        got = np.asarray(flat[path])
+        if path[-1] in ("weight", "k_norm_weight"):
+            assert (got == 1).all(), path
+        elif path[-1] in ("k_norm_bias", "e_score_correction_bias"):
+            assert (got == 0).all(), path
+        else:
+            want = _oracle(jax.random.key(3), i, scale, flat[path].shape, flat[path].dtype)
+            assert got.tobytes() == want.tobytes(), path
+            drawn += 1
+    assert drawn > 10
+
+
+@pytest.mark.parametrize("shape,dtype,blocks", [
+    ((37, 50), jnp.float32, [20, 17]),  # rows of 50: 20 a block, the last one shorter
+    ((3, 7, 60), jnp.bfloat16, [2, 1]),  # rows of 7 x 60 = 420 elements: 2 a block
+    ((2500,), jnp.float32, [1000, 1000, 500]),  # a vector: rows of one element
+    ((4, 2000), jnp.bfloat16, [1000] * 8),  # rows longer than a block: the view's rows are single elements
+])
+def test_a_large_leaf_is_drawn_block_by_block(monkeypatch, shape, dtype, blocks):
+    """Over DRAW_BLOCK_ELEMENTS elements: the leaf as rows (its leading axes) of at most a block each, block b of
+    them from fold_in(fold_in(key, index), b), written in place; the progress callback gets every byte once."""
+    monkeypatch.setattr(params_lib, "DRAW_BLOCK_ELEMENTS", 1000)
+    key, scale = jax.random.key(7), np.float32(0.5)
+    counted = []
+    got = params_lib.normal_leaf(key, 5, scale, shape, dtype, on_block=counted.append)
+    assert got.shape == shape and got.dtype == dtype
+    n = int(np.prod(shape))
+    row = n // sum(blocks)
+    flat, start = np.asarray(got).reshape(-1, row), 0
+    for b, m in enumerate(blocks):
+        want = _oracle(key, 5, scale, (m, row), dtype, block=b)
+        assert flat[start:start + m].tobytes() == want.tobytes(), b
+        start += m
+    assert start == flat.shape[0]
+    assert counted == [m * row * np.dtype(dtype).itemsize for m in blocks]
+    starts, m = np.cumsum([0] + blocks[:-1]), min(blocks)
+    assert len({flat[a:a + m].tobytes() for a in starts}) == len(blocks)  # no block repeats another's values
+    # a leaf of exactly a block is drawn whole
+    whole = params_lib.normal_leaf(key, 5, scale, (10, 100), dtype)
+    assert np.asarray(whole).tobytes() == _oracle(key, 5, scale, (10, 100), dtype).tobytes()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak RSS from /proc")
+def test_drawing_a_large_leaf_holds_one_blocks_temporaries(monkeypatch):
+    """The host's peak memory while a 2^25-element bfloat16 leaf (64 MiB) is drawn on the CPU in blocks of 2^22
+    elements: the leaf and at most twice the block's counted temporaries (draw_transient_bytes). Drawn whole, the
+    leaf's temporaries were ~9x its bytes, ~0.56 GiB."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU's memory is the host's; an accelerator's is counted by the memory check's tests")
+
+    def status(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+    monkeypatch.setattr(params_lib, "DRAW_BLOCK_ELEMENTS", 1 << 22)
+    shape = (1 << 13, 1 << 12)
+    key, scale = jax.random.key(0), np.float32(0.02)
+    params_lib.normal_leaf(key, 1, scale, (2 << 10, 1 << 12), jnp.bfloat16).block_until_ready()  # compiles a block
+    with open("/proc/self/clear_refs", "w") as f:  # the peak RSS from now on (Linux 4.0+)
+        f.write("5")
+    before = status("VmRSS")
+    leaf = params_lib.normal_leaf(key, 1, scale, shape, jnp.bfloat16).block_until_ready()
+    peak = status("VmHWM") - before
+    transient = params_lib.draw_transient_bytes([jax.ShapeDtypeStruct(shape, jnp.bfloat16)])
+    assert transient == params_lib.DRAW_BYTES_PER_ELEMENT << 22
+    assert peak < leaf.nbytes + 2 * transient, (peak, leaf.nbytes, transient)
+
+
+def test_the_memory_check_counts_a_draws_block():
+    """Random weights need their bytes and one block's temporaries (the largest leaf's, below a block) on the
+    device they are drawn on; read weights do not draw."""
+    dev = jax.local_devices()[0]
+    shapes = jax.tree_util.tree_leaves(params_lib.param_shapes(CFG, "float32"))
+    largest = max(int(np.prod(x.shape)) for x in shapes)
+    (_, read), = memory.weights_need(CFG, "float32", "model", dev)
+    (_, drawn), = memory.weights_need(CFG, "float32", "model", dev, drawn=True)
+    assert drawn - read == params_lib.DRAW_BYTES_PER_ELEMENT * largest == params_lib.draw_transient_bytes(shapes)
