@@ -165,14 +165,15 @@ def test_weights_that_cannot_fit_are_refused_before_the_first_is_made(monkeypatc
     """Random weights larger than the device's free memory: one ConfigError naming both sizes, before any
     parameter exists (it ran until the allocator or the OOM killer stopped the process; a checkpoint's: test_api).
     Weights that fit, or a device that reports nothing, go ahead; random FP8 experts count the FP8 model and the
-    one expert stack being quantised in the model's dtype."""
+    one expert stack being quantised in the model's dtype. A draw also holds one block's temporaries."""
     from glm53 import params as params_lib
 
     def no_weights(*a, **k):
         raise AssertionError("parameters were initialised")
 
-    need = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-               for x in jax.tree_util.tree_leaves(params_lib.param_shapes(CFG, "float32")))
+    shapes = jax.tree_util.tree_leaves(params_lib.param_shapes(CFG, "float32"))
+    drawing = params_lib.draw_transient_bytes(shapes)  # the block being drawn: its values and XLA's temporaries
+    need = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in shapes) + drawing
     monkeypatch.setattr(memory, "free_bytes", lambda device: need - 1)
     device = jax.local_devices()[0]  # where the weights are made: cpu:0 here, gpu:0 in the GPU runs
     with monkeypatch.context() as m:
@@ -196,10 +197,10 @@ def test_weights_that_cannot_fit_are_refused_before_the_first_is_made(monkeypatc
     stack = max(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
                 for x in jax.tree_util.tree_leaves(params_lib.param_shapes(CFG, "bfloat16")))
     assert fp8 + stack < bf16
-    monkeypatch.setattr(memory, "free_bytes", lambda device: fp8 + stack - 1)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: fp8 + stack + drawing - 1)
     with pytest.raises(glm53.ConfigError, match="experts fp8"):
         glm53.from_config(CFG, dtype="bfloat16", expert_weights="fp8")
-    monkeypatch.setattr(memory, "free_bytes", lambda device: fp8 + stack)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: fp8 + stack + drawing)
     assert glm53.from_config(CFG, dtype="bfloat16", expert_weights="fp8").expert_weights == "fp8"
 
 
