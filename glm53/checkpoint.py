@@ -232,36 +232,49 @@ def _arranged(x, raw_scale, *, transpose: bool, dequantise_to, dtype):
     # largest weight twice. Dequantising is per element, so the same values before or after the swap.
     if raw_scale is not None:
         x = _dequant_fp8_block(x, raw_scale, dequantise_to)
-    x = x.astype(dtype)
-    # The kept weight's rows checked before the swap (a 2-D weight's are the read one's columns): checked after
+    # The kept weight's rows checked as read, before the swap (a 2-D weight's are the read one's columns): after
     # it, XLA's CPU compiler made a float32 copy of the swapped weight for the reduction (3.7 GiB beside
     # h200_bench's 1.8 GiB embedding), and the swap and the check took 12 s instead of 4.
-    finite = _finite_rows(x, leading=1 if transpose and x.ndim == 2 else 0)
+    finite = _finite_rows(x, leading=1 if transpose and x.ndim == 2 else 0, kept=dtype)
     if transpose:
         x = jnp.swapaxes(x, -1, -2)
-    return x, finite
+    return x.astype(dtype), finite
 
 
-def _finite_rows(x, leading: int = 0) -> jax.Array:
+def _finite_rows(x, leading: int = 0, kept=None) -> jax.Array:
     """Whether each index of axis ``leading`` of ``x`` (a weight's rows, or a stack of experts' weights' experts)
-    selects only finite values, as of the dtype ``x`` is in (a float32 value past bfloat16's range is inf once
-    cast)."""
+    selects only finite values, as of the dtype ``kept`` (default x's) they are kept in (a float32 value past
+    bfloat16's range is inf once cast)."""
     # Computed inside ``_arranged``, the program that makes the weight: an eager ``isfinite(x).all()`` after it was
     # two more programs per weight shape (isfinite, then the reduction, each compiled on its first use) and a bool
     # array of the weight's size between them.
     x = x.reshape(1) if x.ndim == 0 else x
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
+    if not jnp.issubdtype(x.dtype, jnp.inexact) or not jnp.issubdtype(kept or x.dtype, jnp.inexact):
         return jnp.ones((x.shape[leading],), bool)
-    return _finite(x, axis=tuple(a for a in range(x.ndim) if a != leading))
+    return _finite(x, axis=tuple(a for a in range(x.ndim) if a != leading), kept=kept)
 
 
-def _finite(x, axis=None) -> jax.Array:
+def _finite(x, axis=None, kept=None) -> jax.Array:
+    """Whether ``x``'s values (reduced over ``axis``) are finite, and once cast to ``kept`` (x's dtype by default,
+    or bfloat16 for a float32 x) still are."""
     # x * 0 is 0 for a finite x and NaN for an inf or a NaN, and a sum of such terms is 0 or NaN in any order, so
     # this reduction reads x once and holds nothing else. The obvious forms held more or missed NaNs on XLA's CPU
     # compiler (h200_bench's 1.8 GiB bfloat16 embedding): ``isfinite(x).all()`` kept a bool array of x's size
     # (0.9 GiB, which the memory check does not count); counting ``~isfinite(x)`` kept a float32 copy (3.5 GiB);
-    # ``max(|x|) < inf`` held nothing but its vectorised max dropped the NaN in 30 of 100 random tensors.
-    return jnp.sum(x.astype(jnp.float32) * 0, axis=axis) == 0
+    # ``max(|x|) < inf`` held nothing but its vectorised max dropped the NaN in 30 of 100 random tensors, and a
+    # second reduction beside the sum made XLA keep a float32 copy again.
+    kept = jnp.dtype(kept or x.dtype)
+    wide = x.astype(jnp.float32)
+    if x.dtype == jnp.float32 and kept == jnp.bfloat16:
+        # Read from the values as read, not the cast ones: XLA's GPU compiler may keep a value made bfloat16 in the
+        # same program at float32 precision (excess precision), where a float32 value past bfloat16's range is
+        # still finite. Such a value rounds to bfloat16's inf from 2^128 - 2^119 (half an ulp past its largest, ties
+        # to even), and exactly those |x| overflow float32 when 2^119 - 2^103 is added (float32's inf begins at
+        # 2^128 - 2^103, with the same rule), so one sum still says it.
+        wide = jnp.abs(wide) + np.float32(2.0 ** 119 - 2.0 ** 103)
+    elif kept.itemsize < x.dtype.itemsize and jnp.issubdtype(kept, jnp.floating):
+        raise NotImplementedError(f"finite once cast from {x.dtype} to {kept}")
+    return jnp.sum(wide * 0, axis=axis) == 0
 
 
 @jax.jit

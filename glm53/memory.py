@@ -124,7 +124,7 @@ def weights_need(cfg: ModelConfig, dtype, expert_weights: str, device, *, mesh=N
     """``[(device, bytes)]`` at the peak of making or reading the weights (``loading_bytes``), for ``device`` (where
     they are made or read) and this process's other devices of ``mesh`` (a ``jax.sharding.Mesh``)."""
     shares, extra = loading_bytes(cfg, dtype, expert_weights, None if mesh is None else mesh.shape,
-                                  read_itemsize=read_itemsize, drawn=drawn)
+                                  read_itemsize=read_itemsize, drawn_on=device.platform if drawn else None)
     if mesh is None:
         return [(device, shares[0] + extra)]
     needs = [(d, shares[s] + (extra if d == device else 0)) for s, row in enumerate(mesh.devices) for d in row
@@ -135,7 +135,7 @@ def weights_need(cfg: ModelConfig, dtype, expert_weights: str, device, *, mesh=N
 
 
 def loading_bytes(cfg: ModelConfig, dtype, expert_weights: str, mesh_shape: Mapping[str, int] | None, *,
-                  read_itemsize: int | None = None, drawn: bool = False) -> tuple[list[int], int]:
+                  read_itemsize: int | None = None, drawn_on: str | None = None) -> tuple[list[int], int]:
     """``(shares, extra)`` at the peak of making or reading the weights: each device of pipeline stage ``s`` of a
     mesh of ``mesh_shape`` holds ``shares[s]`` (its share of its stage's weights; one entry without stages), and the
     device they are made on ``extra`` more. Each weight goes to its devices as soon as it exists
@@ -144,8 +144,8 @@ def loading_bytes(cfg: ModelConfig, dtype, expert_weights: str, mesh_shape: Mapp
     float32 weights into a bfloat16 model) the largest as read beside its copy (``glm53.checkpoint`` makes each
     tensor the model's in one program, so no third copy). On one device the kept copy is the model's: ``extra`` is
     the largest as read, or with FP8 experts the largest expert stack in the model's dtype beside the FP8 model
-    (each stack is quantised as it is made). ``drawn``: random weights, whose draw adds one block's temporaries
-    (``glm53.params.draw_transient_bytes``) on the device they are made on."""
+    (each stack is quantised as it is made). ``drawn_on``: random weights drawn on a device of this platform, whose
+    draw adds one block's temporaries there (``glm53.params.draw_transient_bytes``)."""
     import jax
 
     from glm53 import params as params_lib
@@ -159,7 +159,7 @@ def loading_bytes(cfg: ModelConfig, dtype, expert_weights: str, mesh_shape: Mapp
 
     shape = dict(mesh_shape or {})
     stages, tp = int(shape.get("stage", 1)), int(shape.get("tp", 1))
-    drawing = params_lib.draw_transient_bytes(kept) if drawn else 0
+    drawing = params_lib.draw_transient_bytes(kept, drawn_on) if drawn_on else 0
     if stages * tp == 1:
         if read_itemsize:
             extra = max(as_made(x) for x in kept)

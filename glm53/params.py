@@ -121,18 +121,22 @@ _ZEROS = ("k_norm_bias", "e_score_correction_bias")
 # Leaves of more elements are drawn a block of rows at a time. One random.normal of a whole leaf held XLA's
 # temporaries for all of it at once: ~9x the leaf's bfloat16 bytes on the CPU (16 GiB for the 154,880 x 6,144
 # embedding of configs/h200_bench.py), so that benchmark config, whose weights fit a 24 GiB machine, was killed
-# by the kernel's OOM killer minutes into drawing them, and GLM-5's expert stacks (3.2G elements each) would need
-# ~50 GiB beside a GPU's share of weights. A block of 2^24 elements keeps them under ~0.3 GiB, and a leaf of that
-# size or less is drawn whole, as before, so the tests' small models keep their values.
+# by the kernel's OOM killer minutes into drawing them. A block of 2^24 elements keeps them under ~0.3 GiB, and a
+# leaf of that size or less is drawn whole, as before, so the tests' small models keep their values. (A GPU needs
+# no blocks, but one path for every platform gives every platform the same weights.)
 DRAW_BLOCK_ELEMENTS = 1 << 24
 # What drawing one element holds beside the leaf until its block is written: its float32 value, its random bits
-# and XLA's temporaries (a block of 2^24 elements raised the CPU's peak by 0.31 GiB over its bfloat16 leaf's bytes).
-DRAW_BYTES_PER_ELEMENT = 20
+# and XLA's temporaries. A block of 2^24 elements raised the CPU's peak by 0.31 GiB over its bfloat16 leaf's bytes;
+# an H100 held nothing beside the leaf, drawn whole or by blocks (XLA's GPU compiler fuses the draw into its output:
+# experiments/results/probes/draw_peak_h100_86e22e0.json). Other platforms are counted as the CPU.
+DRAW_BYTES_PER_ELEMENT = {"cpu": 20, "gpu": 0}
 
 
-def draw_transient_bytes(leaves) -> int:
-    """Memory a random draw of ``leaves`` (shapes) holds beside the leaves it made: one block's temporaries."""
-    return DRAW_BYTES_PER_ELEMENT * min(DRAW_BLOCK_ELEMENTS, max(int(np.prod(x.shape)) for x in leaves))
+def draw_transient_bytes(leaves, platform: str = "cpu") -> int:
+    """Memory a random draw of ``leaves`` (shapes) on a device of ``platform`` holds beside the leaves it made: one
+    block's temporaries."""
+    per = DRAW_BYTES_PER_ELEMENT.get(platform, DRAW_BYTES_PER_ELEMENT["cpu"])
+    return per * min(DRAW_BLOCK_ELEMENTS, max(int(np.prod(x.shape)) for x in leaves))
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype"))

@@ -171,11 +171,12 @@ def test_weights_that_cannot_fit_are_refused_before_the_first_is_made(monkeypatc
     def no_weights(*a, **k):
         raise AssertionError("parameters were initialised")
 
+    device = jax.local_devices()[0]  # where the weights are made: cpu:0 here, gpu:0 in the GPU runs
     shapes = jax.tree_util.tree_leaves(params_lib.param_shapes(CFG, "float32"))
-    drawing = params_lib.draw_transient_bytes(shapes)  # the block being drawn: its values and XLA's temporaries
+    # the block being drawn: its values and XLA's temporaries (none on a GPU)
+    drawing = params_lib.draw_transient_bytes(shapes, device.platform)
     need = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in shapes) + drawing
     monkeypatch.setattr(memory, "free_bytes", lambda device: need - 1)
-    device = jax.local_devices()[0]  # where the weights are made: cpu:0 here, gpu:0 in the GPU runs
     with monkeypatch.context() as m:
         m.setattr(glm53.models, "init_params", no_weights)
         mib = f"{need / 2**20:.1f}".replace(".", r"\.")

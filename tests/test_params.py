@@ -108,7 +108,7 @@ def test_drawing_a_large_leaf_holds_one_blocks_temporaries(monkeypatch):
     params_lib.normal_leaf(key, 1, scale, (2 << 10, 1 << 12), jnp.bfloat16).block_until_ready()  # compiles a block
     leaf, peak = _host_peak(lambda: params_lib.normal_leaf(key, 1, scale, shape, jnp.bfloat16))
     transient = params_lib.draw_transient_bytes([jax.ShapeDtypeStruct(shape, jnp.bfloat16)])
-    assert transient == params_lib.DRAW_BYTES_PER_ELEMENT << 22
+    assert transient == params_lib.DRAW_BYTES_PER_ELEMENT["cpu"] << 22
     assert peak < leaf.nbytes + 2 * transient, (peak, leaf.nbytes, transient)
 
 
@@ -129,13 +129,15 @@ def test_a_checkpoint_tensor_is_made_the_models_holding_nothing_else(transpose):
 
 def test_the_memory_check_counts_a_draws_block():
     """Random weights need their bytes and one block's temporaries (the largest leaf's, below a block) on the
-    device they are drawn on; read weights do not draw."""
+    device they are drawn on, as measured for its platform (none on a GPU); read weights do not draw."""
     dev = jax.local_devices()[0]
     shapes = jax.tree_util.tree_leaves(params_lib.param_shapes(CFG, "float32"))
     largest = max(int(np.prod(x.shape)) for x in shapes)
     (_, read), = memory.weights_need(CFG, "float32", "model", dev)
     (_, drawn), = memory.weights_need(CFG, "float32", "model", dev, drawn=True)
-    assert drawn - read == params_lib.DRAW_BYTES_PER_ELEMENT * largest == params_lib.draw_transient_bytes(shapes)
+    per = params_lib.DRAW_BYTES_PER_ELEMENT[dev.platform]
+    assert drawn - read == per * largest == params_lib.draw_transient_bytes(shapes, dev.platform)
+    assert params_lib.draw_transient_bytes(shapes, "gpu") == 0 < params_lib.draw_transient_bytes(shapes, "tpu")
 
 
 @pytest.mark.parametrize("shape", [(96, 64), (3, 64, 40)])
@@ -157,3 +159,19 @@ def test_a_checkpoint_tensors_non_finite_rows_are_found_wherever_they_are(shape,
         kept, finite = arrange(x)
         want = np.isfinite(np.asarray(kept, np.float32)).reshape(kept.shape[0], -1).all(axis=1)
         assert not want.all() and np.array_equal(np.asarray(finite), want), (trial, where)
+
+
+def test_a_float32_value_is_finite_in_bfloat16_up_to_where_it_rounds_to_inf():
+    """A float32 checkpoint into a bfloat16 model: bfloat16's largest value and everything that rounds to it is
+    kept, and from half an ulp past it (2^128 - 2^119, which rounds to inf) the row is refused."""
+    from glm53 import checkpoint
+
+    edge = np.float32(2.0 ** 128 - 2.0 ** 119)
+    for v, finite in [(edge, False), (np.nextafter(edge, np.float32(0)), True), (-edge, False),
+                      (np.float32(jnp.finfo(jnp.bfloat16).max), True), (np.float32(3.4e38), False),
+                      (np.float32(np.inf), False), (np.float32(np.nan), False), (np.float32(-1e-45), True)]:
+        x = np.ones((3, 4), np.float32)
+        x[1, 2] = v
+        kept, rows = checkpoint._arranged(x, None, transpose=False, dequantise_to=None, dtype=jnp.bfloat16)
+        assert np.array_equal(np.asarray(rows), [True, finite, True]), v
+        assert np.isfinite(np.asarray(kept, np.float32)[1]).all() == finite, v

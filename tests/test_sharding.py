@@ -334,7 +334,8 @@ def test_weights_go_to_their_devices_as_they_are_made_or_read(tmp_path, monkeypa
         (need,) = [n for d, n in memory.weights_need(model.config, model.dtype, model.expert_weights, dev0,
                                                      mesh=model.mesh, drawn=name == "random") if d == dev0]
         peak = max(b for *_, b in placed) - before
-        drawing = params_lib.draw_transient_bytes(jax.tree_util.tree_leaves(param_shapes(model.config, model.dtype)))
+        drawing = params_lib.draw_transient_bytes(jax.tree_util.tree_leaves(param_shapes(model.config, model.dtype)),
+                                                  dev0.platform)
         assert peak <= need and need - (drawing if name == "random" else 0) < whole, (name, peak, need, whole)
         if name != "random":
             reads = [i for i, e in enumerate(events) if e[0] == "read"]
