@@ -128,7 +128,8 @@ DRAW_BLOCK_ELEMENTS = 1 << 24
 # What drawing one element holds beside the leaf until its block is written: its float32 value, its random bits
 # and XLA's temporaries. A block of 2^24 elements raised the CPU's peak by 0.31 GiB over its bfloat16 leaf's bytes;
 # an H100 held nothing beside the leaf, drawn whole or by blocks (XLA's GPU compiler fuses the draw into its output:
-# experiments/results/probes/draw_peak_h100_86e22e0.json). Other platforms are counted as the CPU.
+# experiments/results/probes/draw_peak_h100_86e22e0.json; ROCm's GPUs, also "gpu", not checked). Other platforms
+# are counted as the CPU.
 DRAW_BYTES_PER_ELEMENT = {"cpu": 20, "gpu": 0}
 
 
