@@ -186,10 +186,11 @@ def init_params(cfg: ModelConfig, dtype, seed: int = 0, expert_weights: str = "m
                 progress: bool | None = None, place=None) -> Any:
     """Random parameters: normal(0, initializer_range) matrices, unit norm scales, zero biases (as transformers
     initialises GLM-5). Filled leaf by leaf from the shapes, so the model itself is never compiled for this; leaf
-    ``i`` (in sorted path order) draws from ``fold_in(key(seed), i)``, a large one block by block (``normal_leaf``). ``expert_weights="fp8"``: the same values,
-    each expert stack quantised as soon as it is drawn (``quantize_leaf``). ``progress``: a bar over the bytes
-    filled (``glm53.progress``: by default once the fill has run 2 s; an 8.9B-parameter benchmark model takes
-    minutes on a CPU, which printed nothing until it was done). ``place(path, array)``: where each leaf goes as
+    ``i`` (in sorted path order) draws from ``fold_in(key(seed), i)``, a large one block by block
+    (``normal_leaf``). ``expert_weights="fp8"``: the same values, each expert stack quantised as soon as it is
+    drawn (``quantize_leaf``). ``progress``: a bar over the bytes filled (``glm53.progress``: by default once the
+    fill has run 2 s; an 8.9B-parameter benchmark model takes minutes on a CPU, which printed nothing until it was
+    done). ``place(path, array)``: where each leaf goes as
     soon as it is drawn (``glm53.sharding.Placement``: straight onto its devices)."""
     if expert_weights not in EXPERT_WEIGHTS:
         raise ValueError(f"expert_weights must be one of {EXPERT_WEIGHTS}, got {expert_weights!r}")
