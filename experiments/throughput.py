@@ -26,8 +26,8 @@ the same seeds in both modes, so their tokens must be equal) or the model's inde
 Each point also records the host's side of its timed steps (``host``: step-call times, the reads' waits for the
 device, the intervals between reads, the slowest calls beside the steps that ran the copyback): where the median
 wait is near zero the host's loop set the pace, elsewhere the device did. Two modes whose median intervals agree but
-whose tokens/s do not differ by a few slow calls, which a short point does not amortise (the H100 curve of de680c4:
-38-84 ms calls at one session).
+whose tokens/s do not differ by a few slow calls, which a short point does not amortise (one offload session on an
+H100 at 86e22e0: each ring executable's first call in the loop, 8-44 ms against ~4 ms steps).
 
 **Roofline** of each point (``glm53.roofline``): the bytes a step reads (weights once per step, i.e. amortised over
 the batch; routed experts counted as the distinct experts the batch's tokens route to; KV rows gathered and indexer

@@ -273,6 +273,9 @@ def _finite(x, axis=None, kept=None) -> jax.Array:
         # 2^128 - 2^103, with the same rule), so one sum still says it.
         wide = jnp.abs(wide) + np.float32(2.0 ** 119 - 2.0 ** 103)
     elif kept.itemsize < x.dtype.itemsize and jnp.issubdtype(kept, jnp.floating):
+        # No read takes this path: models keep float32 or bfloat16 (``resolve_dtype``), device arrays are at most
+        # float32 (x64 off), and FP8 experts are kept as stored. A narrowing added later must say how it overflows
+        # rather than pass values the cast makes inf.
         raise NotImplementedError(f"finite once cast from {x.dtype} to {kept}")
     return jnp.sum(wide * 0, axis=axis) == 0
 
