@@ -18,8 +18,9 @@ device. Shared pages are fine for throughput: what a step reads does not depend 
 are the same memory. Each session then appends a distinct ``--suffix``-token tail, so the sessions decode different
 tokens. A point with S sessions decodes the first S of them together.
 
-**A point.** An untimed ``--warmup_tokens`` generate compiles the step of that batch bucket, then ``--new_tokens``
-tokens per session are timed (``Engine.last_run``: decode tokens after each session's first / decode time); the
+**A point.** Untimed warm-up runs (``warm_up``: as long as the timed one unless ``--warmup_tokens`` says otherwise,
+repeated while a run compiled anything) compile the steps of that batch bucket and let XLA record their CUDA graphs,
+then ``--new_tokens`` tokens per session are timed (``Engine.last_run``: decode tokens after each session's first / decode time); the
 sessions are rolled back after every run, so every point starts from the same state. DSA selection: ``local99``
 (``experiments.workloads.local99_sessions``: each session keeps its own K history positions, 1% replaced per step;
 the same seeds in both modes, so their tokens must be equal) or the model's indexer (``--workload=indexer``).
@@ -27,7 +28,8 @@ Each point also records the host's side of its timed steps (``host``: step-call 
 device, the intervals between reads, the slowest calls beside the steps that ran the copyback): where the median
 wait is near zero the host's loop set the pace, elsewhere the device did. Two modes whose median intervals agree but
 whose tokens/s do not differ by a few slow calls, which a short point does not amortise (one offload session on an
-H100 at 86e22e0: each ring executable's first call in the loop, 8-44 ms against ~4 ms steps).
+H100 at 86e22e0, before ``warm_up`` repeated its runs: each ring executable's first call in the loop, 8-44 ms
+against ~4 ms steps, recording CUDA graphs that XLA had dropped).
 
 **Roofline** of each point (``glm53.roofline``): the bytes a step reads (weights once per step, i.e. amortised over
 the batch; routed experts counted as the distinct experts the batch's tokens route to; KV rows gathered and indexer
@@ -71,8 +73,11 @@ flags.DEFINE_list("sessions", ["1", "4", "16", "64"], "concurrent sessions per p
 flags.DEFINE_list("histories", ["8192", "50000"], "history lengths (tokens of the shared prompt)")
 flags.DEFINE_list("modes", ["resident", "offload"], "cache modes")
 flags.DEFINE_integer("new_tokens", 64, "timed tokens per session per point", lower_bound=2)
-flags.DEFINE_integer("warmup_tokens", 4, "untimed tokens per session before each point (compiles its bucket; at "
-                     "least 3: the first steps take uncommitted inputs, later ones the previous step's outputs)",
+flags.DEFINE_integer("warmup_tokens", 0, "tokens per session of each untimed warm-up run (0: --new_tokens, the "
+                     "timed run's length, so the warm-up meets every program the timed run does; at least 3: the "
+                     "first steps take uncommitted inputs, later ones the previous step's outputs)", lower_bound=0)
+flags.DEFINE_integer("warmup_runs", 1, "untimed runs before each point, then up to two more while a run compiled "
+                     "anything (a new program makes XLA drop every program's CUDA graphs: see warm_up)",
                      lower_bound=1)
 flags.DEFINE_integer("suffix", 16, "distinct tokens each session appends to the shared history", lower_bound=0)
 flags.DEFINE_enum("workload", "local99", ["local99", "indexer"], "DSA selection: local99 override or the indexer's")
@@ -130,7 +135,11 @@ def pool_pages_for(cc: glm53.CacheConfig, history: int, sessions: int, extra_row
 
 def extra_rows() -> int:
     """Rows a session needs past its history: the suffix, the most tokens any phase decodes, MTP drafts, spare."""
-    return FLAGS.suffix + max(FLAGS.new_tokens, FLAGS.warmup_tokens, 3, FLAGS.probe_tokens) + FLAGS.mtp + 8
+    return FLAGS.suffix + max(FLAGS.new_tokens, warmup_tokens(), FLAGS.probe_tokens) + FLAGS.mtp + 8
+
+
+def warmup_tokens() -> int:
+    return max(FLAGS.warmup_tokens or FLAGS.new_tokens, 3)
 
 
 def plan(model, cc: glm53.CacheConfig, sessions: list, max_history: int, extra_rows: int) -> dict:
@@ -233,6 +242,25 @@ def decode(e: glm53.Engine, sids: list, n: int, sel, mtp: int) -> dict:
     return res
 
 
+def warm_up(e: glm53.Engine, sids: list, sel_of, mtp: int) -> dict:
+    """Untimed runs of the point (each rolled back, as the timed one is) until every program the timed run and its
+    rollback use is compiled, loaded and recorded: ``--warmup_runs`` runs, then up to two more while a run compiled
+    anything. XLA drops every executable's CUDA graphs when it loads a new one, and each ring executable's next call
+    records its graphs again (~7 ms against a ~1.2 ms call on an H100). The first warm-up's rollback loads the
+    rollback's program (offload's ``truncate_slot``): with a single warm-up, the timed run's first call of every
+    ring executable recorded again, one offload session lost 3.6-12% of its tokens/s at 8K to six such calls, and
+    resident, whose rollback has no graphs, lost nothing (cmdbuf_one_session_{offload,resident}_3743e1f.json, and
+    throughput_8k_slow_calls_w{4,72}_h100_86e22e0.json). ``sessions_ab`` warms up by the same rule."""
+    compiled_s = []
+    t = time.perf_counter()
+    while len(compiled_s) < FLAGS.warmup_runs or (compiled_s[-1] > 0 and len(compiled_s) < FLAGS.warmup_runs + 2):
+        sel = sel_of(1 + len(compiled_s))  # made before the count: a series' second selection compiles its own write
+        before = compile_seconds()
+        decode(e, sids, warmup_tokens(), sel, mtp)
+        compiled_s.append(compile_seconds() - before)
+    return {"warmup_s": time.perf_counter() - t, "warmup_runs": len(compiled_s), "warmup_compile_s": compiled_s}
+
+
 def routing_for(e: glm53.Engine, sids: list, K: int, history: int, mtp: int) -> dict:
     """The instrumented decode at the largest batch: the expert ids every MoE layer chose, per lane."""
     t = time.perf_counter()
@@ -326,9 +354,7 @@ def run_mode(model, mode: str, sessions: list, histories: list, results: dict, b
                 if S > S_max:
                     continue
                 sub = sids[:S]
-                t = time.perf_counter()
-                decode(e, sub, max(FLAGS.warmup_tokens, 3), selection(K, H, 1, S), mtp)
-                warm_s = time.perf_counter() - t
+                warm = warm_up(e, sub, lambda seed: selection(K, H, seed, S), mtp)
                 res = decode(e, sub, FLAGS.new_tokens, selection(K, H, 10, S), mtp)
                 r = res["report"]
                 routing = None
@@ -340,7 +366,7 @@ def run_mode(model, mode: str, sessions: list, histories: list, results: dict, b
                     "tokens_per_s": r.decode_tokens_per_s, "tokens_per_s_per_session": r.decode_tokens_per_s / S,
                     "step_ms": 1e3 * r.decode_s / max(r.steps, 1), "steps": r.steps,
                     "decode_tokens": r.decode_tokens, "decode_s": r.decode_s, "compile_s": r.compile_s,
-                    "warmup_s": warm_s, "mean_history": mean_history,
+                    **warm, "mean_history": mean_history,
                     # whether the host or the device set the pace: a median wait near zero means the host's loop
                     # (its calls, the working set's update) took as long as the device's step
                     "host": {"loop_s": r.host_loop_s, "step_call_ms": r.step_call_ms, "step_wait_ms": r.step_wait_ms,
@@ -506,8 +532,8 @@ def main(_):
     print(model, flush=True)
     results = {"config": c.to_dict(), **provenance(),
                "flags": {k: getattr(FLAGS, k) for k in ("sessions", "histories", "modes", "new_tokens",
-                                                          "warmup_tokens", "suffix", "workload", "routing",
-                                                          "probe_tokens", "mtp", "margin_gib")},
+                                                          "warmup_tokens", "warmup_runs", "suffix", "workload",
+                                                          "routing", "probe_tokens", "mtp", "margin_gib")},
                "model": {"params": model.num_params(), "build_s": time.perf_counter() - t,
                          "params_bytes": sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(model.params)),
                          "expert_weights": getattr(model, "expert_weights", "model")},
