@@ -249,7 +249,7 @@ def warm_up(e: glm53.Engine, sids: list, sel_of, mtp: int) -> dict:
     records its graphs again (~7 ms against a ~1.2 ms call on an H100). The first warm-up's rollback loads the
     rollback's program (offload's ``truncate_slot``): with a single warm-up, the timed run's first call of every
     ring executable recorded again, one offload session lost 3.6-12% of its tokens/s at 8K to six such calls, and
-    resident, whose rollback has no graphs, lost nothing (cmdbuf_one_session_{offload,resident}_3743e1f.json, and
+    resident, whose rollback has no graphs, lost nothing (cmdbuf_one_session_{offload,resident}_h100_3743e1f.json, and
     throughput_8k_slow_calls_w{4,72}_h100_86e22e0.json). ``sessions_ab`` warms up by the same rule."""
     compiled_s = []
     t = time.perf_counter()

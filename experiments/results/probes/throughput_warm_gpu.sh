@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Stop 76: the 8K points of 1 and 4 sessions again after experiments.throughput's warm-up became runs of the timed
-# length repeated while one compiled anything (cmdbuf_one_session_*_3743e1f.json: the single warm-up's rollback
+# length repeated while one compiled anything (cmdbuf_one_session_*_h100_3743e1f.json: the single warm-up's rollback
 # loaded offload's truncate_slot, XLA dropped every CUDA graph, and the timed run's first ring calls recorded again).
 source experiments/results/probes/gpu_setup.sh
 export JAX_PLATFORMS=cuda,cpu
