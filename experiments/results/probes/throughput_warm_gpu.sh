@@ -4,7 +4,7 @@
 # loaded offload's truncate_slot, XLA dropped every CUDA graph, and the timed run's first ring calls recorded again).
 source experiments/results/probes/gpu_setup.sh
 export JAX_PLATFORMS=cuda,cpu
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]*' | tr H h)
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr H h)
 NAME=throughput_8k_warm_${GPU:-gpu}_$R
 timeout ${RUN_S:-$(( LIMIT - 30 ))} python -m experiments.throughput --config=configs/h200_bench.py \
   --histories=8192 --sessions=1,4 --new_tokens=${NEW:-192} --routing=uniform --out=$OUT/$NAME.json > $OUT/$NAME.log 2>&1
