@@ -5,8 +5,10 @@
 source experiments/results/probes/gpu_setup.sh
 export JAX_PLATFORMS=cuda,cpu
 P=experiments/results/probes
+# the card in the names (the 3743e1f files were renamed so after the run)
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr H h)
 for mode in offload resident; do
-  NAME=cmdbuf_one_session_${mode}_$R
+  NAME=cmdbuf_one_session_${mode}_${GPU:-gpu}_$R
   TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,bfc_allocator=3 PROBE_SESSIONS=1 PROBE_HISTORY=8192 \
     PROBE_NEW=${PROBE_NEW:-64} PROBE_RUNS=3 PROBE_MODE=$mode timeout ${RUN_S:-240} python $P/cmdbuf_updates.py run \
     2> $OUT/$NAME.txt | tail -2
