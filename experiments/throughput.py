@@ -20,10 +20,11 @@ tokens. A point with S sessions decodes the first S of them together.
 
 **A point.** Untimed warm-up runs (``warm_up``: as long as the timed one unless ``--warmup_tokens`` says otherwise,
 repeated while a run compiled anything) compile the steps of that batch bucket and let XLA record their CUDA graphs,
-then ``--new_tokens`` tokens per session are timed (``Engine.last_run``: decode tokens after each session's first / decode time); the
-sessions are rolled back after every run, so every point starts from the same state. DSA selection: ``local99``
-(``experiments.workloads.local99_sessions``: each session keeps its own K history positions, 1% replaced per step;
-the same seeds in both modes, so their tokens must be equal) or the model's indexer (``--workload=indexer``).
+then ``--new_tokens`` tokens per session are timed (``Engine.last_run``: decode tokens after each session's first /
+decode time); the sessions are rolled back after every run, so every point starts from the same state. DSA
+selection: ``local99`` (``experiments.workloads.local99_sessions``: each session keeps its own K history positions,
+1% replaced per step; the same seeds in both modes, so their tokens must be equal) or the model's indexer
+(``--workload=indexer``).
 Each point also records the host's side of its timed steps (``host``: step-call times, the reads' waits for the
 device, the intervals between reads, the slowest calls beside the steps that ran the copyback): where the median
 wait is near zero the host's loop set the pace, elsewhere the device did. Two modes whose median intervals agree but
