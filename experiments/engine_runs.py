@@ -30,6 +30,22 @@ def run(e: glm53.Engine, sids: list, n: int, depth: int, accept, selection, logi
     return res
 
 
+def warm_up_rounds(one_round, runs: int = 1, inputs=lambda k: k) -> list:
+    """Untimed rounds until the timed ones will compile nothing: ``one_round(inputs(k))`` for k = 0, 1, ...
+    (``runs`` rounds, then up to two more while the last compiled anything); each round's compile seconds, which do
+    not count ``inputs``. XLA drops every executable's CUDA graphs when it loads a new one, and the next calls
+    record them again (5-10 ms each against a ~1.2 ms call): a round that compiled something (a settle of a new page
+    count as the run ends, an offload session's first rollback) must be followed by an untimed one, not a timed
+    one."""
+    compiled_s = []
+    while len(compiled_s) < runs or (runs and compiled_s[-1] > 0 and len(compiled_s) < runs + 2):
+        x = inputs(len(compiled_s))
+        before = glm53.engine.compile_seconds()
+        one_round(x)
+        compiled_s.append(glm53.engine.compile_seconds() - before)
+    return compiled_s
+
+
 def pooled_loss_pct(base_tokens_per_s: list, other_tokens_per_s: list) -> float:
     """The loss of ``other`` against ``base`` over interleaved pairs, from the pooled time per token (every pair's
     seconds per token added up, so each pair weighs the same)."""

@@ -32,7 +32,7 @@ import glm53.engine
 import glm53.roofline
 import kernels_pallas.kv_formats
 from experiments import cli, loss_plot, workloads
-from experiments.engine_runs import loss_interval_pct, pooled_loss_pct
+from experiments.engine_runs import loss_interval_pct, pooled_loss_pct, warm_up_rounds
 from glm53.provenance import provenance
 
 FLAGS = flags.FLAGS
@@ -98,12 +98,8 @@ def main(_):
     for wl in FLAGS.workloads:
         # Rounds of the timed shape, until one compiles nothing (at most 3): the prefill's and the run's last
         # settles compile for their page counts, which only the timed lengths have.
-        rounds = warmup_compile_s[wl] = []
-        while not rounds or (rounds[-1] > 0 and len(rounds) < 3):
-            before = glm53.engine.compile_seconds()
-            for m in modes.values():
-                run_once(model, prompts, m, new, series[wl], c.run.seed, c.run)
-            rounds.append(glm53.engine.compile_seconds() - before)
+        warmup_compile_s[wl] = warm_up_rounds(lambda k: [run_once(model, prompts, m, new, series[wl], c.run.seed,
+                                                                  c.run) for m in modes.values()])
     print(f"{model}; prompt {c.run.prompt_len} x {c.run.batch}, {new} new tokens; warm-up done (compile seconds per "
           f"round: {cli.readable(warmup_compile_s)})", flush=True)
 

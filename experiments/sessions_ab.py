@@ -50,7 +50,7 @@ import glm53
 import glm53.roofline
 from experiments import cli, loss_plot, workloads
 from experiments.engine_runs import (figures, loss_interval_pct, more_pairs, pooled_loss_pct, run, same_logits,
-                                     setting_deadline_s, target_verdict)
+                                     setting_deadline_s, target_verdict, warm_up_rounds)
 from glm53.memory import device_memory
 from glm53.engine import compile_seconds
 from glm53.provenance import provenance
@@ -220,13 +220,8 @@ def main(_):
         # again, 5-10 ms each against a ~1.2 ms call. A round of the timed length compiles the end-of-run settle of
         # its page count as the round ends (cmdbuf_updates_ab8k_fbd74d3.json: the first pair's steps 1-3
         # recorded, in both modes): those recordings must fall in a warm-up round, not in a pair.
-        compiled_s = []  # each round's compile seconds
-        while FLAGS.warmup_runs and (len(compiled_s) < FLAGS.warmup_runs
-                                     or (compiled_s[-1] > 0 and len(compiled_s) < FLAGS.warmup_runs + 2)):
-            before = glm53.engine.compile_seconds()
-            for mode, (e, sids) in engines.items():
-                run(e, sids, new, depth, accept, selection(1000 + len(compiled_s)))
-            compiled_s.append(glm53.engine.compile_seconds() - before)
+        compiled_s = warm_up_rounds(lambda k: [run(e, sids, new, depth, accept, selection(1000 + k))
+                                               for e, sids in engines.values()], FLAGS.warmup_runs)
         entry["warmup_runs"] = len(compiled_s)
         entry["warmup_compile_s"] = compiled_s
         def another_pair() -> bool:

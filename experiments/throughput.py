@@ -62,6 +62,7 @@ from absl import app, flags
 import glm53
 from glm53.engine import compile_seconds, slowest_calls_ms
 from experiments import cli, workloads
+from experiments.engine_runs import warm_up_rounds
 from glm53 import memory, roofline
 from glm53.memory import device_memory
 from glm53.provenance import provenance
@@ -245,20 +246,18 @@ def decode(e: glm53.Engine, sids: list, n: int, sel, mtp: int) -> dict:
 
 def warm_up(e: glm53.Engine, sids: list, sel_of, mtp: int) -> dict:
     """Untimed runs of the point (each rolled back, as the timed one is) until every program the timed run and its
-    rollback use is compiled, loaded and recorded: ``--warmup_runs`` runs, then up to two more while a run compiled
-    anything. XLA drops every executable's CUDA graphs when it loads a new one, and each ring executable's next call
-    records its graphs again (~7 ms against a ~1.2 ms call on an H100). The first warm-up's rollback loads the
-    rollback's program (offload's ``truncate_slot``): with a single warm-up, the timed run's first call of every
-    ring executable recorded again, one offload session lost 3.6-12% of its tokens/s at 8K to six such calls, and
-    resident, whose rollback has no graphs, lost nothing (cmdbuf_one_session_{offload,resident}_h100_3743e1f.json, and
-    throughput_8k_slow_calls_w{4,72}_h100_86e22e0.json). ``sessions_ab`` warms up by the same rule."""
-    compiled_s = []
+    rollback use is compiled, loaded and recorded (``engine_runs.warm_up_rounds``: ``--warmup_runs`` runs, then up
+    to two more while a run compiled anything). XLA drops every executable's CUDA graphs when it loads a new one,
+    and each ring executable's next call records its graphs again (~7 ms against a ~1.2 ms call on an H100). The
+    first warm-up's rollback loads the rollback's program (offload's ``truncate_slot``): with a single warm-up, the
+    timed run's first call of every ring executable recorded again, one offload session lost 3.6-12% of its
+    tokens/s at 8K to six such calls, and resident, whose rollback has no graphs, lost nothing
+    (cmdbuf_one_session_{offload,resident}_h100_3743e1f.json, and throughput_8k_slow_calls_w{4,72}_h100_86e22e0.json).
+    ``sessions_ab`` and ``offload_ab`` warm up by the same rule."""
     t = time.perf_counter()
-    while len(compiled_s) < FLAGS.warmup_runs or (compiled_s[-1] > 0 and len(compiled_s) < FLAGS.warmup_runs + 2):
-        sel = sel_of(1 + len(compiled_s))  # made before the count: a series' second selection compiles its own write
-        before = compile_seconds()
-        decode(e, sids, warmup_tokens(), sel, mtp)
-        compiled_s.append(compile_seconds() - before)
+    # each round's selection made before its count: a series' second selection compiles its own write
+    compiled_s = warm_up_rounds(lambda sel: decode(e, sids, warmup_tokens(), sel, mtp), FLAGS.warmup_runs,
+                                inputs=lambda k: sel_of(1 + k))
     return {"warmup_s": time.perf_counter() - t, "warmup_runs": len(compiled_s), "warmup_compile_s": compiled_s}
 
 
