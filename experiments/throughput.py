@@ -245,15 +245,12 @@ def decode(e: glm53.Engine, sids: list, n: int, sel, mtp: int) -> dict:
 
 
 def warm_up(e: glm53.Engine, sids: list, sel_of, mtp: int) -> dict:
-    """Untimed runs of the point (each rolled back, as the timed one is) until every program the timed run and its
-    rollback use is compiled, loaded and recorded (``engine_runs.warm_up_rounds``: ``--warmup_runs`` runs, then up
-    to two more while a run compiled anything). XLA drops every executable's CUDA graphs when it loads a new one,
-    and each ring executable's next call records its graphs again (~7 ms against a ~1.2 ms call on an H100). The
-    first warm-up's rollback loads the rollback's program (offload's ``truncate_slot``): with a single warm-up, the
-    timed run's first call of every ring executable recorded again, one offload session lost 3.6-12% of its
-    tokens/s at 8K to six such calls, and resident, whose rollback has no graphs, lost nothing
-    (cmdbuf_one_session_{offload,resident}_h100_3743e1f.json, and throughput_8k_slow_calls_w{4,72}_h100_86e22e0.json).
-    ``sessions_ab`` and ``offload_ab`` warm up by the same rule."""
+    """Untimed runs of the point, each rolled back as the timed one is, by ``engine_runs.warm_up_rounds``'s rule
+    (``--warmup_runs`` runs, then up to two more while a run compiled anything). Here the program that makes a second
+    run necessary is the first warm-up's rollback (offload's ``truncate_slot``): with a single warm-up, one offload
+    session lost 3.6-12% of its tokens/s at 8K to the timed run re-recording its ring executables' CUDA graphs, and
+    resident, whose rollback has no graphs, lost nothing (cmdbuf_one_session_{offload,resident}_h100_3743e1f.json,
+    throughput_8k_slow_calls_w{4,72}_h100_86e22e0.json)."""
     t = time.perf_counter()
     # each round's selection made before its count: a series' second selection compiles its own write
     compiled_s = warm_up_rounds(lambda sel: decode(e, sids, warmup_tokens(), sel, mtp), FLAGS.warmup_runs,
