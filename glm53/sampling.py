@@ -34,14 +34,19 @@ def distribution(logits: jax.Array, temperature: jax.Array, top_p: jax.Array) ->
     return p
 
 
-def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array, *,
+def sample(logits: jax.Array, seed: jax.Array, positions: jax.Array, temperature: jax.Array, top_p: jax.Array, *,
            greedy: bool) -> jax.Array:
     """Tokens int32[B] from ``logits [B, V]``: argmax (first index on ties) when ``greedy`` (static: only the
     argmax is compiled; the nucleus path sorts the whole vocabulary, ~50 us and a dozen kernels per step on the
-    H200), else one draw per lane from ``distribution`` with that lane's key."""
+    H200), else one draw per lane from ``distribution`` with the key of the position drawn (``positions [B]``,
+    stream SAMPLE).
+
+    The keys are made here, not by the caller, so a greedy step never traces them: XLA would drop the unused
+    keys, but only after JAX had lowered their threefry hashes, ~56 ms a step program on the CPU (the test
+    suite lowers some 400 greedy decode and first-token programs)."""
     if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return draw(distribution(logits, temperature, top_p), keys)
+    return draw(distribution(logits, temperature, top_p), position_keys(seed, positions, SAMPLE))
 
 
 def draw(p: jax.Array, keys: jax.Array) -> jax.Array:

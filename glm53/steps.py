@@ -203,8 +203,7 @@ def decode(net: WholeModel, params, cache, lanes: Lanes, tokens, remaining, seed
     cache = cache.finish_step(rounds, step)
     h = hidden[:, 0]
     logits = net.logits(params, h)
-    nxt = sampling.sample(logits, sampling.position_keys(seed, start + 1, sampling.SAMPLE), temperature, top_p,
-                          greedy=greedy)
+    nxt = sampling.sample(logits, seed, start + 1, temperature, top_p, greedy=greedy)
     # The lengths are updated in place, and every layer (the MTP row first) reads their old values. Nothing but
     # ``active`` decides a decode step's commits, so without a data path from those reads XLA updated the lengths
     # early and kept the old values alive with two copies each of ``lengths`` and ``mtp_lengths`` (four ~1.1 us
@@ -307,8 +306,7 @@ def sample_first(net: WholeModel, params, cache, lanes: Lanes, seed, temperature
     hidden = cache.sessions.hidden[lanes.slot]
     logits = net.logits(params, hidden)
     positions = cache.sessions.lengths[lanes.slot]
-    return sampling.sample(logits, sampling.position_keys(seed, positions, sampling.SAMPLE), temperature, top_p,
-                           greedy=greedy), logits
+    return sampling.sample(logits, seed, positions, temperature, top_p, greedy=greedy), logits
 
 
 def mtp_forward(net: WholeModel, params, cache, lanes: Lanes, hidden, next_tokens, n_valid, *, kernels: str):

@@ -1,6 +1,8 @@
 """Sampling and speculative acceptance as pure functions: greedy ties, the nucleus, and the speculative rule's
 guarantee that emitted tokens are distributed as the main model's."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,10 +15,31 @@ def test_greedy_is_the_first_argmax():
     logits = rng.standard_normal((4, 300)).astype(np.float32)
     logits[1, [7, 100, 250]] = 9.0  # a tie: the first index wins
     logits[2] = 0.0  # all tied
-    keys = sampling.position_keys(jnp.int32(0), jnp.arange(4), sampling.SAMPLE)
-    out = jax.jit(sampling.sample, static_argnames="greedy")(logits, keys, 0.0, 0.9, greedy=True)
+    out = jax.jit(sampling.sample, static_argnames="greedy")(logits, jnp.int32(0), jnp.arange(4), 0.0, 0.9,
+                                                             greedy=True)
     assert out.tolist()[1:3] == [7, 0]
     assert out.tolist() == np.argmax(logits, -1).tolist()
+
+
+def _primitives(jaxpr) -> set:
+    from jax._src import core
+    out = set()
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        for sub in core.jaxprs_in_params(eqn.params):
+            out |= _primitives(sub)
+    return out
+
+
+def test_greedy_sampling_traces_no_keys():
+    """A greedy step never makes the keys it would not read: their threefry hashes cost ~56 ms of lowering per step
+    program, dropped by XLA only after that. Sampling makes them from the seed and the positions."""
+    args = (jnp.zeros((3, 50)), jnp.int32(5), jnp.asarray([10, 11, 12]), 1.0, 1.0)
+    random_ops = {"random_seed", "random_wrap", "random_fold_in", "random_bits", "threefry2x32"}
+    greedy = _primitives(jax.make_jaxpr(functools.partial(sampling.sample, greedy=True))(*args).jaxpr)
+    drawn = _primitives(jax.make_jaxpr(functools.partial(sampling.sample, greedy=False))(*args).jaxpr)
+    assert not greedy & random_ops, greedy & random_ops
+    assert {"random_fold_in", "random_bits"} <= drawn
 
 
 def test_nucleus_and_temperature():
@@ -33,13 +56,10 @@ def test_nucleus_and_temperature():
 
 def test_draws_depend_on_seed_and_position_only():
     logits = jnp.zeros((3, 50))
-    a = sampling.sample(logits, sampling.position_keys(jnp.int32(5), jnp.asarray([10, 11, 12]), 0), 1.0, 1.0,
-                        greedy=False)
-    b = sampling.sample(logits[:1], sampling.position_keys(jnp.int32(5), jnp.asarray([10]), 0), 1.0, 1.0,
-                        greedy=False)
+    a = sampling.sample(logits, jnp.int32(5), jnp.asarray([10, 11, 12]), 1.0, 1.0, greedy=False)
+    b = sampling.sample(logits[:1], jnp.int32(5), jnp.asarray([10]), 1.0, 1.0, greedy=False)
     assert int(a[0]) == int(b[0])  # lane 0 alone draws what it draws in a batch
-    c = sampling.sample(logits, sampling.position_keys(jnp.int32(6), jnp.asarray([10, 11, 12]), 0), 1.0, 1.0,
-                        greedy=False)
+    c = sampling.sample(logits, jnp.int32(6), jnp.asarray([10, 11, 12]), 1.0, 1.0, greedy=False)
     assert a.tolist() != c.tolist()
 
 
