@@ -8,6 +8,8 @@ LIMIT=${LIMIT:-560}
 # ONLY picks the groups (default all four, in this order): kernels, offload, formats, engine. Stop 72's H100 ran
 # kernels and offload at e834a9d and had no time for the rest; ONLY=formats,engine ran them at 6876354 (LIMIT=540:
 # 64 + 9 passed in 253 s, compiled_tests_h100_6876354.log).
+# Stop 79 ran ONLY=kernels,offload,engine at 5343805 on an H100 (LIMIT=570: 189 + 93 + 9 passed in 236 s,
+# compiled_tests_kernels_offload_engine_h100_5343805.log).
 ONLY=${ONLY:-kernels,offload,formats,engine}
 source experiments/results/probes/gpu_setup.sh
 export JAX_PLATFORMS=cuda

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Stop 77: the issue's 10 x 50K A/B (offload vs resident, local99, MTP 0 and MTP 3 forced, interleaved pairs) on the
 # build as it is, named by the card it ran on. The H200's figures (57a4fc8) predate the one-launch experts (f2a1453).
+# Stop 79 ran it twice on one warm H100 at 5343805: MTP=3 BUDGET=380 PAIRS=2 MAX_PAIRS=6, then MTP=0 BUDGET=420
+# PAIRS=3 MAX_PAIRS=8 (LIMIT=590; 217 s and 124 s).
 LIMIT=${LIMIT:-580}
 MTP=${MTP:-0,3}; PAIRS=${PAIRS:-3}; MAX_PAIRS=${MAX_PAIRS:-8}; BUDGET=${BUDGET:-400}
 source experiments/results/probes/gpu_setup.sh
