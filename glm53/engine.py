@@ -945,9 +945,14 @@ class Engine:
                              f"1 and {len(s.tokens) - 1} (one token must stay)")
         m = len(s.tokens) - int(n_tokens)
         del s.tokens[m:]
-        if m >= s.processed:
-            return  # only the pending token went: the cache is untouched
-        # The hidden state of position m - 1 is not stored anywhere: token m - 1 becomes pending again.
+        if m > s.processed or (m == s.processed and s.hidden_valid):
+            # Only pending tokens went: the cache is untouched, and the next token comes from a pending token's
+            # step or from the stored hidden state of row m - 1.
+            return
+        # The hidden state of position m - 1 is not stored anywhere: token m - 1 becomes pending again. This holds
+        # for m == processed too when the stored state is stale (a second rollback right after one that cut rows:
+        # its pending token went, and the next token would have been sampled from the hidden state of a position
+        # that no longer exists).
         new = m - 1
         s.processed = new
         s.mtp_processed = min(s.mtp_processed, new)
@@ -1173,6 +1178,18 @@ class Engine:
                 f"{list(getattr(keys_saved, 'shape', []))}, expected {keys_want[0]}{list(keys_want[1])}: the save is "
                 "corrupted")
         self.model.check_tokens(tokens, f"the tokens saved in {directory}")
+        if n == len(tokens) and not saved["hidden_valid"]:
+            # Saved by glm53 before stop 79's fix, after two rollbacks in a row: no token pending, and a stored hidden
+            # state that is not row n - 1's. Restored as rollback leaves such a session now: row n - 1 dropped and
+            # its token pending, so the next step computes it again.
+            if n == 1:
+                raise session_io.SessionFileError(
+                    f"{directory}: the session's only row has no stored hidden state to continue from (saved after "
+                    f"two rollbacks in a row by an older glm53): open a new session from its tokens {tokens}")
+            n, n_mtp = n - 1, min(n_mtp, n - 1)
+            rows_saved = {k: v[:, :n] for k, v in rows_saved.items()}
+            keys_saved = keys_saved[:, :n]
+            scale_saved = None if scale_saved is None else scale_saved[:, :n]
         self._check_rows(len(tokens), f"restore of a session of {len(tokens)} tokens")
         self._admit(1, self._pages_needed(None, n), f"restore of a session of {len(tokens)} tokens")
         s = self._new_session([])

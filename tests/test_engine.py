@@ -197,6 +197,50 @@ def test_rollback_then_generate_equals_fresh_session(model):
     assert got == want
 
 
+def test_two_rollbacks_in_a_row_equal_fresh_session(model, tmp_path):
+    """A rollback that cuts rows leaves the last token pending and the stored hidden state stale; a second rollback
+    that drops that pending token must cut one more row, so that the next token comes from a step and not from the
+    stale state. It used to take the pending-token-only shortcut, and the next tokens were sampled from the hidden
+    state of a position rolled away ([99, 43, 60, 60] against a fresh session's [60, 60, 60, 60]), in both modes
+    alike, so the offload-against-resident comparisons could not see it. A save an older engine wrote in that state
+    restores as the fixed rollback leaves it."""
+    prompt = ids(40, seed=21)
+
+    def fresh(e, history, n):
+        ref = e.open(history)
+        out = gen(e, {ref: n})
+        e.close(ref)
+        return out
+
+    def script(e):
+        a = e.open(prompt)
+        out = gen(e, {a: 5})
+        e.rollback(a, 10)
+        e.rollback(a, 1)
+        assert e.tokens(a) == prompt[:34]
+        got = gen(e, {a: 4}, mtp=2)  # greedy MTP: the same tokens as plain greedy
+        want = fresh(e, prompt[:34], 4)
+        assert got[0][0] == want[0][0]
+        np.testing.assert_allclose(got[0][1], want[0][1], rtol=1e-4, atol=1e-4)
+        out += got
+        # the state the old second rollback left (no token pending, the stored hidden state stale), saved
+        e.rollback(a, 8)
+        s = e._sessions[a]
+        assert not s.hidden_valid and s.processed == len(s.tokens) - 1
+        del s.tokens[s.processed:]
+        history = e.tokens(a)
+        e.save(a, str(tmp_path / e.cache_config.mode))
+        b = e.restore(str(tmp_path / e.cache_config.mode))
+        e.close(a)
+        assert e.tokens(b) == history
+        got = gen(e, {b: 4})
+        assert got[0][0] == fresh(e, history, 4)[0][0]
+        return out + got
+
+    out = both(model, script, max_sessions=2)
+    assert_same(out["resident"], out["offload"])
+
+
 def test_fork_then_diverge_equals_each_alone(model):
     a_ids, b_ids, c_ids = ids(130, seed=4), ids(23, seed=5), ids(41, seed=6)
 
