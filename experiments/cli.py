@@ -138,7 +138,7 @@ def check_run_settings(config) -> None:
     try:
         check_sampling(run.mtp, run.temperature, run.top_p, run.seed,
                        None if run.accept_override < 0 else run.accept_override, has_mtp=True)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise glm53.ConfigError(f"--config.run: {e}") from None
     cfg = model_config(config)
     if run.mtp and not cfg.num_nextn_predict_layers:

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from glm53 import memory, offload, progress as progress_lib, session_io
 from glm53 import steps as steps_lib
+from glm53 import trace as trace_lib
 from glm53.cache import Lanes, capacity_for, init_resident
 from glm53.config import CacheConfig, ConfigError
 from kernels_pallas import kv_formats, ops
@@ -94,8 +95,17 @@ def check_sampling(mtp, temperature, top_p, seed, accept_override, *, has_mtp: b
     if mtp and not has_mtp:
         raise ValueError("mtp > 0 needs an MTP module, and this model has none (num_nextn_predict_layers=0)")
     for name, v in (("temperature", temperature), ("top_p", top_p)):
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) or not math.isfinite(v):
-            raise ValueError(f"{name} must be a finite number, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
+            kind = f"a {v.ndim}-D array" if hasattr(v, "ndim") else f"a {type(v).__name__}"
+            raise TypeError(f"{name} must be a Python or NumPy number, got {kind} ({v!r})"
+                            + (": pass float(...) of it" if getattr(v, "ndim", None) == 0 else ""))
+        try:
+            finite = math.isfinite(v)
+        except OverflowError:  # an int past float's range
+            finite = False
+        if not finite:
+            shown = repr(v) if len(repr(v)) <= 40 else f"{repr(v)[:12]}... ({len(repr(v))} digits)"
+            raise ValueError(f"{name} must be a finite number, got {shown}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
@@ -322,7 +332,7 @@ def _saved_session(meta: dict, directory: str) -> dict:
         raise bad(f"the sampler record {sampler!r} is not {{seed, temperature, top_p}}")
     try:
         check_sampling(0, sampler["temperature"], sampler["top_p"], sampler["seed"], None, has_mtp=False)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise bad(f"the sampler record: {e}") from None
     return {"tokens": tokens, "processed": n, "mtp_processed": n_mtp, "generated": generated,
             "hidden_valid": hidden_valid, "sampler": dict(sampler)}
@@ -1001,6 +1011,11 @@ class Engine:
             raise TypeError(f"return_logits must be True or False, got {return_logits!r}")
         check_on_token(on_token)
         progress_lib.check(progress)
+        if selection_override is not None and not callable(selection_override):
+            raise TypeError(f"selection_override must be callable as selection_override(step, positions), got "
+                            f"{selection_override!r}")
+        if trace is not None and not isinstance(trace, trace_lib.TraceRecorder):
+            raise TypeError(f"trace must be a glm53.trace.TraceRecorder, got {type(trace).__name__}")
         if trace is not None and not self.offload:
             raise ConfigError("trace: record with an offload engine (mode='offload'): the selections are the same "
                               "bit for bit, and only the offload steps classify what they read")

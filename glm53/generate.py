@@ -68,6 +68,8 @@ def _prompt_list(prompts) -> list:
     """``prompts`` as a list of prompts: a sequence of them, or a 2-D array (``[batch, tokens]``, numpy or JAX) of
     equal-length ones, row by row."""
     if hasattr(prompts, "ndim") and hasattr(prompts, "shape") and prompts.ndim == 2:
+        if prompts.shape[0] == 0:
+            raise ValueError(f"prompts is an empty batch (shape {tuple(prompts.shape)}): give at least one prompt")
         return list(np.asarray(prompts))
     if isinstance(prompts, str) or hasattr(prompts, "ndim") or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer))):
@@ -108,6 +110,12 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     check_sampling(mtp, temperature, top_p, seed, accept_override, has_mtp=bool(model.config.num_nextn_predict_layers))
+    for name, flag in (("keep_cache", keep_cache), ("return_logits", return_logits)):
+        if not isinstance(flag, (bool, np.bool_)):  # a truthy "no" would keep what was not asked for
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if selection_override is not None and not callable(selection_override):
+        raise TypeError(f"selection_override must be callable as selection_override(step, positions), got "
+                        f"{selection_override!r}")
     # Before the prefill: the engine checks these at its generate, which comes after it (a long prefill wasted).
     check_on_token(on_token, "prompt_index, step, token")
     stop_token_ids(stop_tokens, model.config)

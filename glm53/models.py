@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 from typing import Any, Mapping
 
@@ -88,7 +89,20 @@ class Model:
 
     # ---- validation shared by every entry point ----
     def check_tokens(self, ids, what: str = "prompt") -> np.ndarray:
-        arr = np.asarray(ids)
+        if not hasattr(ids, "shape") and (not isinstance(ids, collections.abc.Sequence)
+                                          or isinstance(ids, (str, bytes, bytearray))):
+            # a generator, set, dict or bytes: numpy makes a 0-d object array of it, which says nothing useful
+            raise TypeError(f"{what} must be a 1-D sequence of token ids (a list, a numpy or JAX array, or a string "
+                            f"with a tokenizer), got a {type(ids).__name__}")
+        if isinstance(ids, (list, tuple)) and any(isinstance(t, (bool, np.bool_)) for t in ids):
+            # numpy would read True as token 1
+            raise TypeError(f"{what} must hold integer token ids, got a bool at index "
+                            f"{next(i for i, t in enumerate(ids) if isinstance(t, (bool, np.bool_)))}")
+        try:
+            arr = np.asarray(ids)
+        except ValueError:  # ragged nesting
+            raise ValueError(f"{what} must be a 1-D sequence of token ids, got nested sequences of unequal "
+                             "lengths") from None
         if arr.ndim != 1:
             raise ValueError(f"{what} must be a 1-D sequence of token ids, got shape {arr.shape}")
         if arr.size == 0:

@@ -734,6 +734,12 @@ def test_generate_rejects_bad_numbers_up_front(model):
         glm53.generate(model, [P1], max_new_tokens=2, top_p=float("inf"))
     with pytest.raises(ValueError, match="mtp > 0 needs an MTP module|accept_override"):
         glm53.generate(model, [P1], max_new_tokens=2, accept_override=2)
+    with pytest.raises(ValueError, match=r"prompts is an empty batch \(shape \(0, 5\)\)"):
+        glm53.generate(model, np.zeros((0, 5), np.int32), max_new_tokens=2)  # was max()'s "empty sequence"
+    with pytest.raises(TypeError, match="keep_cache must be True or False, got 'yes'"):
+        glm53.generate(model, [P1], max_new_tokens=2, keep_cache="yes")
+    with pytest.raises(TypeError, match="selection_override must be callable"):
+        glm53.generate(model, [P1], max_new_tokens=2, selection_override=3)
 
 
 def test_progress_bars_appear_on_long_work_by_default(model, capsys, monkeypatch):

@@ -634,6 +634,20 @@ def test_inputs_accept_lists_arrays_and_check_them(model):
             e.generate({a: 2}, stop_tokens=bad)
     with pytest.raises(TypeError, match="return_logits must be True or False, got 'no'"):
         e.generate({a: 2}, return_logits="no")  # truthy: it ran, keeping every token's logits
+    # a bool read as token 1, numpy's own words for ragged nesting, a 0-d object array's "shape ()"
+    with pytest.raises(TypeError, match="got a bool at index 1"):
+        e.append(a, [3, True])
+    with pytest.raises(ValueError, match="nested sequences of unequal lengths"):
+        e.append(a, [[1, 2], [3]])
+    for odd in ((t for t in [1, 2]), {1, 2}, b"ab"):
+        with pytest.raises(TypeError, match=f"1-D sequence of token ids .*, got a {type(odd).__name__}"):
+            e.append(a, odd)
+    with pytest.raises(ValueError, match=r"temperature must be a finite number, got 100000000000\.\.\. \(401 digits"):
+        e.generate({a: 2}, temperature=10**400)  # math.isfinite's OverflowError
+    with pytest.raises(TypeError, match="temperature must be a Python or NumPy number, got a 0-D array"):
+        e.generate({a: 2}, temperature=jax.numpy.float32(0.5))  # was "must be a finite number"
+    with pytest.raises(TypeError, match="selection_override must be callable"):
+        e.generate({a: 2}, selection_override=3)
     assert e.tokens(a) == ids(30)  # nothing changed by the refused calls
     seq = e.generate({b: 3})[b]  # b holds a's history: greedy a would say the same
     stop = seq[1]

@@ -236,6 +236,8 @@ def test_trace_needs_an_offload_engine(model):
     s = e.open(ids(20))
     with pytest.raises(ConfigError, match="offload"):
         e.generate({s: 2}, trace=TraceRecorder())
+    with pytest.raises(TypeError, match="trace must be a glm53.trace.TraceRecorder, got SelectionTrace"):
+        e.generate({s: 2}, trace=SelectionTrace.__new__(SelectionTrace))  # the recording, not the recorder
 
 
 def test_bad_trace_files_are_refused(tmp_path):
