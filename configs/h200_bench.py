@@ -44,7 +44,9 @@ def get_config() -> ml_collections.ConfigDict:
         num_nextn_predict_layers=1,  # one MTP module
         tie_word_embeddings=False,  # separate LM head
         bos_token_id=0,  # HF default
-        eos_token_id=None,  # random weights: never stop early, so every run decodes max_new_tokens
+        # random weights: never stop early, so every run decodes max_new_tokens (a placeholder: None, and an int
+        # from the command line, --config.model.eos_token_id=7; ml_collections refuses to override a plain None)
+        eos_token_id=ml_collections.config_dict.placeholder(int),
         initializer_range=0.02,  # std of random-init matrices
     ))
     c.dtype = "bfloat16"  # parameter and activation dtype: float32 | bfloat16

@@ -25,7 +25,10 @@ def get_config() -> ml_collections.ConfigDict:
         rms_norm_eps=1e-5, rope_theta=10000.0,
         max_position_embeddings=4096,
         num_nextn_predict_layers=1,  # one MTP module
-        tie_word_embeddings=False, bos_token_id=0, eos_token_id=None,  # random weights: never stop early
+        tie_word_embeddings=False, bos_token_id=0,
+        # random weights: never stop early (a placeholder: None, and an int from the command line,
+        # --config.model.eos_token_id=7; ml_collections refuses to override a plain None)
+        eos_token_id=ml_collections.config_dict.placeholder(int),
         initializer_range=0.02,
     ))
     c.dtype = "float32"  # parameter and activation dtype: float32 | bfloat16

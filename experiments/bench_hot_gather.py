@@ -312,6 +312,7 @@ def main(_):
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump(results, f, indent=2)
+        print(f"wrote {FLAGS.out}")
 
 
 if __name__ == "__main__":

@@ -61,6 +61,8 @@ def main(_):
     cc = glm53.CacheConfig.from_config_dict(c.cache)
     cli.refuse_an_unrunnable_cache(cfg, cc)  # what Engine refuses is no engine to count
     hs = cli.token_counts("history", FLAGS.history)
+    if FLAGS.machine == "custom" and (FLAGS.devices < 1 or FLAGS.device_gib <= 0 or FLAGS.host_gib <= 0):
+        raise app.UsageError("--machine=custom needs --devices, --device_gib and --host_gib")  # before any table
     dtype = resolve_dtype(c.dtype)
     out = {"config": c.to_dict(), **provenance()}  # the git revision, the command, the environment
 
@@ -123,6 +125,7 @@ def main(_):
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump(out, f, indent=2, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
+        print(f"wrote {FLAGS.out}")
 
 
 if __name__ == "__main__":

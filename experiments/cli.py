@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import tempfile
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -44,6 +45,8 @@ def run(main) -> None:
         # absl prints a UsageError below the module's docstring and every flag's help (70 lines for plan's
         # --history=abc), the message last; it is one line here, as the other refusals are.
         try:
+            if "out" in flags.FLAGS:  # every entry point's results file, found unwritable before the work
+                refuse_an_unwritable_output(flags.FLAGS.out, "out")
             return main(argv)
         except app.UsageError as e:
             sys.exit(f"{module_name()}: {e}\nPass --helpshort or --helpfull to see help on flags.")
@@ -67,6 +70,8 @@ def _parse_flags(argv: list) -> list:
     except (AttributeError, KeyError) as e:  # ml_collections: an override's path through the config is missing
         sys.exit(f"FATAL Flags parsing error: {unknown_field_message(e, argv)}\n"
                  "Pass --helpshort or --helpfull to see help on flags.")
+    except OSError as e:  # a --config.X override made ml_collections load a config file it cannot
+        _config_not_loaded(e, argv)
     if "config" in flags.FLAGS:
         # ml_collections defers a config file's load error to the first read of the flag, a two-traceback OSError
         # inside main: it is a flag error, said in one line before anything runs.
@@ -75,12 +80,22 @@ def _parse_flags(argv: list) -> list:
             if value is not None:
                 getattr(value, "keys")  # a config that failed to load raises on any attribute
         except OSError as e:
-            path = flags.FLAGS["config"].config_filename
-            reason = str(e.__cause__ or e).strip().splitlines()[-1].strip()
-            sys.exit(f"FATAL Flags parsing error: --config={path}: cannot load it ({reason}); a relative path is read "
-                     f"from the working directory, {os.getcwd()}; the shipped configs are in "
-                     f"{os.path.join(ROOT, 'configs')}\nPass --helpshort or --helpfull to see help on flags.")
+            _config_not_loaded(e, argv)
     return rest
+
+
+def _config_not_loaded(error: OSError, argv: list) -> None:
+    """The one-line exit for a ``--config`` file that does not load (missing, misspelled, or failing itself)."""
+    path = "?"  # as given: the flag itself counts as unparsed when an override's load failed
+    for i, a in enumerate(argv[1:], 1):
+        if a.startswith("--config="):
+            path = a.split("=", 1)[1]
+        elif a == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+    reason = str(error.__cause__ or error).strip().splitlines()[-1].strip()
+    sys.exit(f"FATAL Flags parsing error: --config={path}: cannot load it ({reason}); a relative path is read "
+             f"from the working directory, {os.getcwd()}; the shipped configs are in "
+             f"{os.path.join(ROOT, 'configs')}\nPass --helpshort or --helpfull to see help on flags.")
 
 
 def unknown_field_message(error: BaseException, argv: list) -> str:
@@ -198,6 +213,61 @@ def refuse_an_unrunnable_cache(cfg, cc) -> None:
         offload.validate(cfg, cc)
     except ConfigError as e:
         sys.exit(f"{module_name()}: {e}")
+
+
+def output_problem(path: str, flag: str) -> str | None:
+    """Why the results file ``path`` (given as ``--flag``) cannot be written, or None. Its folder is made, as the
+    run's own write would, and a file is created and removed there: ``os.access`` says yes to root for any path
+    (``/proc/x.json`` passed it), and the write came only after the run's work, as a traceback."""
+    if not path:
+        return None
+    if os.path.isdir(path):
+        return f"--{flag}={path} is a directory: give the path of a file to write"
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".glm53-write-check-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        return f"--{flag}={path}: cannot write a file in {folder} ({e.strerror or e})"
+    return None
+
+
+def refuse_an_unwritable_output(path: str, flag: str) -> None:
+    """``output_problem`` as a one-line exit, before anything runs."""
+    problem = output_problem(path, flag)
+    if problem:
+        sys.exit(f"{module_name()}: {problem}")
+
+
+def refuse_an_unusable_save_directory(path: str, flag: str) -> None:
+    """A one-line exit, before anything runs, when a session cannot be saved to ``path`` (``--flag``): a file, or a
+    directory holding other files (``glm53.session_io.check_target``). Found at the save, it came after the prefill
+    the save was for."""
+    if not path:
+        return
+    from glm53 import session_io
+
+    try:
+        session_io.check_target(path)
+    except (OSError, ValueError) as e:
+        sys.exit(f"{module_name()}: --{flag}={path}: {e}")
+
+
+def check_modes(config, modes, flag: str | None = None) -> None:
+    """Before the model is built: ``modes`` (``--flag``'s cache modes) are known ones, and where offload is among them,
+    ``config``'s cache is one an offload engine can run (``refuse_an_unrunnable_cache``). The A/Bs met an offload
+    cache too small for a round only after their resident half had run."""
+    import glm53
+
+    bad = sorted(set(modes) - set(glm53.config.CACHE_MODES))
+    if bad:
+        raise app.UsageError(f"--{flag}={','.join(modes)}: the cache modes are {', '.join(glm53.config.CACHE_MODES)} "
+                             f"(got {', '.join(map(repr, bad))})")
+    if "offload" in modes:
+        cc = glm53.CacheConfig.from_config_dict(config.cache).replace(mode="offload")
+        refuse_an_unrunnable_cache(model_config(config), cc)
 
 
 def token_counts(flag: str, values: list, what: str = "history lengths in tokens") -> list[int]:

@@ -78,6 +78,7 @@ def main(argv):
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump(diff, f, indent=1)
+        print(f"wrote {FLAGS.out}")
 
 
 if __name__ == "__main__":

@@ -125,15 +125,9 @@ def check_run(config, given: dict | None = None) -> None:
                                 f"{run.mtp}); raise it, or set 0 to size the cache to the run")
     if cache.mode == "offload":
         offload.validate(cfg, cache)
-    if run.output_json:  # found out now, not after the run
-        where = os.path.dirname(os.path.abspath(run.output_json))
-        try:
-            os.makedirs(where, exist_ok=True)
-        except OSError as e:
-            raise glm53.ConfigError(f"--config.run.output_json={run.output_json}: cannot create {where}: "
-                                    f"{e.strerror}") from None
-        if not os.access(where, os.W_OK) or os.path.isdir(run.output_json):
-            raise glm53.ConfigError(f"--config.run.output_json={run.output_json}: cannot write a file there")
+    problem = cli.output_problem(run.output_json, "config.run.output_json")  # found out now, not after the run
+    if problem:
+        raise glm53.ConfigError(problem)
 
 
 def figures(result: glm53.GenerateResult) -> dict:
@@ -290,6 +284,13 @@ def main(argv):
                             else parse_options([o for o in _BASELINE_COMPILER_OPTIONS.value if o]))
         if baseline_options is not None and baseline_options == options:
             raise glm53.ConfigError("--baseline_compiler_options equal --compiler_options: nothing to compare")
+        # XLA's verdict on the names and values now, not at the first step's compile (after the model, or for the
+        # baseline after the whole timed run)
+        for flag, opts in (("--compiler_options", options), ("--baseline_compiler_options", baseline_options)):
+            try:
+                glm53.engine.check_compiler_options(opts)
+            except glm53.ConfigError as e:
+                raise glm53.ConfigError(f"{flag}: {e}") from None
     except (glm53.ConfigError, ValueError) as e:
         distributed.fail(f"experiments.generate: {e}")
     try:

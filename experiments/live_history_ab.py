@@ -49,6 +49,7 @@ def main(_):
         "the output from --out, decoding is greedy without MTP, and it runs on one device")
     workloads.check_names("workload", [FLAGS.workload])
     cc = glm53.CacheConfig.from_config_dict(c.cache)
+    cli.check_modes(c, FLAGS.modes or [cc.mode], "modes")
     S, new, history = FLAGS.sessions, c.run.max_new_tokens, c.run.prompt_len
     small = history + max(new, FLAGS.check_tokens) + 64
     # Both before the model is built and the small engine prefilled (the large engine refused it after them)
@@ -111,6 +112,8 @@ def main(_):
         if FLAGS.out:  # after every mode, so a run cut short still leaves what it measured
             with open(FLAGS.out, "w") as f:
                 json.dump(results, f, indent=2, default=str)
+    if FLAGS.out:
+        print(f"wrote {FLAGS.out}")
 
 
 if __name__ == "__main__":

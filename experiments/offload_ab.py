@@ -89,6 +89,7 @@ def main(_):
         "but its mode and max_len), and writes --out")
     workloads.check_names("workloads", FLAGS.workloads)
     cli.check_run_settings(c)  # before the model: generate refused these only after the weights, prefill and warm-up
+    cli.check_modes(c, ("resident", "offload"))
     model, prompts, cc, K = workloads.setup(c)
     new = c.run.max_new_tokens
     modes = {"resident": cc.replace(mode="resident"), "offload": cc.replace(mode="offload")}
@@ -170,6 +171,8 @@ def main(_):
             results["plot"] = plot(results, FLAGS.out.rsplit(".", 1)[0] + ".png")
             with open(FLAGS.out, "w") as f:
                 json.dump(results, f, indent=2, default=str)
+    if FLAGS.out:
+        print(f"wrote {FLAGS.out} and {results['plot']}")
 
 
 if __name__ == "__main__":

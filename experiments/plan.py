@@ -164,6 +164,7 @@ def main(_):
                                "host's memory); with pipeline stages each stage holds only its layers' weights, "
                                "cache and pool ('stages' in each plan)"}, f, indent=2, default=lambda o: o.item()
                       if isinstance(o, np.generic) else str(o))
+        print(f"wrote {FLAGS.out}")
 
 
 if __name__ == "__main__":

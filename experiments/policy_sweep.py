@@ -57,7 +57,7 @@ flags.DEFINE_list("model_hot_rows", [],
                   "hot-cache sizes for the model trace; empty: five from the least the engine runs with "
                   "(offload.min_hot_rows) to the trace's capacity, and the engine's own")
 flags.DEFINE_integer("history", 1_048_576, "synthetic traces: history length")
-flags.DEFINE_integer("steps", 1000, "synthetic traces: decode steps")
+flags.DEFINE_integer("steps", 1000, "synthetic traces: decode steps", lower_bound=1)
 flags.DEFINE_integer("topk", 2048, "synthetic traces: positions per selection")
 flags.DEFINE_string("save_traces", "", "write every trace used here as <dir>/<name>.npz")
 

@@ -132,6 +132,7 @@ def main(_):
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump(out, f, indent=2)
+        print(f"wrote {FLAGS.out}")
 
 
 if __name__ == "__main__":

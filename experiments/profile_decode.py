@@ -227,6 +227,7 @@ def main(_):
         trace_util.check_trace_dir(FLAGS.trace_dir)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
+    cli.check_modes(c, FLAGS.modes, "modes")
     model, prompts, cc, K = workloads.setup(c)
     new = c.run.max_new_tokens
     results = {"config": c.to_dict(), **provenance(), "workload": FLAGS.workload, "modes": {}}
@@ -315,6 +316,7 @@ def main(_):
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump(results, f, indent=2, default=str)
+        print(f"wrote {FLAGS.out} (and each mode's decode HLO beside it)")
 
 
 if __name__ == "__main__":

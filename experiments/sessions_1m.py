@@ -590,6 +590,8 @@ def main(_):
         "experiments.sessions_1m reads config.model, seed, dtype, mesh, run.{prompt_len,max_new_tokens,mtp,"
         "accept_override,seed} and cache but its mode (offload; --ab: both) and max_len (from the run's lengths); "
         "sessions come from --sessions, the output from --out, and decoding is greedy")
+    if not FLAGS.load_history:  # found at the save, it came after the (timed, maybe hours-long) prefill it was for
+        cli.refuse_an_unusable_save_directory(FLAGS.save_history, "save_history")
     R = {"config": c.to_dict(), **provenance(), "mode": "ab" if FLAGS.ab else "capacity",
          "sessions": FLAGS.sessions, "history_tokens": c.run.prompt_len, "workload": FLAGS.workload,
          "mtp": c.run.mtp, "accept_override": c.run.accept_override,

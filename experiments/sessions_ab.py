@@ -66,7 +66,7 @@ flags.DEFINE_integer("max_pairs", 0, "after --pairs, keep adding pairs while the
 flags.DEFINE_float("half_width_pct", 0.25, "the 95% interval half width (percentage points) --max_pairs aims for")
 flags.DEFINE_float("budget_s", 0.0, "no pairs beyond --pairs once this many seconds have passed since the start, so a "
                    "run fits a machine's time limit (0: none), each setting stopping at an equal share of what is "
-                   "left when it begins; settings cut short say so (stopped_by_budget)")
+                   "left when it begins; settings cut short say so (stopped_by_budget)", lower_bound=0.0)
 flags.DEFINE_float("target_pct", 1.0, "the loss target each setting's interval is judged against (met / missed / "
                    "undecided)")
 flags.DEFINE_list("mtp", ["0", "3"], "MTP depths")
@@ -148,6 +148,9 @@ def main(_):
         raise app.UsageError(f"--mtp={','.join(FLAGS.mtp)}: give MTP depths, whole numbers in [0, "
                              f"{glm53.engine.MAX_MTP_DEPTH}], comma-separated")
     workloads.check_names("workload", FLAGS.workload)
+    if FLAGS.max_pairs and FLAGS.max_pairs < FLAGS.pairs:  # it would add none, silently
+        raise app.UsageError(f"--max_pairs={FLAGS.max_pairs} is below --pairs={FLAGS.pairs}: give 0 (--pairs only) "
+                             f"or a count of at least {FLAGS.pairs}")
     S, new = FLAGS.sessions, c.run.max_new_tokens
     max_len = c.run.prompt_len + FLAGS.suffix + max(new, FLAGS.append + FLAGS.check_tokens) + max(depths) + 64
     positions = cli.model_config(c).max_position_embeddings
@@ -157,6 +160,8 @@ def main(_):
             f"larger of {new} new tokens and --append={FLAGS.append} + --check_tokens={FLAGS.check_tokens}, + MTP "
             f"{max(depths)} + 64 spare) but the model has max_position_embeddings={positions:,}: lower --append (0 "
             "skips it), --config.run.prompt_len or --config.run.max_new_tokens")
+    cli.check_modes(c, ("resident", "offload"))
+    cli.refuse_an_unusable_save_directory(FLAGS.prefill_once, "prefill_once")  # found at the save, after the prefill
     cc = glm53.CacheConfig.from_config_dict(c.cache)
     model = glm53.from_config(c.model, seed=c.seed, dtype=c.dtype, cache_config=cc)
     K = min(model.config.index_topk, max_len)
@@ -309,6 +314,8 @@ def main(_):
         if FLAGS.out:
             with open(FLAGS.out, "w") as f:
                 json.dump(results, f, indent=2, default=str)
+    if FLAGS.out:
+        print(f"wrote {FLAGS.out}" + (f" and {results['plot']}" if results.get("plot") else ""))
 
 
 def append_ab(engines: dict, vocab: int, c) -> dict:

@@ -80,6 +80,7 @@ def main(_):
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump(results, f, indent=2, default=str)
+        print(f"wrote {FLAGS.out}")
 
 
 if __name__ == "__main__":

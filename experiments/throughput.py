@@ -507,9 +507,7 @@ def main(_):
     sessions = sorted(set(cli.token_counts("sessions", FLAGS.sessions, "session counts")))
     histories = sorted(set(cli.token_counts("histories", FLAGS.histories)))
     modes = list(FLAGS.modes)
-    bad = sorted(set(modes) - set(glm53.config.CACHE_MODES))
-    if bad:  # counts: token_counts above and the flags' bounds
-        raise app.UsageError(f"--modes must be among {glm53.config.CACHE_MODES} (got {bad})")
+    cli.check_modes(c, modes, "modes")  # counts: token_counts above and the flags' bounds
     if FLAGS.routing == "probe":
         try:  # before any run: a probe that cannot run would leave every roofline on the uniform expectation
             roofline.check_routing_probe_runs()

@@ -52,3 +52,4 @@ def write_results(path: str, results: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(results, f, indent=2)
+        print(f"wrote {path}")

@@ -104,7 +104,10 @@ def _ours(directory: str, name: str) -> bool:
     return bool(_VERSION_RE.match(name)) and os.path.isfile(os.path.join(directory, name, "session.json"))
 
 
-def _check_target(directory) -> str:
+def check_target(directory) -> str:
+    """``directory`` as an absolute path, if a save may go there: a new or empty directory, or one that holds saves
+    of a session. Raises ``FileExistsError`` naming what is in the way otherwise (``Engine.save`` checks it first;
+    entry points that save after a long prefill check it before)."""
     if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
         raise ValueError(f"the save directory must be a non-empty path, got {directory!r}")
     directory = os.path.abspath(os.fspath(directory))
@@ -160,7 +163,7 @@ def write(directory: str, arrays: dict, meta: dict, *, _before_commit=None) -> s
     before the save is named in LATEST: an exception there must leave the previous save intact."""
     import orbax.checkpoint as ocp
 
-    directory = _check_target(directory)
+    directory = check_target(directory)
     os.makedirs(directory, exist_ok=True)
     for name in os.listdir(directory):  # debris of saves that crashed before their rename
         if name.startswith(".tmp-"):

@@ -75,10 +75,14 @@ def test_offload_ab(tmp_path):
 
 
 def test_profile_decode(tmp_path):
-    out, tmp = tmp_path / "profile.json", tmp_path / "tmp"
+    # --out in a folder not made yet, as the README's prof/p.json: its HLO files beside it failed after the profile
+    out, tmp = tmp_path / "prof" / "profile.json", tmp_path / "tmp"
     tmp.mkdir()
-    _run("experiments.profile_decode", "--config.run.max_new_tokens=6", "--workload=drift0.001", f"--out={out}",
-         env={"TMPDIR": str(tmp)})
+    p = _run("experiments.profile_decode", "--config.run.max_new_tokens=6", "--workload=drift0.001", f"--out={out}",
+             env={"TMPDIR": str(tmp)})
+    assert f"wrote {out}" in p.stdout
+    assert {"decode_hlo_offload.txt", "decode_hlo_resident.txt", "profile.json"} <= {f.name for f in
+                                                                                     out.parent.iterdir()}
     # without --trace_dir each mode's profiler trace is read, then removed (every run used to leave its traces in
     # the temp directory)
     assert not list(tmp.rglob("*.xplane.pb")), list(tmp.rglob("*"))
@@ -132,7 +136,7 @@ def test_profile_decode(tmp_path):
     assert abs(sum(steady["busy_us_by_step"]) / steady["steps"] - off["busy_us_per_step"]) < 0.01 * off[
         "busy_us_per_step"] + 0.1
     assert "offload_gather" in report["offload_minus_resident_median_step_us"]
-    assert (tmp_path / "decode_hlo_offload.txt").read_text().startswith("HloModule")
+    assert (out.parent / "decode_hlo_offload.txt").read_text().startswith("HloModule")
 
 
 def _bench(module, *args):
@@ -479,7 +483,10 @@ def test_generate_refuses_bad_settings_before_building_the_model():
                            "hot_rows=64 is below what a round can pin.*raise hot_rows to 256"),
                           (["--config.run.prompt_len=5000"], "prompt_len=5000 .* needs 5024 positions"),
                           (["--config.cache.max_len=100"], "max_len=100 rows cannot hold the 124 positions"),
-                          (["--config.run.output_json=/proc/no/such/out.json"], "output_json=.*cannot create"),
+                          (["--config.run.output_json=/proc/no/such/out.json"],
+                           "output_json=/proc/no/such/out.json: cannot write a file in /proc/no/such"),
+                          # os.access says yes to root here; the write after the run said no, as a traceback
+                          (["--config.run.output_json=/proc/out.json"], "output_json=/proc/out.json: cannot write"),
                           (["--config.checkpoint=/tmp/any_ckpt", "--config.model.num_hidden_layers=2"],
                            "--config.model.num_hidden_layers: the model comes from --config.checkpoint"),
                           (["--config.cache.hot_row=5"],
@@ -942,11 +949,39 @@ def test_live_history_ab_refuses_a_large_capacity_it_cannot_build_before_prefill
     (["experiments.run_notebooks", "--cell_timeout_s=0", "00_quickstart"],  # 0 ran without a limit, and saved
      "flag --cell_timeout_s=0: 0 is not a positive integer"),
     (["experiments.compare_profiles", "/nonexistent/before.json", "/nonexistent/after.json"],
-     "experiments.compare_profiles: /nonexistent/before.json: cannot read a profile_decode report ([Errno 2]")])
+     "experiments.compare_profiles: /nonexistent/before.json: cannot read a profile_decode report ([Errno 2]"),
+    # Found before the work since stop 79's audit (after it, most as tracebacks: a results file that cannot be
+    # written, an offload cache too small for a round after the resident half had run, a save directory holding
+    # other files after the prefill it was for, a --config file that does not load once an override is given)
+    (["experiments.offload_ab", "--config=configs/tiny.py", "--out=/proc/x.json"],
+     "experiments.offload_ab: --out=/proc/x.json: cannot write a file in /proc"),
+    (["experiments.sessions_ab", "--config=configs/tiny.py", "--append=0", "--config.cache.hot_rows=16"],
+     "experiments.sessions_ab: offload: hot_rows=16 is below what a round can pin"),
+    (["experiments.profile_decode", "--config=configs/tiny.py", "--config.cache.hot_rows=16"],
+     "experiments.profile_decode: offload: hot_rows=16 is below what a round can pin"),
+    (["experiments.throughput", "--config=configs/tiny.py", "--histories=128", "--config.cache.hot_rows=16"],
+     "experiments.throughput: offload: hot_rows=16 is below what a round can pin"),
+    (["experiments.live_history_ab", "--config=configs/tiny.py", "--modes=ofload"],
+     "experiments.live_history_ab: --modes=ofload: the cache modes are resident, offload (got 'ofload')"),
+    (["experiments.sessions_ab", "--config=configs/tiny.py", "--append=0", "--prefill_once=configs"],
+     "experiments.sessions_ab: --prefill_once=configs: "),
+    (["experiments.sessions_1m", "--config=configs/tiny.py", "--sessions=1", "--prefill_only",
+      "--save_history=configs"], "experiments.sessions_1m: --save_history=configs: "),
+    (["experiments.sessions_ab", "--config=configs/tiny.py", "--append=0", "--pairs=3", "--max_pairs=2"],
+     "experiments.sessions_ab: --max_pairs=2 is below --pairs=3"),
+    (["experiments.sessions_ab", "--config=configs/tiny.py", "--budget_s=-5"],
+     "flag --budget_s=-5: -5.0 is not a non-negative number"),
+    (["experiments.policy_sweep", "--steps=0"], "flag --steps=0: 0 is not a positive integer"),
+    (["experiments.capacity", "--machine=custom"],
+     "experiments.capacity: --machine=custom needs --devices, --device_gib and --host_gib"),
+    (["experiments.generate", "--config=configs/tiny.py", "--baseline_compiler_options=xla_bogus=1"],
+     "experiments.generate: --baseline_compiler_options: compiler_options {'xla_bogus': 1} were refused"),
+    (["experiments.generate", "--config=configs/tiyn.py", "--config.cache.mode=offload"],
+     "--config=configs/tiyn.py: cannot load it ([Errno 2] No such file or directory")])
 def test_entry_points_refuse_bad_flags_in_one_line(args, message):
-    """A count of zero, a word for a number, an unknown workload or MTP depth, a missing report: one line naming the
-    flag, before anything is built (these were tracebacks, a ZeroDivisionError after the whole run, or timings of
-    nothing)."""
+    """A count of zero, a word for a number, an unknown workload or MTP depth, a missing report, an unwritable
+    output, an unrunnable cache, an unusable save directory: one line naming the flag, before anything is built
+    (these were tracebacks, a ZeroDivisionError after the whole run, or timings of nothing)."""
     p = python_runner.run(["-m", *args], cwd=ROOT, timeout=300)
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert message in p.stderr, p.stderr[-2000:]
