@@ -977,7 +977,10 @@ def test_live_history_ab_refuses_a_large_capacity_it_cannot_build_before_prefill
     (["experiments.generate", "--config=configs/tiny.py", "--baseline_compiler_options=xla_bogus=1"],
      "experiments.generate: --baseline_compiler_options: compiler_options {'xla_bogus': 1} were refused"),
     (["experiments.generate", "--config=configs/tiyn.py", "--config.cache.mode=offload"],
-     "--config=configs/tiyn.py: cannot load it ([Errno 2] No such file or directory")])
+     "--config=configs/tiyn.py: cannot load it ([Errno 2] No such file or directory"),
+    # a placeholder, so it can be set at all (ml_collections refused any override of a None field): checked as a value
+    (["experiments.generate", "--config=configs/tiny.py", "--config.model.eos_token_id=600"],
+     "experiments.generate: eos_token_id must be None or token ids in [0, vocab_size=512), got 600")])
 def test_entry_points_refuse_bad_flags_in_one_line(args, message):
     """A count of zero, a word for a number, an unknown workload or MTP depth, a missing report, an unwritable
     output, an unrunnable cache, an unusable save directory: one line naming the flag, before anything is built
