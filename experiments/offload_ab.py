@@ -172,7 +172,7 @@ def main(_):
             with open(FLAGS.out, "w") as f:
                 json.dump(results, f, indent=2, default=str)
     if FLAGS.out:
-        print(f"wrote {FLAGS.out} and {results['plot']}")
+        print(f"wrote {FLAGS.out}" + (f" and {results['plot']}" if results.get("plot") else ""))
 
 
 if __name__ == "__main__":
