@@ -258,6 +258,20 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def check_flag(name: str, value) -> None:
+    """Refuse a non-bool where True or False is asked for: a truthy "no" would do what was not asked for."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def check_selection_override(selection_override) -> None:
+    """Refuse a ``selection_override`` that cannot be called, before anything runs (its first call comes after the
+    prefill)."""
+    if selection_override is not None and not callable(selection_override):
+        raise TypeError(f"selection_override must be callable as selection_override(step, positions), got "
+                        f"{selection_override!r}")
+
+
 def check_on_token(on_token, arguments: str = "sid, index, token") -> None:
     """Refuse an ``on_token`` that cannot be called with three arguments (named ``arguments`` in the message),
     before anything runs: it is first called after the prefill."""
@@ -1007,13 +1021,10 @@ class Engine:
         whatever they are. ``trace``: a ``glm53.trace.TraceRecorder`` that records every position the steps look
         up in the hot cache, for offline policy replays (``glm53.policies``; offload engines only)."""
         reqs = self._check_generate(requests, mtp, temperature, top_p, seed, accept_override)
-        if not isinstance(return_logits, (bool, np.bool_)):  # a truthy "no" kept every step's logits (a host copy each)
-            raise TypeError(f"return_logits must be True or False, got {return_logits!r}")
+        check_flag("return_logits", return_logits)  # a truthy "no" kept every step's logits (a host copy each)
         check_on_token(on_token)
         progress_lib.check(progress)
-        if selection_override is not None and not callable(selection_override):
-            raise TypeError(f"selection_override must be callable as selection_override(step, positions), got "
-                            f"{selection_override!r}")
+        check_selection_override(selection_override)
         if trace is not None and not isinstance(trace, trace_lib.TraceRecorder):
             raise TypeError(f"trace must be a glm53.trace.TraceRecorder, got {type(trace).__name__}")
         if trace is not None and not self.offload:

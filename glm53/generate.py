@@ -12,7 +12,8 @@ import numpy as np
 
 from glm53 import progress as progress_lib
 from glm53.config import CacheConfig
-from glm53.engine import Engine, check_on_token, check_sampling, compile_seconds, stop_token_ids
+from glm53.engine import (Engine, check_flag, check_on_token, check_sampling, check_selection_override,
+                          compile_seconds, stop_token_ids)
 
 
 @dataclasses.dataclass
@@ -110,12 +111,9 @@ def generate(model, prompts, *, max_new_tokens: int, cache: str | CacheConfig = 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     check_sampling(mtp, temperature, top_p, seed, accept_override, has_mtp=bool(model.config.num_nextn_predict_layers))
-    for name, flag in (("keep_cache", keep_cache), ("return_logits", return_logits)):
-        if not isinstance(flag, (bool, np.bool_)):  # a truthy "no" would keep what was not asked for
-            raise TypeError(f"{name} must be True or False, got {flag!r}")
-    if selection_override is not None and not callable(selection_override):
-        raise TypeError(f"selection_override must be callable as selection_override(step, positions), got "
-                        f"{selection_override!r}")
+    check_flag("keep_cache", keep_cache)
+    check_flag("return_logits", return_logits)
+    check_selection_override(selection_override)
     # Before the prefill: the engine checks these at its generate, which comes after it (a long prefill wasted).
     check_on_token(on_token, "prompt_index, step, token")
     stop_token_ids(stop_tokens, model.config)
